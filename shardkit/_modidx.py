@@ -48,4 +48,10 @@ d = { 'settings': { 'branch': 'main',
                                 'shardkit.store.ais_client': ('store.html#ais_client', 'shardkit/store.py'),
                                 'shardkit.store.ais_endpoint': ('store.html#ais_endpoint', 'shardkit/store.py'),
                                 'shardkit.store.expand_names': ('store.html#expand_names', 'shardkit/store.py'),
-                                'shardkit.store.open_store': ('store.html#open_store', 'shardkit/store.py')}}}
+                                'shardkit.store.open_store': ('store.html#open_store', 'shardkit/store.py')},
+            'shardkit.synth': { 'shardkit.synth._body_mask': ('synth.html#_body_mask', 'shardkit/synth.py'),
+                                'shardkit.synth._coat': ('synth.html#_coat', 'shardkit/synth.py'),
+                                'shardkit.synth.class_style': ('synth.html#class_style', 'shardkit/synth.py'),
+                                'shardkit.synth.draw_animal': ('synth.html#draw_animal', 'shardkit/synth.py'),
+                                'shardkit.synth.jpeg_bytes': ('synth.html#jpeg_bytes', 'shardkit/synth.py'),
+                                'shardkit.synth.png_bytes': ('synth.html#png_bytes', 'shardkit/synth.py')}}}
