@@ -78,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nshardkit: unknown command {' '.join(argv[:2])!r}", file=sys.stderr)
         return 0 if asked else 2
     func = load_command(cmd)
-    args = command_parser(cmd).parse_args(rest)
+    args = vars(command_parser(cmd).parse_args(rest))
+    for extra in ("pdb", "xtra"): args.pop(extra, None)  # anno_parser's debugging options, not the function's
     try:
-        result = func(**vars(args))
+        result = func(**args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     return result if isinstance(result, int) else 0
+
+# %% ../nbs/99_cli.ipynb
+if __name__ == "__main__" and sys.argv[0].endswith("cli.py"): sys.exit(main())

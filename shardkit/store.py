@@ -128,16 +128,28 @@ def ais_client(endpoint: str | None = None, connect_timeout: float = 3.0):
     return Client(ep, timeout=(connect_timeout, read), retry_config=RetryConfig.default())
 
 # %% ../nbs/00_store.ipynb
+def _missing(e: Exception) -> bool:
+    "Whether an SDK error means 'not found' (a HEAD answers a bare 404, without the error body the SDK maps)."
+    from aistore.sdk.errors import AISError, ErrBckNotFound, ErrObjNotFound
+    return isinstance(e, (ErrBckNotFound, ErrObjNotFound)) or (isinstance(e, AISError) and e.status_code == 404)
+
+def _bucket_exists(bucket) -> bool:
+    "Whether an AIStore bucket exists."
+    from aistore.sdk.errors import AISError
+    try: bucket.head(); return True
+    except AISError as e:
+        if _missing(e): return False
+        raise
+
+# %% ../nbs/00_store.ipynb
 class AISStore:
     "Objects in AIStore bucket `bucket`, under `prefix`, through the official SDK."
     def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, create: bool = False, client=None):
-        from aistore.sdk.errors import ErrBckNotFound
         self.endpoint = ais_endpoint(endpoint)
         self.client = client or ais_client(self.endpoint)
         self.bucket = self.client.bucket(bucket)
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        try: self.bucket.head()
-        except ErrBckNotFound:
+        if not _bucket_exists(self.bucket):
             if not create:
                 raise StoreError(f"bucket ais://{bucket} does not exist on {self.endpoint}; create it with "
                                  f"`ais bucket create ais://{bucket}` or open_store('ais://{bucket}', create=True)") from None
@@ -165,18 +177,18 @@ class AISStore:
         return _match((o.name[len(self.prefix):] for o in objs), pattern)
 
     def exists(self, name: str) -> bool:
-        from aistore.sdk.errors import ErrObjNotFound
-        try: self._obj(name).head(); return True
-        except ErrObjNotFound: return False
+        try: self._head(name); return True
+        except StoreError: return False
 
     def size(self, name: str) -> int:
-        h = self._head(name)
-        return int(h.get("ais-size") or h["Content-Length"])
+        return int(self._head(name).size)
 
     def _head(self, name):
-        from aistore.sdk.errors import ErrObjNotFound
+        from aistore.sdk.errors import AISError
         try: return self._obj(name).head()
-        except ErrObjNotFound: raise StoreError(f"no object {name!r} in {self.spec}") from None
+        except AISError as e:
+            if _missing(e): raise StoreError(f"no object {name!r} in {self.spec}") from None
+            raise
 
     def open(self, name: str) -> BinaryIO:
         "Open object `name` for reading (a streaming, file-like response)."

@@ -1,0 +1,46 @@
+"""The local AIStore cluster's lifecycle through the command line, as a user runs it."""
+import json, os, sys
+from pathlib import Path
+import pytest
+import requests
+from conftest import _free_base_port, run_cli
+
+
+def test_up_status_down_leaves_nothing_running(tmp_path, ais_cluster):
+    # ais_cluster first: it builds aisnode once for the session, so this test only starts nodes
+    root, port = tmp_path / "c", _free_base_port(start=38080)
+    r = run_cli("ais", "up", "--targets", "1", "--root", root, "--port", port, check=True)
+    assert f"export AIS_ENDPOINT=http://127.0.0.1:{port}" in r.stdout
+    r = run_cli("ais", "status", "--root", root)
+    assert r.returncode == 0 and "ready: yes" in r.stdout and r.stdout.count("running") == 2, r.stdout
+    pids = [n["pid"] for n in json.loads((root / "cluster.json").read_text())["nodes"]]
+    assert requests.get(f"http://127.0.0.1:{port}/v1/health?prr=true", timeout=3).status_code == 200
+    # a second `up` finds the running cluster instead of starting another
+    assert "already running" in run_cli("ais", "up", "--targets", "1", "--root", root, "--port", port, check=True).stdout
+    r = run_cli("ais", "down", "--root", root, "--wipe", check=True)
+    assert "stopped 2 node(s)" in r.stdout
+    assert not any(Path(f"/proc/{p}").exists() and "aisnode" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in pids)
+    with pytest.raises(requests.ConnectionError): requests.get(f"http://127.0.0.1:{port}/v1/health", timeout=2)
+    assert not root.exists()
+    r = run_cli("ais", "status", "--root", root)
+    assert r.returncode == 1 and "shardkit ais up" in r.stdout
+
+
+def test_busy_port_is_named(tmp_path, ais_cluster):
+    port = int(ais_cluster["endpoint"].rsplit(":", 1)[1])
+    r = run_cli("ais", "up", "--root", tmp_path, "--port", port)
+    assert r.returncode == 2 and f"{port}" in r.stderr and "--port" in r.stderr
+
+
+def test_missing_go_is_one_line(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "SHARDKIT_HOME": str(tmp_path)}  # no Go on PATH, no cached build
+    r = run_cli("ais", "up", "--root", tmp_path / "c", "--port", _free_base_port(start=48080), env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "Go is not installed" in r.stderr, r.stderr
+
+
+def test_help_reads_well():
+    r = run_cli("ais", "up", "--help", check=True)
+    for opt in ("--targets", "--root", "--port", "Number of storage targets"): assert opt in r.stdout
+    r = run_cli("--help", check=True)
+    assert "ais up" in r.stdout and "convert pets" in r.stdout and "bench loader" in r.stdout
