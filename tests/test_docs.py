@@ -1,0 +1,190 @@
+"""The docs site: `shardkit docs` builds it offline, and headless Chromium finds a page for every notebook,
+every image loaded, and nothing fetched from another host. Also `python -m shardkit.docs execute`."""
+import functools, http.server, io, json, os, shutil, subprocess, sys, tempfile, threading
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from shardkit import docs
+
+ROOT = Path(__file__).resolve().parents[1]
+NBS = ROOT / "nbs"
+OUT = ROOT / "tests" / "_out"
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    "The site, built offline from the repository's notebooks, and what the build printed."
+    site = tmp_path_factory.mktemp("docs") / "site"
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = docs.docs_cli(out=str(site), nbs=str(NBS), offline=True)
+    assert rc == 0, f"shardkit docs failed ({rc}):\n{out.getvalue()}\n{err.getvalue()}"
+    return site, out.getvalue(), err.getvalue()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args): pass
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    "The site served on 127.0.0.1 (a free port) for the test's duration."
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(built[0])))
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_port}/"
+    httpd.shutdown(); httpd.server_close(); t.join(5)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    "Debian's headless Chromium, driven by selenium through Debian's chromedriver (no driver download)."
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    if missing:
+        pytest.fail(f"the docs test needs headless Chromium, but {' and '.join(missing)} is missing: "
+                    "install it with `apt-get install -y chromium chromium-driver`")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    os.environ.setdefault("SE_OFFLINE", "true")  # selenium-manager must never try to download a driver
+    profile = tempfile.mkdtemp(prefix="shardkit-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+              "--window-size=1400,1000", "--hide-scrollbars"]:
+        opts.add_argument(a)
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    drv = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    drv.set_page_load_timeout(30)
+    try: yield drv
+    finally:
+        drv.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open(browser, url):
+    "Load `url` and wait until its images have loaded or failed."
+    browser.get(url)
+    browser.execute_async_script("""const done = arguments[arguments.length - 1];
+        Promise.all([...document.images].map(i => i.complete ? 0 : new Promise(r => { i.onload = i.onerror = r; })))
+               .then(() => done());""")
+
+
+def _images(browser):
+    "(src, naturalWidth) of every <img> on the page."
+    return browser.execute_script("return [...document.images].map(i => [i.currentSrc.slice(0, 80), i.naturalWidth]);")
+
+
+def _requests(browser):
+    "URLs the browser requested since the last call (from Chromium's performance log)."
+    urls = []
+    for entry in browser.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent": urls.append(msg["params"]["request"]["url"])
+    return urls
+
+
+def test_build_processes_every_notebook(built):
+    "nbdev's processing worked on every notebook (a failure here would stop `nbdev_docs` too)."
+    site, out, err = built
+    assert "could not process" not in err, err[err.find("warning:"):]
+    assert f"the site is in {site}" in out and "python -m http.server" in out
+
+
+def test_every_notebook_has_a_page(built, server, browser):
+    site = built[0]
+    rels = docs.find_notebooks(NBS)
+    assert Path("index.ipynb") in rels and Path("98_docs.ipynb") in rels
+    _open(browser, server)
+    sidebar = set(browser.execute_script(
+        "return [...document.querySelectorAll('.md-sidebar--primary a.md-nav__link')].map(a => a.href);"))
+    for rel in rels:
+        page = docs.page_path(rel)
+        assert (site / page).is_file(), f"no page for {rel}"
+        url = server + page.as_posix()
+        assert url in sidebar or (page.name == "index.html" and server in sidebar), f"{rel} is missing from the sidebar"
+        browser.get(url)
+        h1 = browser.execute_script("const h = document.querySelector('article h1'); return h ? h.textContent : null;")
+        assert h1 and h1.strip().rstrip("¶").strip() == docs.notebook_title(NBS / rel), f"{page}: title {h1!r}"
+
+
+def test_images_load(built, server, browser):
+    "Every <img> on the index and on the pages with figures has loaded (naturalWidth > 0)."
+    with_figures = []
+    for rel in docs.find_notebooks(NBS):
+        page = docs.page_path(rel).as_posix()
+        _open(browser, server + page)
+        imgs = _images(browser)
+        broken = [src for src, w in imgs if not w]
+        assert not broken, f"{page}: images that did not load: {broken}"
+        if imgs: with_figures.append(page)
+    assert "index.html" in with_figures, "the index shows no image (the pipeline diagram)"
+    assert "docs.html" in with_figures, "docs.html, the figure-bearing page, shows no image: was nbs/98_docs.ipynb committed executed?"
+
+
+def test_nothing_loads_from_other_hosts(built, server, browser):
+    assert docs.external_refs(built[0]) == []
+    _requests(browser)  # drop what earlier tests loaded
+    for page in ["index.html", "docs.html", "store.html"]:
+        _open(browser, server + page)
+    urls = _requests(browser)
+    assert any(u.startswith(server) for u in urls)
+    foreign = [u for u in urls if not u.startswith((server, "data:", "blob:", "about:"))]
+    assert not foreign, f"the pages fetched from other hosts: {foreign[:5]}"
+
+
+def test_index_screenshot(server, browser):
+    OUT.mkdir(parents=True, exist_ok=True)
+    _open(browser, server)
+    shot = OUT / "docs-index.png"
+    assert browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 20_000
+    assert browser.execute_script("return document.querySelector('.md-sidebar--primary').offsetWidth") > 100, "no sidebar"
+
+
+def test_docs_cli_bad_out(tmp_path, capsys):
+    from shardkit.cli import main
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    assert main(["docs", "--out", str(f), "--offline"]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def _nb(path, *sources):
+    import nbformat
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources]), path)
+
+
+def _run_execute(*args):
+    return subprocess.run([sys.executable, "-m", "shardkit.docs", "execute", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_execute_in_place(tmp_path):
+    "`python -m shardkit.docs execute` saves outputs (figures too), with the notebook's folder as working directory."
+    (tmp_path / "data.txt").write_text("from the notebook's folder")
+    nb = tmp_path / "t.ipynb"
+    _nb(nb, "print(open('data.txt').read())",
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3]); plt.title('a line');",
+        "#| eval: false\nraise SystemExit('never run')")
+    r = _run_execute(nb)
+    assert r.returncode == 0, r.stderr
+    cells = json.loads(nb.read_text())["cells"]
+    assert cells[0]["outputs"][0]["text"] == ["from the notebook's folder\n"]
+    assert any("image/png" in o.get("data", {}) for o in cells[1]["outputs"])
+    assert cells[2]["outputs"] == []
+
+
+def test_execute_failure_leaves_notebook(tmp_path):
+    nb = tmp_path / "bad.ipynb"
+    _nb(nb, "1 / 0")
+    before = nb.read_text()
+    r = _run_execute(nb)
+    assert r.returncode == 1
+    assert "ZeroDivisionError" in r.stderr and "FAILED" in r.stderr
+    assert nb.read_text() == before
+    r = _run_execute(tmp_path / "missing.ipynb")
+    assert r.returncode == 2 and "no such notebook" in r.stderr
