@@ -116,13 +116,13 @@ class Shuffled:
     "The result of `shuffle_shards`: output shard names in `dest`, samples, bytes and how it ran."
     dest: str
     names: list[str]
-    samples: int
+    samples: int | None  # None when not counted (dSort)
     bytes: int
     backend: str
     seconds: float
     skipped: int = 0
     def __repr__(self):
-        return (f"Shuffled({len(self.names)} shards, {self.samples} samples, {self.bytes / 1e6:.1f} MB "
+        return (f"Shuffled({len(self.names)} shards, {'?' if self.samples is None else self.samples} samples, {self.bytes / 1e6:.1f} MB "
                 f"in {self.dest} by {self.backend} in {self.seconds:.1f} s)")
 
 # %% ../nbs/04_shuffle.ipynb
@@ -189,20 +189,52 @@ def brace_template(names: list[str]) -> str | None:
     return f"{pre}{{{nums[0]:0{width}d}..{nums[-1]:0{width}d}}}{suf}"
 
 # %% ../nbs/04_shuffle.ipynb
-def dsort_framework(src: AISStore, dest: AISStore, names: list[str], shard_size: int, seed, output_prefix: str):
+def _dsort_spec_class():
+    from aistore.sdk.dsort import DsortFramework
+    class _Framework(DsortFramework):
+        "A DsortFramework that also sets the spec's `dsorter_type`."
+        dsorter_type = "dsort_general"
+        def to_spec(self): return {**super().to_spec(), "dsorter_type": self.dsorter_type}
+    return _Framework
+
+def dsort_framework(src: AISStore, dest: AISStore, names: list[str], shard_size: int, seed, output_prefix: str,
+                    dsorter: str = "dsort_general"):
     "The `DsortFramework` that shuffles shards `names` of `src` into `<output_prefix>NNNNN.tar` shards in `dest`."
-    from aistore.sdk.dsort import DsortFramework, DsortShardsGroup, DsortAlgorithm
+    from aistore.sdk.dsort import DsortShardsGroup, DsortAlgorithm
     from aistore.sdk.multiobj import ObjectNames, ObjectRange
     tmpl = brace_template(names)
     fmt = (ObjectRange.from_string(src.prefix + tmpl) if tmpl and "{" in tmpl
            else ObjectNames([src.prefix + n for n in names]))
     out = ObjectRange(prefix=dest.prefix + output_prefix, min_index=0, max_index=99999, pad_width=5, suffix=".tar")
-    return DsortFramework(
+    job = _dsort_spec_class()(
         input_shards=DsortShardsGroup(bck=src.bucket.as_model(), role="input", format=fmt, extension=".tar"),
         output_shards=DsortShardsGroup(bck=dest.bucket.as_model(), role="output", format=out, extension=".tar"),
         algorithm=DsortAlgorithm(kind="shuffle", seed=str(seed)),
         description=f"shardkit shuffle {src.spec} -> {dest.spec}",
         output_shard_size=str(shard_size))
+    job.dsorter_type = dsorter
+    return job
+
+# %% ../nbs/04_shuffle.ipynb
+def _record_sizes(head: bytes) -> tuple[int, int, int]:
+    "Records, data bytes and tar bytes of the complete records at the start of tar bytes `head`."
+    keys, data, blocks, last = set(), 0, 0, None
+    try:
+        with tarfile.open(fileobj=io.BytesIO(head), mode="r|") as tf:
+            for ti in tf:
+                end = ti.offset_data + math.ceil(ti.size / tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                if end > len(head): break
+                k, _ = split_key(ti.name)
+                if not ti.isfile() or k is None: continue
+                keys.add(k); last = k
+                data += ti.size; blocks += end - ti.offset
+    except (tarfile.ReadError, EOFError): pass  # the probe ends inside a member
+    return len(keys), data, blocks
+
+def _dsort_shard_size(shard_size: int, records: int, data: int, blocks: int) -> int:
+    "The data-bytes size to ask dSort for so its tar shards come out at about `shard_size` bytes."
+    if not records or not blocks: return shard_size
+    return max(1, int(shard_size * data / blocks - data / records))
 
 # %% ../nbs/04_shuffle.ipynb
 def _wait_dsort(job, n_inputs: int, timeout: float = 600, progress: bool = True) -> dict:
@@ -235,12 +267,13 @@ def _wait_dsort(job, n_inputs: int, timeout: float = 600, progress: bool = True)
 # %% ../nbs/04_shuffle.ipynb
 def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, seed, output_prefix: str, timeout=600, progress=True):
     t0 = time.time()
+    head = src._obj(names[0]).get_reader(byte_range=f"bytes=0-{(1 << 20) - 1}").read_all()
     job = src.client.dsort()
-    job.start(dsort_framework(src, dest, names, shard_size, seed, output_prefix))
-    infos = _wait_dsort(job, len(names), timeout, progress)
+    job.start(dsort_framework(src, dest, names, _dsort_shard_size(shard_size, *_record_sizes(head)), seed, output_prefix))
+    _wait_dsort(job, len(names), timeout, progress)
     out = dest.list(f"{output_prefix}*.tar")
-    samples = sum(int(i.metrics.local_extraction.extracted_record_count or 0) for i in infos)
-    return Shuffled(dest.spec, out, samples, sum(dest.size(n) for n in out), f"dsort {job.dsort_id}", time.time() - t0)
+    # dSort reports tar members, not samples; counting samples would mean reading every output shard
+    return Shuffled(dest.spec, out, None, sum(dest.size(n) for n in out), f"dsort {job.dsort_id}", time.time() - t0)
 
 # %% ../nbs/04_shuffle.ipynb
 def _same_cluster(a, b) -> bool:
@@ -299,6 +332,7 @@ def shuffle_cli(src: str,                       # Input shards: a directory or a
     except (StoreError, ValueError) as e:
         print(f"shardkit shuffle: {e}")
         return 2
-    print(f"{res.samples} samples -> {len(res.names)} shards, {res.bytes / 1e6:.1f} MB in {res.dest} "
+    samples = "" if res.samples is None else f"{res.samples} samples -> "
+    print(f"{samples}{len(res.names)} shards, {res.bytes / 1e6:.1f} MB in {res.dest} "
           f"({res.backend}, {res.seconds:.1f} s)")
     return 0
