@@ -160,6 +160,9 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
     train_tf, val_tf = make_transform(size, True), make_transform(size, False)
     if shards is not None:
         urls, val_urls = shard_urls(shards, base), shard_urls(val_shards, base) if val_shards else []
+        if len(urls) < world:
+            raise ValueError(f"{len(urls)} shards cannot feed {world} ranks: split_by_node gives each rank whole shards; "
+                             "write more, smaller shards (a smaller --maxsize) or use fewer ranks")
         if classes is None or (world > 1 and samples is None):
             n, c = count_samples(urls)
             samples, classes = samples or n, classes or c

@@ -1,0 +1,139 @@
+"""`shardkit train`: data parallel runs under torchrun, training over HTTP and from AIStore, bad input."""
+import contextlib, io, json, os, socket, subprocess, sys, time
+from pathlib import Path
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+COLOURS = [(200, 40, 40), (40, 180, 40), (40, 60, 200)]
+
+
+def _jpeg(cls, rng):
+    x = np.clip(np.array(COLOURS[cls], np.float32) + rng.normal(0, 40, (32, 32, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO(); Image.fromarray(x).save(buf, "jpeg"); return buf.getvalue()
+
+
+def write_shards(dest: Path, sizes, prefix="t-"):
+    "Shards prefix00.tar, ... holding `sizes[i]` samples each (keys s0000, s0001, ... across all shards)."
+    dest.mkdir(parents=True, exist_ok=True)
+    rng, k = np.random.default_rng(0), 0
+    for s, n in enumerate(sizes):
+        with wds.TarWriter(str(dest / f"{prefix}{s:02d}.tar")) as w:
+            for _ in range(n):
+                w.write({"__key__": f"s{k:04d}", "jpg": _jpeg(k % 3, rng), "cls": k % 3}); k += 1
+    return f"{dest}/{prefix}{{00..{len(sizes) - 1:02d}}}.tar"
+
+
+def torchrun(*args, nproc=2, timeout=120):
+    "Run `shardkit train ARGS` under torchrun with `nproc` CPU ranks; the CompletedProcess."
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "shardkit.cli", "train", *map(str, args)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
+
+
+def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
+    # uneven shards: rank 0 gets shards 0 and 2 (26 samples), rank 1 gets shard 1 (20 samples)
+    shards = write_shards(tmp_path / "shards", [20, 20, 6])
+    r = torchrun("--shards", shards, "--size", 32, "--batch_size", 8, "--workers", 1, "--epochs", 2,
+                 "--keys_out", tmp_path / "keys", "--json_out", tmp_path / "hist.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = [(tmp_path / "keys" / f"keys-rank{i}.txt").read_text().split() for i in range(2)]
+    # 46 samples // (2 ranks x 8) = 2 full batches per rank per epoch, on both ranks
+    assert [len(s) for s in seen] == [2 * 2 * 8] * 2
+    assert not set(seen[0]) & set(seen[1]), "ranks trained on the same samples"
+    rank0 = {f"s{k:04d}" for k in list(range(20)) + list(range(40, 46))}
+    assert set(seen[0]) <= rank0 and set(seen[1]) <= {f"s{k:04d}" for k in range(20, 40)}
+    hist = json.loads((tmp_path / "hist.json").read_text())
+    assert [h["samples"] for h in hist] == [32, 32] and hist[-1]["steps"] == 4
+    assert "2 rank(s)" in r.stdout
+
+
+def test_ddp_folder_ranks_disjoint(tmp_path):
+    for c in range(2):
+        d = tmp_path / "tree" / "train" / f"c{c}"; d.mkdir(parents=True)
+        for j in range(9): (d / f"img{j}.jpg").write_bytes(_jpeg(c, np.random.default_rng(j)))
+    r = torchrun("--folder", tmp_path / "tree", "--size", 32, "--batch_size", 4, "--workers", 0,
+                 "--keys_out", tmp_path / "keys")
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = [(tmp_path / "keys" / f"keys-rank{i}.txt").read_text().split() for i in range(2)]
+    assert [len(s) for s in seen] == [8, 8]  # DistributedSampler(drop_last): 18 // 2 = 9 per rank, 2 full batches of 4
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_ddp_too_few_shards_fails_fast(tmp_path):
+    shards = write_shards(tmp_path / "shards", [10])
+    t0 = time.time()
+    r = torchrun("--shards", shards, "--size", 32, "--batch_size", 4, "--workers", 0, timeout=90)
+    assert r.returncode != 0
+    assert "1 shards cannot feed 2 ranks" in r.stderr, r.stderr[-2000:]
+    assert time.time() - t0 < 90
+
+
+@contextlib.contextmanager
+def http_server(folder: Path):
+    "python -m http.server on a free 127.0.0.1 port serving `folder`; yields the base URL."
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(folder)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0: break
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        p.terminate(); p.wait(10)
+
+
+def shardkit(capsys, *args):
+    "Run `shardkit ARGS` in this process (one torch import for all these tests): (exit status, stdout, stderr)."
+    from shardkit.cli import main
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_train_over_http(tmp_path, capsys):
+    write_shards(tmp_path / "shards", [12, 12], prefix="imagenet-train-")
+    write_shards(tmp_path / "shards", [6], prefix="imagenet-val-")
+    with http_server(tmp_path / "shards") as url:
+        for base in (url, f"pipe:curl -fsS {url}"):
+            rc, out, err = shardkit(capsys, "train", "--base", base, "--shards", "imagenet-train-{00..01}.tar",
+                                    "--val_shards", "imagenet-val-{00..00}.tar", "--size", 32, "--batch_size", 8,
+                                    "--workers", 1, "--json_out", tmp_path / "h.json")
+            assert rc == 0, out + err
+            h = json.loads((tmp_path / "h.json").read_text())[0]
+            assert (h["samples"], h["val_samples"]) == (24, 6)
+            assert "samples/s" in out and "val acc" in out
+            rc, out, err = shardkit(capsys, "train", "--base", base, "--shards", "missing-{00..01}.tar", "--size", 32)
+            assert rc == 2 and "cannot read shard" in err and "missing-00.tar" in err, err
+
+
+def test_bad_input(tmp_path, capsys):
+    rc, out, err = shardkit(capsys, "train")
+    assert rc == 2 and "exactly one" in err
+    rc, out, err = shardkit(capsys, "train", "--shards", tmp_path / "nope-{0..1}.tar")
+    assert rc == 2 and "No such file" in err and "nope-0.tar" in err
+    rc, out, err = shardkit(capsys, "train", "--folder", tmp_path)
+    assert rc == 2 and "has no train/ folder" in err
+    shards = write_shards(tmp_path / "shards", [4])
+    rc, out, err = shardkit(capsys, "train", "--shards", shards, "--arch", "resnet7", "--size", 32)
+    assert rc == 2 and "unknown architecture 'resnet7'" in err
+
+
+def test_train_from_aistore(tmp_path, ais_endpoint):
+    from shardkit.store import open_store
+    from shardkit.train import train
+    write_shards(tmp_path / "shards", [10, 10])
+    store = open_store("ais://shardkit-test-train", create=True)
+    for n in ("t-00.tar", "t-01.tar"): store.put_file(tmp_path / "shards" / n)
+    try:
+        urls = store.urls("t-{00..01}.tar")
+        assert all(u.startswith("http") for u in urls)
+        hist = train(urls, val_shards=urls[:1], size=32, batch_size=5, workers=1)
+        assert (hist[0]["samples"], hist[0]["val_samples"]) == (20, 10)
+    finally:
+        for n in store.list(): store.delete(n)
