@@ -94,30 +94,37 @@ def test_build_processes_every_notebook(built):
     assert f"the site is in {site}" in out and "python -m http.server" in out
 
 
-def test_every_notebook_has_a_page(built, server, browser):
-    site = built[0]
-    rels = docs.find_notebooks(NBS)
-    assert Path("index.ipynb") in rels and Path("98_docs.ipynb") in rels
-    _open(browser, server)
-    sidebar = set(browser.execute_script(
-        "return [...document.querySelectorAll('.md-sidebar--primary a.md-nav__link')].map(a => a.href);"))
-    for rel in rels:
-        page = docs.page_path(rel)
-        assert (site / page).is_file(), f"no page for {rel}"
-        url = server + page.as_posix()
-        assert url in sidebar or (page.name == "index.html" and server in sidebar), f"{rel} is missing from the sidebar"
-        browser.get(url)
-        h1 = browser.execute_script("const h = document.querySelector('article h1'); return h ? h.textContent : null;")
-        assert h1 and h1.strip().rstrip("¶").strip() == docs.notebook_title(NBS / rel), f"{page}: title {h1!r}"
-
-
-def test_images_load(built, server, browser):
-    "Every <img> on the index and on the pages with figures has loaded (naturalWidth > 0)."
-    with_figures = []
+@pytest.fixture(scope="module")
+def visits(server, browser):
+    "Every notebook's page, opened once: {notebook: (page, h1 text, [(img src, naturalWidth)], [requested URLs])}."
+    _requests(browser)  # start the request log here
+    res = {}
     for rel in docs.find_notebooks(NBS):
         page = docs.page_path(rel).as_posix()
         _open(browser, server + page)
-        imgs = _images(browser)
+        h1 = browser.execute_script("const h = document.querySelector('article h1'); return h ? h.textContent : null;")
+        res[rel] = (page, (h1 or "").strip().rstrip("¶").strip(), _images(browser), _requests(browser))
+    return res
+
+
+def test_every_notebook_has_a_page(built, server, browser, visits):
+    "A page per notebook, titled with the notebook's H1, and a link to each in the sidebar."
+    site, rels = built[0], docs.find_notebooks(NBS)
+    assert Path("index.ipynb") in rels and Path("98_docs.ipynb") in rels
+    assert set(visits) == set(rels)
+    _open(browser, server)
+    sidebar = set(browser.execute_script(
+        "return [...document.querySelectorAll('.md-sidebar--primary a.md-nav__link')].map(a => a.href);"))
+    for rel, (page, h1, _, _) in visits.items():
+        assert (site / page).is_file(), f"no page for {rel}"
+        assert server + page in sidebar or (page == "index.html" and server in sidebar), f"{rel} is missing from the sidebar"
+        assert h1 == docs.notebook_title(NBS / rel), f"{page}: title {h1!r}"
+
+
+def test_images_load(visits):
+    "Every <img> on every page has loaded (naturalWidth > 0): on the index and on docs.html at least one."
+    with_figures = []
+    for rel, (page, _, imgs, _) in visits.items():
         broken = [src for src, w in imgs if not w]
         assert not broken, f"{page}: images that did not load: {broken}"
         if imgs: with_figures.append(page)
@@ -125,14 +132,11 @@ def test_images_load(built, server, browser):
     assert "docs.html" in with_figures, "docs.html, the figure-bearing page, shows no image: was nbs/98_docs.ipynb committed executed?"
 
 
-def test_nothing_loads_from_other_hosts(built, server, browser):
+def test_nothing_loads_from_other_hosts(built, server, visits):
     assert docs.external_refs(built[0]) == []
-    _requests(browser)  # drop what earlier tests loaded
-    for page in ["index.html", "docs.html", "store.html"]:
-        _open(browser, server + page)
-    urls = _requests(browser)
+    urls = [u for v in visits.values() for u in v[3]]
     assert any(u.startswith(server) for u in urls)
-    foreign = [u for u in urls if not u.startswith((server, "data:", "blob:", "about:"))]
+    foreign = [u for u in urls if u.startswith(("http:", "https:", "ws:", "wss:", "//")) and not u.startswith(server)]
     assert not foreign, f"the pages fetched from other hosts: {foreign[:5]}"
 
 
@@ -164,27 +168,28 @@ def _run_execute(*args):
 
 
 def test_execute_in_place(tmp_path):
-    "`python -m shardkit.docs execute` saves outputs (figures too), with the notebook's folder as working directory."
+    """`python -m shardkit.docs execute` saves outputs (figures too), with the notebook's folder as working directory;
+    a notebook with a failing cell is left as it was and the exit code says so."""
     (tmp_path / "data.txt").write_text("from the notebook's folder")
-    nb = tmp_path / "t.ipynb"
-    _nb(nb, "print(open('data.txt').read())",
+    good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
+    _nb(good, "print(open('data.txt').read())",
         "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3]); plt.title('a line');",
         "#| eval: false\nraise SystemExit('never run')")
-    r = _run_execute(nb)
-    assert r.returncode == 0, r.stderr
-    cells = json.loads(nb.read_text())["cells"]
+    _nb(bad, "1 / 0")
+    before = bad.read_text()
+    r = _run_execute(bad, good)
+    assert r.returncode == 1, r.stderr
+    assert "ZeroDivisionError" in r.stderr and "FAILED: " in r.stderr
+    assert bad.read_text() == before
+    cells = json.loads(good.read_text())["cells"]
     assert cells[0]["outputs"][0]["text"] == ["from the notebook's folder\n"]
     assert any("image/png" in o.get("data", {}) for o in cells[1]["outputs"])
     assert cells[2]["outputs"] == []
 
 
-def test_execute_failure_leaves_notebook(tmp_path):
-    nb = tmp_path / "bad.ipynb"
-    _nb(nb, "1 / 0")
-    before = nb.read_text()
-    r = _run_execute(nb)
-    assert r.returncode == 1
-    assert "ZeroDivisionError" in r.stderr and "FAILED" in r.stderr
-    assert nb.read_text() == before
-    r = _run_execute(tmp_path / "missing.ipynb")
-    assert r.returncode == 2 and "no such notebook" in r.stderr
+def test_execute_bad_input(tmp_path, capsys):
+    from shardkit.docs import _main
+    assert _main(["execute", str(tmp_path / "missing.ipynb")]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+    assert _main(["run", "x.ipynb"]) == 2
+    assert "usage: python -m shardkit.docs execute" in capsys.readouterr().err
