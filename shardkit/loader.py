@@ -81,7 +81,7 @@ class EpochShards(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         return dict(seed=self.seed, epoch=self.epoch, rank=rank, world_size=world, worker=worker,
-                    num_workers=workers, slot=rank * workers + worker, slots=world * workers)
+                    num_workers=workers, slot=worker * world + rank, slots=world * workers)
 
     def __iter__(self):
         ctx = self.ctx = self.context()
@@ -205,13 +205,13 @@ def normalize_batch(images: torch.Tensor, device=None, mean=IMAGENET_MEAN, std=I
 # %% ../nbs/08_loader.ipynb
 @contextlib.contextmanager
 def _seeded(seed: int):
-    if get_worker_info() is not None:
-        torch.manual_seed(seed)
-        yield
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            yield
+    # the CPU generator only: torch.manual_seed also visits every accelerator backend, 100x slower
+    gen = torch.default_generator
+    saved = gen.get_state() if get_worker_info() is None else None
+    gen.manual_seed(seed)
+    try: yield
+    finally:
+        if saved is not None: gen.set_state(saved)
 
 def _plain(v):
     return v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor else v
@@ -466,7 +466,7 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
     res["decode+augment ceiling"] = per_core * ceiling_workers
     return dict(rates=res, samples=n_images, shards=len(urls), num_workers=num_workers, cores=cores,
                 ceiling_workers=ceiling_workers, per_core=per_core, repeats=repeats,
-                cold=cold, cache_note=cache_note if cold else "page cache warm (not dropped)")
+                cold=cold, cache_note=(cache_note or "page cache dropped before each run") if cold else "page cache warm (not dropped)")
 
 # %% ../nbs/08_loader.ipynb
 def bench_ratios(result: dict) -> dict:

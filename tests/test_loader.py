@@ -1,0 +1,158 @@
+"""The training loader: exact epochs over workers and ranks, seeds, resampling, warnings, the bench command, AIStore."""
+import warnings
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from shardkit.loader import create_dataloader, create_dataset, train_transform, split_count
+from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+
+N_SHARDS, PER_SHARD = 6, 5
+
+
+def _write_shards(folder, n_shards=N_SHARDS, per_shard=PER_SHARD, seed=0):
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(n_shards):
+        paths.append(str(folder / f"pets-{s:05d}.tar"))
+        with wds.TarWriter(paths[-1]) as w:
+            for i in range(per_shard):
+                cls = int(rng.integers(0, 37))
+                img, tri = draw_animal(cls, rng, size=(64, 48))
+                w.write({"__key__": f"s{s}_{i}", "image.jpg": jpeg_bytes(img), "cls": cls, "trimap.png": png_bytes(tri)})
+    return paths
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return _write_shards(tmp_path_factory.mktemp("loader") / "shards")
+
+
+ALL = sorted(f"s{s}_{i}" for s in range(N_SHARDS) for i in range(PER_SHARD))
+
+
+def _keys(loader):
+    return [k for batch in loader for k in batch[0]]
+
+
+def _dataset(urls, **kw):
+    kw.setdefault("keys", ("__key__", "cls", "image.jpg", "trimap.png"))
+    kw.setdefault("transform", train_transform(32))
+    return create_dataset(urls, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_every_sample_exactly_once_per_epoch(shards, workers):
+    dl = create_dataloader(_dataset(shards, seed=1), num_workers=workers, batch_size=7)
+    epochs = [_keys(dl) for _ in range(2)]
+    for keys in epochs:
+        assert sorted(keys) == ALL, "each sample exactly once"
+    assert epochs[0] != epochs[1], "a new order every epoch"
+
+
+def test_batches_keep_image_label_trimap_together(shards):
+    (keys, cls, images, trimaps), *_ = list(create_dataloader(_dataset(shards, seed=0), num_workers=2, batch_size=8))
+    assert images.dtype == torch.uint8 and images.shape == (8, 3, 32, 32)
+    assert trimaps.dtype == torch.uint8 and trimaps.shape == (8, 1, 32, 32)
+    assert cls.dtype == torch.int64 and len(keys) == 8
+    truth = {s["__key__"]: s["cls"] for s in wds.WebDataset(shards, shardshuffle=False).decode()}
+    assert [truth[k] for k in keys] == cls.tolist()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_two_ranks_split_the_epoch(shards, workers):
+    per_rank = [_keys(create_dataloader(_dataset(shards, rank=r, world_size=2), num_workers=workers, batch_size=4))
+                for r in (0, 1)]
+    assert not set(per_rank[0]) & set(per_rank[1]), "ranks read disjoint samples"
+    assert sorted(per_rank[0] + per_rank[1]) == ALL, "together they read every sample once"
+    assert all(per_rank), "both ranks got work"
+
+
+def test_more_workers_than_shards_warns_and_still_reads_once(shards):
+    few = shards[:2]
+    with pytest.warns(UserWarning, match="get no shard and stay idle"):
+        dl = create_dataloader(_dataset(few, seed=2), num_workers=3, batch_size=4)
+    assert sorted(_keys(dl)) == sorted(f"s{s}_{i}" for s in range(2) for i in range(PER_SHARD))
+    with pytest.warns(UserWarning, match="2 workers x 2 ranks read 2 shards"):
+        dls = [create_dataloader(_dataset(few, rank=r, world_size=2), num_workers=2, batch_size=4) for r in (0,)]
+    assert len(_keys(dls[0])) == PER_SHARD
+
+
+def test_no_webdataset_warnings_leak(shards, capfd):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = _dataset(shards, seed=0)
+        _keys(create_dataloader(ds, num_workers=2, batch_size=8))
+        list(_dataset(shards, resampled=True, epoch_samples=9, seed=0))
+    messages = [str(w.message) for w in caught] + [capfd.readouterr().err]
+    for word in ("shardshuffle", "empty", "No samples", "unclosed"):
+        assert not any(word in m for m in messages), (word, messages)
+
+
+def test_same_seed_same_epochs_other_seed_other_order(shards):
+    def run(seed):
+        dl = create_dataloader(_dataset(shards, seed=seed), num_workers=2, batch_size=8)
+        out = []
+        for _ in range(2):
+            batches = list(dl)
+            out.append(([k for b in batches for k in b[0]], torch.cat([b[2] for b in batches])))
+        return out
+    a, b, c = run(11), run(11), run(12)
+    for (ka, ia), (kb, ib) in zip(a, b):
+        assert ka == kb and torch.equal(ia, ib), "same seed: same order and same crops"
+    assert a[0][0] != c[0][0], "another seed: another order"
+
+
+def test_set_epoch_replays_an_epoch(shards):
+    dl = create_dataloader(_dataset(shards, seed=4), num_workers=2, batch_size=8)
+    first, second = _keys(dl), _keys(dl)
+    dl.set_epoch(1)
+    assert _keys(dl) == second
+    dl.set_epoch(0)
+    assert _keys(dl) == first
+
+
+@pytest.mark.parametrize("workers,ranks,total", [(3, 2, 23), (2, 1, 40), (0, 2, 7)])
+def test_resampled_epoch_length_is_for_the_whole_job(shards, workers, ranks, total):
+    counts = []
+    for r in range(ranks):
+        ds = _dataset(shards, keys=("__key__",), transform=None, resampled=True, epoch_samples=total, rank=r, world_size=ranks)
+        dl = create_dataloader(ds, num_workers=workers, batch_size=5)
+        counts.append([len(_keys(dl)) for _ in range(2)])
+    assert [sum(c[e] for c in counts) for e in range(2)] == [total, total]
+    assert sum(split_count(total, s, 6) for s in range(6)) == total
+
+
+def test_bad_arguments_say_what_to_do(shards):
+    with pytest.raises(ValueError, match="give epoch_samples=N"): create_dataset(shards, resampled=True)
+    with pytest.raises(ValueError, match="needs resampled=True"): create_dataset(shards, epoch_samples=10)
+    with pytest.raises(ValueError, match="rank 3 is not in 0..1"): list(_dataset(shards, rank=3, world_size=2))
+    with pytest.raises(KeyError, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, keys=("cls", "image.png"))))
+    with pytest.raises(TypeError, match="needs a dataset from create_dataset"): create_dataloader(wds.WebDataset(shards, shardshuffle=False))
+
+
+def test_bench_loader_cli(shards, cli, tmp_path):
+    r = cli("bench", "loader", "--help")
+    assert r.returncode == 0 and "--workers" in r.stdout and "--cold" in r.stdout
+    r = cli("bench", "loader", tmp_path / "nowhere")
+    assert r.returncode == 2 and "nowhere" in r.stderr
+    png = tmp_path / "bench.png"
+    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--cold", "--out", png, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for row in ("seed post", "shardkit default", "map-style ImageFolder", "decode+augment ceiling", "goal: default >= 2.0x seed"):
+        assert row in r.stdout, (row, r.stdout)
+    assert "page cache" in r.stdout
+    assert png.stat().st_size > 10_000
+
+
+def test_reads_from_aistore_exactly_once(shards, ais_endpoint):
+    from shardkit.store import open_store
+    store = open_store("ais://shardkit-test-loader", create=True)
+    for p in shards: store.put_file(p)
+    try:
+        ds = _dataset(store, seed=0)
+        assert all(u.startswith("http") for u in ds.urls)
+        assert sorted(_keys(create_dataloader(ds, num_workers=2, batch_size=8))) == ALL
+    finally:
+        for name in store.list(): store.delete(name)
