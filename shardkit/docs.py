@@ -12,8 +12,8 @@ from fastcore.script import store_true
 
 # %% auto 0
 __all__ = ['find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root', 'process_notebook',
-           'mkdocs_config', 'external_refs', 'strip_external', 'render_offline', 'render_quarto', 'execute_notebook',
-           'execute_notebooks', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
+           'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'render_offline', 'render_quarto',
+           'execute_notebook', 'execute_notebooks', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
 
 # %% ../nbs/98_docs.ipynb
 def find_notebooks(nbs: str | Path) -> list[Path]:
@@ -211,10 +211,26 @@ def strip_external(site: str | Path) -> int:
     return n
 
 # %% ../nbs/98_docs.ipynb
+_HREF = re.compile(r"""<a\b[^>]*?\bhref\s*=\s*["']([^"'#?]*)[^"']*["']""", re.I)
+
+def broken_links(site: str | Path) -> list[str]:
+    "Relative links in the site's pages whose target does not exist, as `page -> link`."
+    site, bad = Path(site), []
+    for page in sorted(site.rglob("*.html")):
+        for href in _HREF.findall(page.read_text(encoding="utf-8")):
+            if not href or re.match(r"^[a-z][a-z0-9+.-]*:|^//", href, re.I): continue
+            href_path = html.unescape(href)
+            target = (site / href_path.lstrip("/") if href_path.startswith("/") else page.parent / href_path).resolve()
+            if target.is_dir(): target = target / "index.html"
+            if not target.exists(): bad.append(f"{page.relative_to(site).as_posix()} -> {href}")
+    return bad
+
+# %% ../nbs/98_docs.ipynb
 _CSS = """/* shardkit docs: wider content, notebook outputs sized to the page */
 .md-grid { max-width: 1400px; }
 .jupyter-wrapper .jp-OutputArea-output img { max-width: 100%; height: auto; }
 .jupyter-wrapper .jp-RenderedMarkdown h3 { margin-top: 0.4em; }
+.jupyter-wrapper .jp-RenderedMarkdown pre, .jupyter-wrapper .jp-RenderedMarkdown pre code { font-size: 13px; }
 """
 _IMAGES = {".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp"}
 
@@ -264,6 +280,8 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
         if not quiet: print(f"removed {n} tags that would load from other hosts (MathJax, mermaid loaders)")
         left = external_refs(out)
         if left: raise RuntimeError("pages still load from other hosts:\n" + "\n".join(left[:10]))
+        bad = broken_links(out)
+        if bad: print(f"warning: {len(bad)} broken link(s) between pages:\n  " + "\n  ".join(bad), file=sys.stderr)
     finally:
         shutil.rmtree(build, ignore_errors=True)
     if failed:

@@ -140,6 +140,11 @@ def test_nothing_loads_from_other_hosts(built, server, visits):
     assert not foreign, f"the pages fetched from other hosts: {foreign[:5]}"
 
 
+def test_no_broken_links(built):
+    "Links between pages lead somewhere (the index links to every tutorial)."
+    assert docs.broken_links(built[0]) == []
+
+
 def test_index_screenshot(server, browser):
     OUT.mkdir(parents=True, exist_ok=True)
     _open(browser, server)
