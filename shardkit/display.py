@@ -271,6 +271,8 @@ def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
         rows = list_shards(store, pattern)
     except StoreError as e:
         print(f"shardkit ls: {e}"); return 2
+    except tarfile.TarError as e:
+        print(f"shardkit ls: a shard in {dest} is not a readable tar ({e}); list the good ones with --pattern"); return 2
     if not rows:
         print(f"shardkit ls: no shards matching {pattern!r} in {store.spec}"); return 2
     print(format_listing(rows, store.spec))
@@ -287,8 +289,10 @@ def show_cli(shard: str,                  # Shard: a .tar path or ais://bucket/n
         store = open_store(spec)
         if listing: print(shard_listing(store, name))
         fig = display_shard_images(store, name, objects)
-    except (StoreError, tarfile.TarError, ValueError) as e:
+    except (StoreError, ValueError) as e:
         print(f"shardkit show: {e}"); return 2
+    except tarfile.TarError as e:
+        print(f"shardkit show: {shard} is not a readable tar shard ({e})"); return 2
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     print(f"wrote {out}")
