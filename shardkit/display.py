@@ -106,7 +106,7 @@ def _as_trimap(t) -> np.ndarray:
     if a.dtype.kind == "f": a = np.rint(a * 255 if a.max() <= 1.0 else a)
     return a.astype(np.int64)
 
-def trimap_overlay(image, trimap, alpha: float = 0.3, dim: float = 0.45) -> np.ndarray:
+def trimap_overlay(image, trimap, alpha: float = 0.2, dim: float = 0.45) -> np.ndarray:
     "`image` (HxWx3) with the trimap's animal tinted, background dimmed and outline band coloured, as float RGB in [0, 1]."
     img = np.asarray(image, dtype=np.float64)
     if img.max() > 1.0: img = img / 255
@@ -275,7 +275,7 @@ def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
         print(f"shardkit ls: a shard in {dest} is not a readable tar ({e}); list the good ones with --pattern"); return 2
     if not rows:
         print(f"shardkit ls: no shards matching {pattern!r} in {store.spec}"); return 2
-    print(format_listing(rows, store.spec))
+    print(format_listing(rows, dest))  # the store as the user named it
     return 0
 
 def show_cli(shard: str,                  # Shard: a .tar path or ais://bucket/name.tar
