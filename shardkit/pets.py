@@ -642,7 +642,10 @@ def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
                     m = convert_pets(root, target, workers=workers, check=check, progress=False)
                     n, nbytes = m["samples"], m["bytes"]
                 times[label].append((time.perf_counter() - t0, n, nbytes))
-                if not dest: shutil.rmtree(target, ignore_errors=True)
+                if dest:  # leave the user's store as it was
+                    st = open_store(target)
+                    for name in st.list(): st.delete(name)
+                else: shutil.rmtree(target, ignore_errors=True)
     finally: shutil.rmtree(work, ignore_errors=True)
     res = {}
     for label, rs in times.items():
