@@ -41,10 +41,10 @@ def page_path(rel: str | Path) -> Path:
     return rel.with_name(re.sub(r"^\d+[a-zA-Z0-9]*_", "", rel.name.lower())).with_suffix(".html")
 
 # %% ../nbs/98_docs.ipynb
-def site_nav(nbs: str | Path) -> list[dict]:
-    "The mkdocs `nav` of the notebooks under `nbs`: titles from each notebook's H1, in reading order."
+def site_nav(nbs: str | Path, rels: list[Path] | None = None) -> list[dict]:
+    "The mkdocs `nav` of the notebooks under `nbs` (or of `rels` there): titles from each notebook's H1, in reading order."
     nav, sections = [], {}
-    for rel in find_notebooks(nbs):
+    for rel in (find_notebooks(nbs) if rels is None else rels):
         entry = {notebook_title(Path(nbs) / rel): page_path(rel).with_suffix(".ipynb").as_posix()}
         if rel == Path("index.ipynb"): nav.insert(0, entry); continue
         section = "Library" if len(rel.parts) == 1 else rel.parts[0].replace("_", " ").capitalize()
@@ -129,6 +129,15 @@ def _cwd(path):
     try: yield
     finally: os.chdir(old)
 
+@contextmanager
+def _in_project(root):
+    "Work in the nbdev project at `root`: its folder as working directory, its settings.ini as nbdev's config."
+    from nbdev.config import get_config
+    get_config.cache_clear()  # nbdev caches the first settings.ini it finds, whatever the working directory
+    try:
+        with _cwd(root): yield
+    finally: get_config.cache_clear()
+
 def project_root(start: str | Path = ".") -> Path:
     "The folder holding the nbdev project's `settings.ini`, searching up from `start`."
     start = Path(start).resolve()
@@ -147,7 +156,7 @@ def process_notebook(src: str | Path, dest: str | Path, root: str | Path, depth:
     from execnb.nbio import read_nb, write_nb
     from nbdev.processors import FilterDefaults
     src, dest, root = Path(src).resolve(), Path(dest), Path(root).resolve()
-    with _cwd(root):
+    with _in_project(root):
         old = os.environ.get("IN_TEST")
         os.environ["IN_TEST"] = "1"  # as nbdev_proc_nbs does: notebooks may skip slow work while docs are built
         try:
@@ -268,7 +277,7 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
         (docs / "shardkit.css").write_text(_CSS)
         from configparser import ConfigParser
         ini = ConfigParser(delimiters=["="]); ini.read(root / "settings.ini", encoding="utf-8")
-        cfg = mkdocs_config(site_nav(nbs), docs, out, site_name=ini["DEFAULT"].get("title", "shardkit"),
+        cfg = mkdocs_config(site_nav(nbs, rels), docs, out, site_name=ini["DEFAULT"].get("title", "shardkit"),
                             site_description=ini["DEFAULT"].get("description", ""))
         (build / "mkdocs.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         if not quiet: print(f"building the site with mkdocs ({len(rels)} pages) ...", flush=True)
@@ -296,7 +305,7 @@ def render_quarto(nbs: str | Path, out: str | Path) -> Path:
     "Build the docs site with nbdev's pipeline and Quarto (`quarto` must be on PATH) into `out`."
     from nbdev.quarto import _pre_docs
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
-    with _cwd(project_root(nbs)):
+    with _in_project(project_root(nbs)):
         cache, cfg, _ = _pre_docs(nbs, n_workers=0)
         subprocess.run(["quarto", "render", "--no-cache"], cwd=cache, check=True)
         built = Path(cache) / cfg.doc_path.name
@@ -325,7 +334,7 @@ def execute_notebook(path: str | Path) -> bool:
             return False
     write_nb(nb, path)
     from nbdev.clean import nbdev_clean
-    with _cwd(path.parent): nbdev_clean.__wrapped__(fname=str(path))
+    with _in_project(path.parent): nbdev_clean.__wrapped__(fname=str(path))
     return True
 
 def execute_notebooks(paths: list[str | Path]) -> int:

@@ -198,3 +198,26 @@ def test_execute_bad_input(tmp_path, capsys):
     assert "no such notebook" in capsys.readouterr().err
     assert _main(["run", "x.ipynb"]) == 2
     assert "usage: python -m shardkit.docs execute" in capsys.readouterr().err
+
+
+def test_quarto_renderer_when_quarto_exists(tmp_path, monkeypatch, capsys):
+    """With `quarto` on PATH, `shardkit docs` runs nbdev's pipeline and `quarto render` in `_proc/`, then copies the
+    site to --out. Quarto itself cannot be installed here, so a stand-in `quarto` on PATH records how it was called."""
+    proj = tmp_path / "proj"
+    (proj / "nbs").mkdir(parents=True)
+    shutil.copy(ROOT / "settings.ini", proj)
+    shutil.copytree(ROOT / "shardkit", proj / "shardkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ["index.ipynb", "99_cli.ipynb", "_quarto.yml", "nbdev.yml", "styles.css"]: shutil.copy(NBS / f, proj / "nbs")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "quarto").write_text('#!/bin/sh\necho "$@" > called.txt\nmkdir -p _docs && ls > _docs/inputs.txt && '
+                                 'echo "<html>rendered by quarto</html>" > _docs/index.html\n')
+    (bin_ / "quarto").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    assert docs.docs_cli(out=str(tmp_path / "site"), nbs=str(proj / "nbs")) == 0
+    assert "rendering with Quarto" in capsys.readouterr().out
+    assert (proj / "_proc" / "called.txt").read_text().split() == ["render", "--no-cache"]
+    assert "rendered by quarto" in (tmp_path / "site" / "index.html").read_text()
+    inputs = (tmp_path / "site" / "inputs.txt").read_text().split()
+    assert {"index.ipynb", "99_cli.ipynb", "_quarto.yml", "sidebar.yml"} <= set(inputs)
+    assert (proj / "nbs" / "sidebar.yml").exists()
