@@ -100,10 +100,10 @@ def folder_loader(root: str | Path, transform, batch_size: int = 32, workers: in
 
 # %% ../nbs/09_train.ipynb
 def small_cnn(num_classes: int, width: int = 32) -> nn.Module:
-    "Four conv-BN-ReLU blocks (stride 2 after the first), global average pooling, a linear classifier."
+    "Four conv-BN-ReLU blocks of stride 2, global average pooling, a linear classifier."
     def block(i, o, s): return [nn.Conv2d(i, o, 3, s, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
     w = width
-    return nn.Sequential(*block(3, w, 1), *block(w, w, 2), *block(w, 2 * w, 2), *block(2 * w, 4 * w, 2),
+    return nn.Sequential(*block(3, w, 2), *block(w, w, 2), *block(w, 2 * w, 2), *block(2 * w, 4 * w, 2),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
 
 def make_model(arch: str, num_classes: int) -> nn.Module:
@@ -151,12 +151,13 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
           classes: int | None = None,    # number of classes (default: from the shards or folder)
           keys_out: str | None = None,   # folder for keys-rank<R>.txt: the keys each rank trained on
           device: str | None = None,     # cpu or cuda (default: cuda when available)
+          threads: int | None = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
           seed: int = 0) -> list[dict]:
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
     if (shards is None) == (folder is None): raise ValueError("give either shards or folder (exactly one)")
     dev = _pick_device(device)
     rank, world = setup_distributed(dev)
-    if dev.type == "cpu" and world > 1: torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if dev.type == "cpu": torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world * (1 + workers))))
     train_tf, val_tf = make_transform(size, True), make_transform(size, False)
     if shards is not None:
         urls, val_urls = shard_urls(shards, base), shard_urls(val_shards, base) if val_shards else []
@@ -187,7 +188,8 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
         Path(keys_out).mkdir(parents=True, exist_ok=True)
         keys_file = open(Path(keys_out) / f"keys-rank{rank}.txt", "w")
     _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, {world} rank(s), "
-               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}")
+               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}"
+               + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else ""))
     history, steps = [], 0
     try:
         for epoch in range(epochs):
@@ -237,6 +239,7 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
               keys_out: str = None,   # Folder to write keys-rank<R>.txt, the sample keys each rank trained on
               json_out: str = None,   # File to write the per-epoch results to as JSON (rank 0)
               device: str = None,     # cpu or cuda (default: cuda when available)
+              threads: int = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
               seed: int = 0):         # Random seed (model init, shard order)
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."
     if (shards is None) == (folder is None):
@@ -245,7 +248,7 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
         return 2
     try:
         hist = train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps,
-                     samples, classes, keys_out, device, seed)
+                     samples, classes, keys_out, device, threads, seed)
     except ValueError as e:
         print(f"shardkit train: {e}", file=sys.stderr)
         return 2
