@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses, hashlib, io, math, os, re, shutil, tarfile, tempfile, time
 from pathlib import Path
 import numpy as np
+from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .store import AISStore, LocalStore, StoreError, open_store
 
@@ -314,8 +315,6 @@ def shuffle_shards(src,                            # Input store or spec: a dire
     return res
 
 # %% ../nbs/04_shuffle.ipynb
-from fastcore.script import store_true
-
 def shuffle_cli(src: str,                       # Input shards: a directory or ais://bucket[/prefix]
                 dest: str,                      # Output store: a directory or ais://bucket[/prefix]
                 shard_size: str = "100MB",      # Output shard size, e.g. 100MB, 64MiB
