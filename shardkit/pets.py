@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_pets.ipynb 3
 from __future__ import annotations
-import hashlib, io, json, multiprocessing as mp, os, re, shutil, socket, sys, tarfile, tempfile, threading, time
+import hashlib, io, json, multiprocessing as mp, os, re, shutil, signal, socket, sys, tarfile, tempfile, threading, time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
@@ -157,8 +157,9 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
 # %% ../nbs/03_pets.ipynb
 def _apply(fn, batch): return [fn(x) for x in batch]
 
-def _exit_with_parent(parent: int):
-    "Pool initializer: end this worker when its parent dies (a killed converter must not leave orphans behind)."
+def _worker_init(parent: int):
+    "Pool initializer: Ctrl-C is the parent's to handle, and the worker ends when its parent dies (even by kill -9)."
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     def watch():
         while os.getppid() == parent: time.sleep(0.5)
         os._exit(1)
@@ -173,7 +174,7 @@ def _ordered_map(fn: Callable, items: Iterable, workers: int = 1, batch: int = 1
     batches = iter(lambda: list(islice(it, batch)), [])
     # fork keeps functions defined in a notebook usable in the workers; elsewhere fall back to the default
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_exit_with_parent, initargs=(os.getpid(),))
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),))
     try:
         pending = deque(ex.submit(_apply, fn, b) for b in islice(batches, 2 * workers))
         while pending:
@@ -222,7 +223,10 @@ def download_pets(root: str | Path,        # Folder to download and extract into
     host = PETS_URL.split("/")[2]
     if todo and not _reachable(host, timeout=timeout):
         raise PetsError(f"cannot reach {host} within {timeout:g} s (offline?): {_manual_hint(root)}")
-    for url, md5 in todo: download_url(url, str(root), md5=md5)
+    for url, md5 in todo:
+        try: download_url(url, str(root), md5=md5)
+        except (OSError, RuntimeError) as e:  # network errors, or a checksum mismatch
+            raise PetsError(f"downloading {url} failed ({type(e).__name__}: {e}); {_manual_hint(root)}") from None
     for url, _ in PETS_ARCHIVES: extract_archive(str(root / url.rsplit("/", 1)[1]), str(root))
     return root
 

@@ -217,10 +217,11 @@ def test_cli_help(capsys):
         assert all(o in out for o in opts), (cmd, out)
 
 
-def test_cli_synth_and_convert(tmp_path, cli):
-    r = cli("pets", "synth", tmp_path / "p", "--n", "20", "--quirks", "--seed", "5", "--workers", "1")
-    assert r.returncode == 0 and "planted quirks" in r.stdout, r.stderr
+def test_cli_synth_and_convert(tmp_path, cli, capsys):
+    assert cli_main(["pets", "synth", str(tmp_path / "p"), "--n", "16", "--quirks", "--seed", "5", "--workers", "2"]) == 0
+    assert "planted quirks: grayscale, cmyk" in capsys.readouterr().out
     plan = json.loads((tmp_path / "p/synth.json").read_text())
+    # the conversion as a user runs it: a separate process
     r = cli("convert", "pets", tmp_path / "p", tmp_path / "s", "--maxcount", "5", "--maxsize", "200KB", "--workers", "2")
     assert r.returncode == 0, r.stderr
     assert f"{plan['kept']} samples in" in r.stdout and "skipped 4: empty image 1" in r.stdout and "writing pets-" in r.stderr
@@ -262,6 +263,24 @@ def test_download_fails_fast_offline(tmp_path, capsys):
     assert time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "by hand" in err
+
+
+def test_download_uses_archives_put_there_by_hand(tmp_path, monkeypatch):
+    "Archives already in ROOT with the right MD5 are extracted without touching the network."
+    import hashlib as h
+    src = tmp_path / "src"
+    (src / "images").mkdir(parents=True); (src / "annotations").mkdir()
+    (src / "images" / "Abyssinian_1.jpg").write_bytes(b"jpeg")
+    (src / "annotations" / "list.txt").write_text("#header\nAbyssinian_1 1 1 1\n")
+    root = tmp_path / "root"; root.mkdir()
+    archives = []
+    for part in ("images", "annotations"):
+        with tarfile.open(root / f"{part}.tar.gz", "w:gz") as t: t.add(src / part, arcname=part)
+        archives.append((f"https://example.invalid/data/{part}.tar.gz", h.md5((root / f"{part}.tar.gz").read_bytes()).hexdigest()))
+    monkeypatch.setattr(pets, "PETS_ARCHIVES", tuple(archives))
+    monkeypatch.setattr(pets, "_reachable", lambda *a, **k: pytest.fail("the network was consulted"))
+    assert download_pets(root) == root
+    assert (root / "images" / "Abyssinian_1.jpg").read_bytes() == b"jpeg" and pet_records(root) == [("Abyssinian_1", 1, 1, 1)]
 
 
 def test_convert_into_aistore(quirky, tmp_path, ais_endpoint):
