@@ -12,8 +12,9 @@ from fastcore.script import store_true
 
 # %% auto 0
 __all__ = ['find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root', 'process_notebook',
-           'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'render_offline', 'render_quarto',
-           'execute_notebook', 'execute_notebooks', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
+           'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem', 'render_offline',
+           'render_quarto', 'execute_notebook', 'execute_notebooks', 'docs_cli', 'pipeline_diagram',
+           'save_pipeline_diagram']
 
 # %% ../nbs/98_docs.ipynb
 def find_notebooks(nbs: str | Path) -> list[Path]:
@@ -235,6 +236,16 @@ def broken_links(site: str | Path) -> list[str]:
     return bad
 
 # %% ../nbs/98_docs.ipynb
+def out_problem(out: str | Path, nbs: str | Path) -> str | None:
+    "Why `out` cannot receive the site (it would be emptied first), or None if it can."
+    out, nbs = Path(out).resolve(), Path(nbs).resolve()
+    if out.exists() and not out.is_dir(): return "is a file, not a folder"
+    if out == nbs or out in nbs.parents: return f"contains the notebooks ({nbs})"
+    if out.is_dir() and any(out.iterdir()) and not (out / "index.html").is_file() and not (out / "sitemap.xml").is_file():
+        return "is a folder with other files in it (not an earlier site)"
+    return None
+
+# %% ../nbs/98_docs.ipynb
 _CSS = """/* shardkit docs: wider content, notebook outputs sized to the page */
 .md-grid { max-width: 1400px; }
 .jupyter-wrapper .jp-OutputArea-output img { max-width: 100%; height: auto; }
@@ -252,6 +263,7 @@ def _progress(items, desc):
 def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Path:
     "Build the docs site of the notebooks under `nbs` into `out` with mkdocs-material + mkdocs-jupyter, offline."
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
+    if out_problem(out, nbs): raise ValueError(f"cannot build the site into {out}: it {out_problem(out, nbs)}")
     root = project_root(nbs)
     build = Path(tempfile.mkdtemp(prefix="shardkit-docs-"))
     docs, failed = build / "docs", []
@@ -305,6 +317,7 @@ def render_quarto(nbs: str | Path, out: str | Path) -> Path:
     "Build the docs site with nbdev's pipeline and Quarto (`quarto` must be on PATH) into `out`."
     from nbdev.quarto import _pre_docs
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
+    if out_problem(out, nbs): raise ValueError(f"cannot build the site into {out}: it {out_problem(out, nbs)}")
     with _in_project(project_root(nbs)):
         cache, cfg, _ = _pre_docs(nbs, n_workers=0)
         subprocess.run(["quarto", "render", "--no-cache"], cwd=cache, check=True)
@@ -358,8 +371,9 @@ def docs_cli(out: str = "_site",                 # Folder to write the site into
         print(f"shardkit docs: {e}", file=sys.stderr); return 2
     if not nbs.is_dir():
         print(f"shardkit docs: notebooks folder {str(nbs)!r} does not exist: pass --nbs PATH/TO/nbs", file=sys.stderr); return 2
-    if Path(out).exists() and not Path(out).is_dir():
-        print(f"shardkit docs: --out {out!r} is a file, not a folder: pick another --out", file=sys.stderr); return 2
+    problem = out_problem(out, nbs)
+    if problem:
+        print(f"shardkit docs: --out {out!r} {problem}: pick a new or empty folder, or an earlier site", file=sys.stderr); return 2
     if execute:
         tutorials = [nbs / p for p in find_notebooks(nbs) if len(p.parts) > 1]
         if execute_notebooks(tutorials): return 1

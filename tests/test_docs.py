@@ -155,11 +155,21 @@ def test_index_screenshot(server, browser):
 
 
 def test_docs_cli_bad_out(tmp_path, capsys):
+    "`shardkit docs` refuses an --out it would have to empty (a file, a folder of other things, the checkout)."
     from shardkit.cli import main
     f = tmp_path / "a-file"
     f.write_text("x")
     assert main(["docs", "--out", str(f), "--offline"]) == 2
     assert "is a file" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.md").write_text("keep me")
+    assert main(["docs", "--out", str(tmp_path / "mine")]) == 2
+    assert "other files in it" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.md").read_text() == "keep me"
+    assert main(["docs", "--out", str(ROOT), "--nbs", str(NBS)]) == 2
+    assert "contains the notebooks" in capsys.readouterr().err
+    assert main(["docs", "--nbs", str(tmp_path / "no-such-nbs")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def _nb(path, *sources):
