@@ -78,7 +78,7 @@ def shard_loader(urls: list[str],        # shard URLs (all of them: the loader p
           .map_tuple(transform, int, str)
           .batched(batch_size, partial=True))
     loader = wds.WebLoader(ds, batch_size=None, num_workers=min(workers, mine))
-    loader = loader.unbatched().shuffle(shuffle).batched(batch_size, partial=nbatches is None)
+    loader = loader.unbatched().shuffle(shuffle).batched(batch_size)
     return loader.with_epoch(nbatches) if nbatches else loader
 
 # %% ../nbs/09_train.ipynb
