@@ -63,7 +63,19 @@ def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
     "An argparse parser for `cmd`, built from its function's signature and docments."
     p = anno_parser(load_command(cmd), prog="shardkit " + " ".join(cmd))
     p.description = COMMANDS[cmd][1]
+    for a in p._actions:  # options read `--shard-size`, the way command lines are written
+        for s in list(a.option_strings):
+            if s.startswith("--") and "_" in s:
+                a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-")
+                p._option_string_actions[h] = p._option_string_actions.pop(s)
     return p
+
+# %% ../nbs/99_cli.ipynb
+def _hyphenate(arg: str) -> str:
+    "`--shard_size=1` -> `--shard-size=1`, so the underscore spelling keeps working."
+    if not arg.startswith("--"): return arg
+    opt, eq, val = arg.partition("=")
+    return opt.replace("_", "-") + eq + val
 
 # %% ../nbs/99_cli.ipynb
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nshardkit: unknown command {' '.join(argv[:2])!r}", file=sys.stderr)
         return 0 if asked else 2
     func = load_command(cmd)
-    args = vars(command_parser(cmd).parse_args(rest))
+    args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))
     for extra in ("pdb", "xtra"): args.pop(extra, None)  # anno_parser's debugging options, not the function's
     try:
         result = func(**args)

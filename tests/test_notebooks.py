@@ -12,8 +12,8 @@ AIS_NBS = [p for p in NBS if "AIS_ENDPOINT" in p.read_text()]
 
 
 def _run_nb(nb: Path, env: dict) -> None:
-    code = ("import sys; from nbdev.test import test_nb; "
-            "ok, t = test_nb(sys.argv[1], force_flags=['slow'], do_print=False); sys.exit(0 if ok else 1)")
+    code = ("import sys; from pathlib import Path; from nbdev.test import test_nb; "
+            "ok, t = test_nb(Path(sys.argv[1]), force_flags=['slow'], do_print=False); sys.exit(0 if ok else 1)")
     r = subprocess.run([sys.executable, "-c", code, str(nb)], capture_output=True, text=True, timeout=1500,
                        cwd=nb.parent, env=env, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"{nb.relative_to(ROOT)} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
