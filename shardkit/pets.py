@@ -20,9 +20,9 @@ from .synth import draw_animal, jpeg_bytes, png_bytes
 
 # %% auto 0
 __all__ = ['CAT_BREEDS', 'DOG_BREEDS', 'CLASS_NAMES', 'SPECIES', 'PET_QUIRKS', 'PETS_URL', 'PETS_ARCHIVES', 'SPLITS', 'CHECKS',
-           'pet_ids', 'synthesize_pets', 'PetsError', 'download_pets', 'pet_records', 'SkipSample', 'normalize_jpeg',
-           'check_trimap', 'load_pet_sample', 'pet_samples', 'manifest_name', 'read_manifest', 'summarize',
-           'write_shards', 'convert_pets', 'parse_size', 'pets_synth_cli', 'pets_download_cli', 'convert_pets_cli',
+           'pet_ids', 'PetsError', 'synthesize_pets', 'download_pets', 'pet_records', 'SkipSample', 'normalize_jpeg',
+           'check_trimap', 'load_pet_sample', 'pet_samples', 'parse_size', 'manifest_name', 'read_manifest',
+           'summarize', 'write_shards', 'convert_pets', 'pets_synth_cli', 'pets_download_cli', 'convert_pets_cli',
            'bench_convert', 'bench_convert_cli']
 
 # %% ../nbs/03_pets.ipynb
@@ -43,6 +43,9 @@ def pet_ids(breed: str) -> tuple[int, int, int]:
     return CLASS_NAMES.index(breed) + 1, 1 if breeds is CAT_BREEDS else 2, breeds.index(breed) + 1
 
 # %% ../nbs/03_pets.ipynb
+class PetsError(Exception):
+    "The Pet data set could not be fetched, written or read; the message says why and what to do."
+
 PET_QUIRKS = {  # planted defect: (what the converter must do, the reason or conversion it reports)
     "grayscale":      ("keep", "JPEG L"),          # a grayscale JPEG: re-encoded as RGB
     "cmyk":           ("keep", "JPEG CMYK"),       # a CMYK JPEG: re-encoded as RGB
@@ -113,6 +116,12 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
         raise ValueError(f"quirks=True needs n >= {2 * len(PET_QUIRKS)} images to plant them on, got n={n}")
     root = Path(root)
     images, ann = root / "images", root / "annotations"
+    if (root / "synth.json").is_file():  # written last, so its presence means a complete data set
+        plan = json.loads((root / "synth.json").read_text())
+        if (plan.get("n"), plan.get("seed"), bool(plan.get("quirks"))) == (n, seed, quirks): return plan
+    if any(d.is_dir() and any(d.iterdir()) for d in (images, ann)):
+        raise PetsError(f"{root} already holds a data set (n={plan['n'] if (root / 'synth.json').is_file() else '?'}); "
+                        f"remove it or choose another folder, since its files would mix with the new ones")
     for d in (images, ann / "trimaps", ann / "xmls"): d.mkdir(parents=True, exist_ok=True)
     names = [_pet_name(i) for i in range(n)]
     per_breed = Counter(cid for _, cid, _ in names)
@@ -189,9 +198,6 @@ def _ordered_map(fn: Callable, items: Iterable, workers: int = 1, batch: int = 1
 PETS_URL = "https://www.robots.ox.ac.uk/~vgg/data/pets/"
 PETS_ARCHIVES = (("https://www.robots.ox.ac.uk/~vgg/data/pets/data/images.tar.gz", "5c4f3ee8e5d25df40f4fd59a7f44e54c"),
                  ("https://www.robots.ox.ac.uk/~vgg/data/pets/data/annotations.tar.gz", "95a8c909bbe2e81eed6a22bccdf3f68f"))
-
-class PetsError(Exception):
-    "The Pet data set could not be fetched or read; the message says why and what to do."
 
 def _reachable(host: str, port: int = 443, timeout: float = 4.0) -> bool:
     "Whether a TCP connection to host:port opens within `timeout` seconds (DNS included)."
@@ -284,6 +290,7 @@ def normalize_jpeg(data: bytes,           # The bytes of an image file
         img.convert("RGB").save(buf, "JPEG", quality=quality)
         return buf.getvalue(), kind
     except Image.UnidentifiedImageError as e: raise SkipSample("unreadable image", str(e)) from None
+    except Image.DecompressionBombError as e: raise SkipSample("oversized image", str(e)) from None
     except (OSError, SyntaxError, ValueError) as e:
         raise SkipSample("truncated image" if "truncated" in str(e).lower() else "corrupt image", str(e)) from None
 
@@ -353,6 +360,16 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
             if what: converted[what] += 1
         st["skipped"], st["converted"] = dict(sorted(skipped.items())), dict(sorted(converted.items()))
         if sample is not None: yield sample
+
+# %% ../nbs/03_pets.ipynb
+def parse_size(s: str | int | None) -> int | None:
+    "Bytes in `s`: an int, or text like '100MB', '1.5GiB', '20k' (None or '' for no limit)."
+    if s is None or s == "": return None
+    if isinstance(s, (int, np.integer)): return int(s)
+    m_ = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s).lower())
+    if not m_: raise ValueError(f"cannot read size {s!r}; write e.g. 100MB, 64MiB or 1000000")
+    num, unit, binary = m_.groups()
+    return int(float(num) * (1024 if binary else 1000) ** "_kmgt".index(unit or "_"))
 
 # %% ../nbs/03_pets.ipynb
 def _encode(sample: dict) -> dict:
@@ -427,7 +444,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
                  dest,                     # Store: a local directory or ais://bucket[/prefix]
                  prefix: str = "pets-",    # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json
                  maxcount: int = 400,      # Most samples per shard
-                 maxsize: int | None = None, # Most bytes per shard (None: no limit)
+                 maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB (None: no limit)
                  stats: dict | None = None,  # Source statistics, recorded in the manifest when complete
                  info: dict | None = None,   # What identifies the input (checked on resume)
                  total: int | None = None,   # Expected number of samples, for the progress bar
@@ -435,6 +452,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
                  mtime: float = 0):          # Modification time of every member (fixed: reproducible bytes)
     "Write `samples` as WebDataset shards into `dest`, each handed to the store when finished; the manifest."
     if maxcount < 1: raise ValueError(f"maxcount must be >= 1, got {maxcount}")
+    maxsize = parse_size(maxsize)
     if maxsize is not None and maxsize < 10240: raise ValueError(f"maxsize must be >= 10240 bytes (one tar record), got {maxsize}")
     store = open_store(dest, create=True)
     settings = dict(prefix=prefix, maxcount=maxcount, maxsize=maxsize, info=info or {})
@@ -489,6 +507,8 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
                                      f"delete {manifest_name(prefix)} and its shards to start over")
                 continue
             enc = _encode(sample)
+            if "." in enc["__key__"].rsplit("/", 1)[-1]:
+                raise ValueError(f"sample key {enc['__key__']!r} has a dot: WebDataset would split it there; use keys without dots")
             n = _tar_size(enc)
             if cur and (cur["count"] >= maxcount or (maxsize and _tar_file_size(cur["size"] + n) > maxsize)): close_shard()
             if cur is None: cur = open_shard()
@@ -523,7 +543,7 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                  split: str = "all",        # 'all', 'trainval' or 'test'
                  prefix: str = "pets-",     # Shard names PREFIX00000.tar, ...
                  maxcount: int = 400,       # Most samples per shard (the seed post's 400)
-                 maxsize: int | None = None, # Most bytes per shard
+                 maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB
                  workers: int = 2,          # Processes validating and normalising images
                  extras: bool = False,      # Add species.cls and pet.json to each sample
                  check: str = "decode",     # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
@@ -538,16 +558,6 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                         maxcount=maxcount, maxsize=maxsize, stats=stats, info=info, total=n, progress=progress)
 
 # %% ../nbs/03_pets.ipynb
-def parse_size(s: str | int | None) -> int | None:
-    "Bytes in `s`: an int, or text like '100MB', '1.5GiB', '20k' (None or '' for no limit)."
-    if s is None or s == "": return None
-    if isinstance(s, (int, np.integer)): return int(s)
-    m_ = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s).lower())
-    if not m_: raise ValueError(f"cannot read size {s!r}; write e.g. 100MB, 64MiB or 1000000")
-    num, unit, binary = m_.groups()
-    return int(float(num) * (1024 if binary else 1000) ** "_kmgt".index(unit or "_"))
-
-# %% ../nbs/03_pets.ipynb
 def pets_synth_cli(root: str,                # Folder to write the data set into
                    n: int = 740,             # Number of images listed in list.txt
                    seed: int = 0,            # Random seed (the same seed gives the same bytes)
@@ -557,7 +567,10 @@ def pets_synth_cli(root: str,                # Folder to write the data set into
     if n < 1 or (quirks and n < 2 * len(PET_QUIRKS)):
         print(f"shardkit pets synth: --n must be >= {2 * len(PET_QUIRKS) if quirks else 1}{' with --quirks' if quirks else ''}, got {n}", file=sys.stderr)
         return 2
-    plan = synthesize_pets(root, n=n, seed=seed, quirks=quirks, workers=workers, progress=True)
+    try: plan = synthesize_pets(root, n=n, seed=seed, quirks=quirks, workers=workers, progress=True)
+    except PetsError as e:
+        print(f"shardkit pets synth: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {plan['listed']} listed images of 37 breeds to {root} (seed {seed})"
           + (f"; planted quirks: {', '.join(plan['quirks'])}" if quirks else ""))
 
