@@ -18,7 +18,7 @@ def shardkit(*args, check=True):
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("folder") / "tree"
-    r = shardkit("synth", "folder", root, "--classes", 3, "--per_class", 4, "--val_per_class", 2)
+    r = shardkit("synth", "folder", root, "--classes", 3, "--per-class", 4, "--val-per-class", 2)
     assert "3 classes" in r.stdout
     return root
 
@@ -55,7 +55,7 @@ def test_convert_folder_maxsize_in_bytes(tree, tmp_path):
 
 
 def test_convert_folder_no_shuffle_keeps_imagefolder_order(tree, tmp_path):
-    assert main(["convert", "folder", str(tree / "val"), str(tmp_path), "--prefix", "v-", "--no_shuffle"]) == 0
+    assert main(["convert", "folder", str(tree / "val"), str(tmp_path), "--prefix", "v-", "--no-shuffle"]) == 0
     keys = [s["__key__"] for s in wds.WebDataset(str(tmp_path / "v-000000.tar"), shardshuffle=False)]
     assert keys == [f"{i:07d}" for i in range(6)]
 
