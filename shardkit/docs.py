@@ -30,8 +30,13 @@ def notebook_title(path: str | Path) -> str:
     "The first H1 heading of the notebook at `path`, or a title made from its file name."
     nb = json.loads(Path(path).read_text(encoding="utf-8"))
     for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "raw":  # nbdev also takes the title from YAML front matter
+            m = re.match(r"^\s*---\s*\n(.*?)\n---", src, re.S)
+            fm = yaml.safe_load(m.group(1)) if m else None
+            if isinstance(fm, dict) and fm.get("title"): return str(fm["title"])
         if cell["cell_type"] != "markdown": continue
-        m = re.search(r"^#\s+(.+?)\s*#*\s*$", "".join(cell["source"]), re.M)
+        m = re.search(r"^#\s+(.+?)\s*#*\s*$", src, re.M)
         if m: return m.group(1)
     return re.sub(r"^\d+[a-zA-Z0-9]*_", "", Path(path).stem).replace("_", " ").capitalize()
 
