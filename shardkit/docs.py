@@ -13,8 +13,8 @@ from fastcore.script import store_true
 # %% auto 0
 __all__ = ['find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root', 'process_notebook',
            'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem', 'render_offline',
-           'render_quarto', 'execute_notebook', 'execute_notebooks', 'docs_cli', 'pipeline_diagram',
-           'save_pipeline_diagram']
+           'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed', 'docs_cli',
+           'pipeline_diagram', 'save_pipeline_diagram']
 
 # %% ../nbs/98_docs.ipynb
 def find_notebooks(nbs: str | Path) -> list[Path]:
@@ -366,10 +366,16 @@ def execute_notebooks(paths: list[str | Path]) -> int:
     return failed
 
 # %% ../nbs/98_docs.ipynb
+def committed_executed(nbs: str | Path) -> list[Path]:
+    "The notebooks under `nbs` that are committed with outputs: the tutorials (folders) and any saved with outputs."
+    def has_outputs(p): return any(c.get("outputs") for c in json.loads(p.read_text(encoding="utf-8"))["cells"])
+    return [Path(nbs) / p for p in find_notebooks(nbs) if len(p.parts) > 1 or has_outputs(Path(nbs) / p)]
+
+# %% ../nbs/98_docs.ipynb
 def docs_cli(out: str = "_site",                 # Folder to write the site into
              nbs: str = None,                    # Notebooks folder (default: the project's nbs/)
              offline: store_true = False,        # Use the offline renderer even when Quarto is installed
-             execute: store_true = False):       # Execute the tutorials in place before building
+             execute: store_true = False):       # First execute in place the tutorials and the notebooks saved with outputs
     "Render the documentation site: with Quarto when `quarto` is on PATH, otherwise offline with mkdocs."
     try: nbs = Path(nbs) if nbs else project_root() / "nbs"
     except FileNotFoundError as e:
@@ -380,8 +386,7 @@ def docs_cli(out: str = "_site",                 # Folder to write the site into
     if problem:
         print(f"shardkit docs: --out {out!r} {problem}: pick a new or empty folder, or an earlier site", file=sys.stderr); return 2
     if execute:
-        tutorials = [nbs / p for p in find_notebooks(nbs) if len(p.parts) > 1]
-        if execute_notebooks(tutorials): return 1
+        if execute_notebooks(committed_executed(nbs)): return 1
     if shutil.which("quarto") and not offline:
         print("rendering with Quarto (nbdev's pipeline) ...")
         site = render_quarto(nbs, out)
