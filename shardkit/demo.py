@@ -79,12 +79,24 @@ def step_data(state: DemoState, out: Path, pets: str | None, n: int, quiet: bool
     synthesize_pets(root, n=n, seed=0, workers=2, progress=not quiet)
     return state.finish("data", settings, dict(root=str(root), images=len(pet_records(root)), synthetic=True))
 
-def step_shards(state: DemoState, data: dict, shards_spec: str, quiet: bool) -> dict:
+def _clear(store, prefix: str) -> int:
+    "Delete the objects of `store` whose names start with `prefix`; how many."
+    names = store.list(prefix)
+    for name in names: store.delete(name)
+    return len(names)
+
+def step_shards(state: DemoState, data: dict, shards_spec: str, quiet: bool, fresh: bool = False) -> dict:
     "Convert the trainval and test splits into `train-` and `test-` shards (a no-op when already complete)."
     shards = open_store(shards_spec, create=True)
     res = {}
     for split, prefix in (("trainval", "train-"), ("test", "test-")):
-        m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=not quiet)
+        if fresh: _clear(shards, prefix)
+        try: m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=not quiet)
+        except StoreError as e:
+            if "already holds a conversion" not in str(e): raise
+            # the demo's own store holds an earlier demo's shards of other data (another --n or --pets): replace them
+            _say(f"shards: replacing {_clear(shards, prefix)} objects {prefix}* of an earlier demo run in {shards.spec}", quiet)
+            m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=not quiet)
         res[split] = dict(shards=len(m["shards"]), samples=m["samples"], bytes=m["bytes"])
     _say(f"shards: {res['trainval']['samples']} train samples in {res['trainval']['shards']} shards, "
          f"{res['test']['samples']} test samples in {res['test']['shards']} shards, in {shards.spec}", quiet)
@@ -195,7 +207,7 @@ def run_demo(out: str | Path = "shardkit-demo", pets: str | None = None, n: int 
     try:
         r = dict(out=str(out), stores=stores, workers=workers, epochs=epochs)
         r["data"] = step_data(state, out, pets, n, quiet); advance()
-        r["shards"] = step_shards(state, r["data"], stores["shards"], quiet); advance()
+        r["shards"] = step_shards(state, r["data"], stores["shards"], quiet, fresh); advance()
         fingerprint = [r["data"]["root"], r["data"]["images"], r["shards"]]
         r["shuffle"] = step_shuffle(state, stores["shards"], stores["shuffled"], fingerprint, quiet); advance()
         r["train"] = step_train(state, out, stores["shards"], stores["shuffled"], fingerprint, epochs, workers, quiet); advance()

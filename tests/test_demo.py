@@ -1,0 +1,48 @@
+"""`shardkit demo` end to end on a tiny data set: files, summary, reuse on re-run, bad input, AIStore."""
+import json, time
+import pytest
+
+FILES = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt", "demo-state.json")
+
+
+def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
+    out = tmp_path / "demo"
+    t0 = time.time()
+    r = cli("demo", "--out", out, "--n", "74", "--epochs", "1", timeout=300)
+    first = time.time() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    for f in FILES:
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    summary = (out / "summary.txt").read_text()
+    for line in ("shardkit demo: done", "74 synthetic Oxford-IIIT Pet images", "37 train samples", "37 test samples",
+                 "by local", "sidecar running shardkit.demo:shrink_pets", "test accuracy", "learning check >= 3x",
+                 "seed post (torchrgb + classic)", "goal: default >= 1.0x map"):
+        assert line in summary, (line, summary)
+    assert summary.strip() in r.stdout
+    state = json.loads((out / "demo-state.json").read_text())
+    assert set(state) == {"data", "shuffle", "train", "bench"}
+
+    t0 = time.time()
+    r2 = cli("demo", "--out", out, "--n", "74", "--epochs", "1", timeout=300)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    for step in ("data: reusing", "shuffle: reusing", "train: reusing", "bench: reusing"):
+        assert step in r2.stdout, (step, r2.stdout)
+    assert time.time() - t0 < first / 2
+    assert json.loads((out / "demo-state.json").read_text())["train"] == state["train"]
+
+
+def test_demo_bad_input_says_what_to_do(cli, tmp_path):
+    r = cli("demo", "--out", tmp_path, "--pets", tmp_path / "no-such-pets")
+    assert r.returncode == 2 and "no annotations/list.txt" in r.stderr and "no-such-pets" in r.stderr
+    r = cli("demo", "--out", tmp_path, "--n", "5")
+    assert r.returncode == 2 and "--n must be >= 37, got 5" in r.stderr
+    r = cli("demo", "--help")
+    assert r.returncode == 0 and "--pets" in r.stdout and "--out" in r.stdout
+
+
+def test_demo_on_aistore(cli, tmp_path, ais_endpoint):
+    r = cli("demo", "--out", tmp_path / "demo", "--n", "74", "--epochs", "1", "--no-bench", "--quiet", "--fresh",
+            env={"AIS_ENDPOINT": ais_endpoint}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on the AIStore" in r.stdout and "ais://shardkit-demo-shuffled" in r.stdout
+    assert (tmp_path / "demo" / "samples.png").is_file()
