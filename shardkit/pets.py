@@ -99,7 +99,8 @@ def _quirk_bytes(quirk: str, jpg: bytes) -> bytes | None:
         rgba = img.convert("RGBA"); rgba.putalpha(200); rgba.save(buf, "PNG")
     elif quirk == "truncated": return jpg[: len(jpg) // 2]
     elif quirk == "empty": return b""
-    elif quirk in ("missing_image", "missing_trimap"): return None if quirk == "missing_image" else jpg
+    elif quirk == "missing_image": return None
+    elif quirk == "missing_trimap": return jpg  # the image is fine; the writer leaves out the trimap
     else: raise ValueError(f"unknown quirk {quirk!r}; expected one of {list(PET_QUIRKS)}")
     return buf.getvalue()
 
@@ -116,11 +117,11 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
         raise ValueError(f"quirks=True needs n >= {2 * len(PET_QUIRKS)} images to plant them on, got n={n}")
     root = Path(root)
     images, ann = root / "images", root / "annotations"
-    if (root / "synth.json").is_file():  # written last, so its presence means a complete data set
-        plan = json.loads((root / "synth.json").read_text())
-        if (plan.get("n"), plan.get("seed"), bool(plan.get("quirks"))) == (n, seed, quirks): return plan
+    # synth.json is written last, so its presence means a complete data set
+    old = json.loads((root / "synth.json").read_text()) if (root / "synth.json").is_file() else {}
+    if (old.get("n"), old.get("seed"), bool(old.get("quirks"))) == (n, seed, quirks): return old
     if any(d.is_dir() and any(d.iterdir()) for d in (images, ann)):
-        raise PetsError(f"{root} already holds a data set (n={plan['n'] if (root / 'synth.json').is_file() else '?'}); "
+        raise PetsError(f"{root} already holds a data set (n={old.get('n', '?')}, seed={old.get('seed', '?')}); "
                         f"remove it or choose another folder, since its files would mix with the new ones")
     for d in (images, ann / "trimaps", ann / "xmls"): d.mkdir(parents=True, exist_ok=True)
     names = [_pet_name(i) for i in range(n)]
@@ -653,12 +654,13 @@ def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
         for r in range(repeat):
             for i, (label, check) in enumerate(runs.items()):  # interleaved, so load changes hit all alike
                 target = f"{dest.rstrip('/')}/bench-{r}-{i}" if dest else work / f"{r}-{i}"
+                c0 = _cpu_seconds()
                 t0 = time.perf_counter()
                 if check is None: n, nbytes = _seed_post_convert(root, target)
                 else:
                     m = convert_pets(root, target, workers=workers, check=check, progress=False)
                     n, nbytes = m["samples"], m["bytes"]
-                times[label].append((time.perf_counter() - t0, n, nbytes))
+                times[label].append((time.perf_counter() - t0, n, nbytes, _cpu_seconds() - c0))
                 if dest:  # leave the user's store as it was
                     st = open_store(target)
                     for name in st.list(): st.delete(name)
@@ -666,16 +668,21 @@ def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
     finally: shutil.rmtree(work, ignore_errors=True)
     res = {}
     for label, rs in times.items():
-        t, n, b = sorted(rs)[len(rs) // 2]
-        res[label] = dict(seconds=t, samples=n, samples_per_s=n / t, mb_per_s=b / 1e6 / t)
+        t, n, b, cpu = sorted(rs)[len(rs) // 2]
+        res[label] = dict(seconds=t, samples=n, samples_per_s=n / t, mb_per_s=b / 1e6 / t, cpu_ms_per_sample=1e3 * cpu / max(n, 1))
     base = res[next(iter(runs))]["samples_per_s"]
     for v in res.values(): v["ratio"] = v["samples_per_s"] / base
     return res
 
+def _cpu_seconds() -> float:
+    "CPU time of this process and of its finished children (the pool's workers, once joined)."
+    import resource
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
 def _bench_table(res: dict) -> str:
-    rows = [f"{'':40s} {'samples':>8s} {'seconds':>8s} {'samples/s':>10s} {'MB/s':>7s} {'ratio':>6s}"]
+    rows = [f"{'':40s} {'samples':>8s} {'seconds':>8s} {'samples/s':>10s} {'MB/s':>7s} {'ratio':>6s} {'CPU ms/sample':>14s}"]
     rows += [f"{k:40s} {v['samples']:8d} {v['seconds']:8.2f} {v['samples_per_s']:10.0f} {v['mb_per_s']:7.1f} {v['ratio']:5.2f}x"
-             for k, v in res.items()]
+             f" {v['cpu_ms_per_sample']:14.2f}" for k, v in res.items()]
     rows.append(f"ratio = samples/s relative to the seed post's loop, median of runs interleaved in one process (goal >= 0.8x); "
                 f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     return "\n".join(rows)
