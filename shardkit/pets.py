@@ -587,7 +587,7 @@ def convert_pets_cli(root: str,              # Oxford-IIIT Pet folder (ROOT/imag
                      split: str = "all",     # all, trainval or test
                      prefix: str = "pets-",  # Shard names PREFIX00000.tar, ...
                      maxcount: int = 400,    # Most samples per shard
-                     maxsize: str = "",      # Most bytes per shard, e.g. 100MB (default: no limit)
+                     maxsize: str = "",      # Most bytes per shard, e.g. 100MB (empty: no limit)
                      workers: int = 2,       # Processes validating and normalising images
                      extras: store_true = False, # Add species.cls and pet.json (list.txt's original ids) to each sample
                      check: str = "decode"): # Image check: decode (every JPEG) or fast (header and end marker)
@@ -690,8 +690,8 @@ def _bench_table(res: dict) -> str:
 def bench_convert_cli(root: str,         # Oxford-IIIT Pet folder (e.g. from `shardkit pets synth ROOT`)
                       workers: int = 2,  # Processes for the validating converter
                       repeat: int = 3,   # Runs of each; the median counts
-                      check: str = "",   # Only this image check (decode or fast); default: both
-                      dest: str = ""):   # Store to write into (default: temp directories); e.g. ais://bench
+                      check: str = "",   # Only this image check, decode or fast (empty: both)
+                      dest: str = ""):   # Store to write into, e.g. ais://bench (empty: temp directories)
     "Benchmark the Pet converter against the seed post's plain ShardWriter loop, side by side."
     err = lambda msg: print(f"shardkit bench convert: {msg}", file=sys.stderr) or 2
     if not (Path(root) / "annotations" / "list.txt").is_file():
