@@ -239,7 +239,7 @@ def test_cli_bad_input(quirky, tmp_path, capsys):
              (["convert", "pets", str(tmp_path / "nope"), str(tmp_path)], "is not an Oxford-IIIT Pet folder"),
              (["pets", "synth", str(tmp_path / "q"), "--n", "5", "--quirks"], "--n must be >= 14 with --quirks, got 5"),
              (["bench", "convert", str(tmp_path / "nope")], "is not an Oxford-IIIT Pet folder"),
-             (["pets", "synth", str(root), "--n", "20"], "already holds a data set (n=50)")]
+             (["pets", "synth", str(root), "--n", "20"], "already holds a data set (n=50, seed=3)")]
     for argv, msg in cases:
         assert cli_main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
