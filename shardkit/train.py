@@ -249,14 +249,17 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
     try:
         hist = train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps,
                      samples, classes, keys_out, device, threads, seed)
-    except ValueError as e:
-        print(f"shardkit train: {e}", file=sys.stderr)
-        return 2
-    except (OSError, tarfile.TarError) as e:
-        url = e.args[-1] if len(e.args) == 3 and isinstance(e.args[-1], str) else None  # webdataset adds (..., stream, url)
-        reason = getattr(e, "strerror", None) or e.args[0]
-        what = f"cannot read shard {url}: {reason}" if url else str(e)
-        print(f"shardkit train: {what}; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)", file=sys.stderr)
+    except (ValueError, OSError, tarfile.TarError) as e:
+        if dist.is_initialized(): dist.destroy_process_group()
+        print(f"shardkit train: {_explain(e)}", file=sys.stderr)
         return 2
     if json_out and int(os.environ.get("RANK", 0)) == 0: Path(json_out).write_text(json.dumps(hist, indent=1))
     return 0
+
+def _explain(e: Exception) -> str:
+    "What went wrong, in one line, with the shard URL when webdataset names one."
+    if isinstance(e, ValueError): return str(e)
+    url = e.args[-1] if len(e.args) == 3 and isinstance(e.args[-1], str) else None  # webdataset adds (..., stream, url)
+    reason = getattr(e, "strerror", None) or e.args[0]
+    what = f"cannot read shard {url}: {reason}" if url else str(e)
+    return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
