@@ -273,7 +273,7 @@ CHECKS = ("decode", "fast")
 
 def normalize_jpeg(data: bytes,           # The bytes of an image file
                    quality: int = 95,     # JPEG quality of re-encoded images
-                   check: str = "decode"  # 'decode' every JPEG, or 'fast': header and end marker (see below)
+                   check: str = "fast"  # 'decode' every JPEG, or 'fast': header and end marker (see below)
                   ) -> tuple[bytes, str | None]:
     "`data` as RGB JPEG bytes and what was converted ('JPEG L', 'PNG RGBA', ...; None: kept as is)."
     if not data: raise SkipSample("empty image")
@@ -308,7 +308,7 @@ def check_trimap(data: bytes) -> bytes:
 
 # %% ../nbs/03_pets.ipynb
 def load_pet_sample(rec: tuple[str, int, int, int], root: str | Path, extras: bool = False,
-                    check: str = "decode") -> tuple[dict | None, str | None]:
+                    check: str = "fast") -> tuple[dict | None, str | None]:
     "The sample of list.txt record `rec` and what was converted, or (None, skip reason)."
     name, cid, species, breed = rec
     root = Path(root)
@@ -344,7 +344,7 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
                 workers: int = 2,        # Processes validating and normalising images (<= 1: this process)
                 stats: dict | None = None, # Filled with listed/kept/skipped/converted/unlisted/ignored counts
                 extras: bool = False,    # Add species.cls and pet.json (list.txt's original ids) to each sample
-                check: str = "decode"):  # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
+                check: str = "fast"):  # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
     "Yield the WebDataset samples of a Pet folder, sorted by name; every skipped record is counted in `stats`."
     root = Path(root)
     recs = pet_records(root, split)
@@ -547,7 +547,7 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB
                  workers: int = 2,          # Processes validating and normalising images
                  extras: bool = False,      # Add species.cls and pet.json to each sample
-                 check: str = "decode",     # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
+                 check: str = "fast",     # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
                  progress: bool = True):    # Progress bar and summary
     "Convert an Oxford-IIIT Pet folder into WebDataset shards in `dest`; the manifest."
     root = Path(root)
@@ -590,7 +590,7 @@ def convert_pets_cli(root: str,              # Oxford-IIIT Pet folder (ROOT/imag
                      maxsize: str = "",      # Most bytes per shard, e.g. 100MB (empty: no limit)
                      workers: int = 2,       # Processes validating and normalising images
                      extras: store_true = False, # Add species.cls and pet.json (list.txt's original ids) to each sample
-                     check: str = "decode"): # Image check: decode (every JPEG) or fast (header and end marker)
+                     check: str = "fast"): # Image check: decode (every JPEG) or fast (header and end marker)
     "Convert an Oxford-IIIT Pet folder into WebDataset shards (validated, resumable, with a manifest)."
     err = lambda msg: print(f"shardkit convert pets: {msg}", file=sys.stderr) or 2
     if split not in SPLITS: return err(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
