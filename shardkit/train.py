@@ -169,7 +169,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
             samples, classes = samples or n, classes or c
             _log(rank, f"counted {n} samples of {c} classes in {len(urls)} shards (pass --samples and --classes to skip this pass)")
         if world > 1 and samples < world * batch_size:
-            raise ValueError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); lower --batch_size")
+            raise ValueError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); lower --batch-size")
         nbatches = samples // (world * batch_size) if world > 1 else None
         make_train = lambda epoch: shard_loader(urls, train_tf, batch_size, workers, nbatches, seed=seed + epoch)
         val_loader = shard_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None

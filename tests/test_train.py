@@ -36,8 +36,8 @@ def torchrun(*args, nproc=2, timeout=120):
 def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
     # uneven shards: rank 0 gets shards 0 and 2 (26 samples), rank 1 gets shard 1 (20 samples)
     shards = write_shards(tmp_path / "shards", [20, 20, 6])
-    r = torchrun("--shards", shards, "--size", 32, "--batch_size", 8, "--workers", 1, "--epochs", 2,
-                 "--keys_out", tmp_path / "keys", "--json_out", tmp_path / "hist.json")
+    r = torchrun("--shards", shards, "--size", 32, "--batch-size", 8, "--workers", 1, "--epochs", 2,
+                 "--keys-out", tmp_path / "keys", "--json-out", tmp_path / "hist.json")
     assert r.returncode == 0, r.stdout + r.stderr
     seen = [(tmp_path / "keys" / f"keys-rank{i}.txt").read_text().split() for i in range(2)]
     # 46 samples // (2 ranks x 8) = 2 full batches per rank per epoch, on both ranks
@@ -54,8 +54,8 @@ def test_ddp_folder_ranks_disjoint(tmp_path):
     for c in range(2):
         d = tmp_path / "tree" / "train" / f"c{c}"; d.mkdir(parents=True)
         for j in range(9): (d / f"img{j}.jpg").write_bytes(_jpeg(c, np.random.default_rng(j)))
-    r = torchrun("--folder", tmp_path / "tree", "--size", 32, "--batch_size", 4, "--workers", 0,
-                 "--keys_out", tmp_path / "keys")
+    r = torchrun("--folder", tmp_path / "tree", "--size", 32, "--batch-size", 4, "--workers", 0,
+                 "--keys-out", tmp_path / "keys")
     assert r.returncode == 0, r.stdout + r.stderr
     seen = [(tmp_path / "keys" / f"keys-rank{i}.txt").read_text().split() for i in range(2)]
     assert [len(s) for s in seen] == [8, 8]  # DistributedSampler(drop_last): 18 // 2 = 9 per rank, 2 full batches of 4
@@ -65,7 +65,7 @@ def test_ddp_folder_ranks_disjoint(tmp_path):
 def test_ddp_too_few_shards_fails_fast(tmp_path):
     shards = write_shards(tmp_path / "shards", [10])
     t0 = time.time()
-    r = torchrun("--shards", shards, "--size", 32, "--batch_size", 4, "--workers", 0, timeout=90)
+    r = torchrun("--shards", shards, "--size", 32, "--batch-size", 4, "--workers", 0, timeout=90)
     assert r.returncode != 0
     assert "1 shards cannot feed 2 ranks" in r.stderr, r.stderr[-2000:]
     assert time.time() - t0 < 90
@@ -102,8 +102,8 @@ def test_train_over_http(tmp_path, capsys):
     with http_server(tmp_path / "shards") as url:
         for base in (url, f"pipe:curl -fsS {url}"):
             rc, out, err = shardkit(capsys, "train", "--base", base, "--shards", "imagenet-train-{00..01}.tar",
-                                    "--val_shards", "imagenet-val-{00..00}.tar", "--size", 32, "--batch_size", 8,
-                                    "--workers", 1, "--json_out", tmp_path / "h.json")
+                                    "--val-shards", "imagenet-val-{00..00}.tar", "--size", 32, "--batch-size", 8,
+                                    "--workers", 1, "--json-out", tmp_path / "h.json")
             assert rc == 0, out + err
             h = json.loads((tmp_path / "h.json").read_text())[0]
             assert (h["samples"], h["val_samples"]) == (24, 6)
