@@ -155,14 +155,14 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
     return state.finish("train", settings, dict(accuracy=acc, seconds=round(seconds, 1), steps=len(losses),
                                                 final_loss=round(sum(losses[-5:]) / max(len(losses[-5:]), 1), 3), etl=etl_name))
 
-def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, quiet: bool) -> dict:
+def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, samples: int, quiet: bool) -> dict:
     "The loader benchmark on the shuffled shards: table and plot."
     import matplotlib.pyplot as plt
-    settings = dict(workers=workers, input=fingerprint)
+    settings = dict(workers=workers, samples=samples, input=fingerprint)
     out = Path(out)
     if (r := state.done("bench", settings)) and (out / "bench-loader.png").exists():
         _say("bench: reusing the loader benchmark", quiet); return r
-    res = bench_loader(open_store(shuffled_spec), num_workers=workers, progress=not quiet)
+    res = bench_loader(open_store(shuffled_spec), num_workers=workers, samples=samples, progress=not quiet)
     table = format_bench(res)
     (out / "bench-loader.txt").write_text(table + "\n")
     fig = plot_bench(res, out / "bench-loader.png"); plt.close(fig)
@@ -192,7 +192,7 @@ def format_summary(r: dict) -> str:
 
 # %% ../nbs/10_demo.ipynb
 def run_demo(out: str | Path = "shardkit-demo", pets: str | None = None, n: int = 740, epochs: int = 3,
-             workers: int = 2, bench: bool = True, fresh: bool = False, quiet: bool = False) -> dict:
+             workers: int = 2, bench: bool = True, bench_samples: int = 2000, fresh: bool = False, quiet: bool = False) -> dict:
     "Run the whole pipeline end to end, reusing finished steps; returns what each step did and writes `out/summary.txt`."
     from tqdm.auto import tqdm
     t0, out = time.time(), Path(out).resolve()
@@ -211,7 +211,7 @@ def run_demo(out: str | Path = "shardkit-demo", pets: str | None = None, n: int 
         fingerprint = [r["data"]["root"], r["data"]["images"], r["shards"]]
         r["shuffle"] = step_shuffle(state, stores["shards"], stores["shuffled"], fingerprint, quiet); advance()
         r["train"] = step_train(state, out, stores["shards"], stores["shuffled"], fingerprint, epochs, workers, quiet); advance()
-        if bench: r["bench"] = step_bench(state, out, stores["shuffled"], fingerprint, workers, quiet); advance()
+        if bench: r["bench"] = step_bench(state, out, stores["shuffled"], fingerprint, workers, bench_samples, quiet); advance()
     finally: bar.close()
     r["seconds"] = time.time() - t0
     summary = format_summary(r)
@@ -226,6 +226,7 @@ def demo_cli(out: str = "shardkit-demo",   # Folder for the results (and, on the
              epochs: int = 3,              # Training epochs of the small CNN
              workers: int = 2,             # DataLoader workers (at most the CPU cores help)
              no_bench: store_true = False,  # Skip the loader benchmark
+             bench_samples: int = 2000,    # Samples per loader in the benchmark
              fresh: store_true = False,    # Redo every step instead of reusing finished ones
              quiet: store_true = False):   # Print only the summary
     "Run the whole pipeline end to end on the embedded default (or the AIStore cluster at AIS_ENDPOINT)."
@@ -235,7 +236,7 @@ def demo_cli(out: str = "shardkit-demo",   # Folder for the results (and, on the
         print(f"shardkit demo: --pets {pets} holds no annotations/list.txt; give the Oxford-IIIT Pet folder "
               "(with images/ and annotations/), or leave --pets out to synthesize the data", file=sys.stderr)
         return 2
-    try: res = run_demo(out, pets=pets, n=n, epochs=epochs, workers=workers, bench=not no_bench, fresh=fresh, quiet=quiet)
+    try: res = run_demo(out, pets=pets, n=n, epochs=epochs, workers=workers, bench=not no_bench, bench_samples=bench_samples, fresh=fresh, quiet=quiet)
     except StoreError as e: print(f"shardkit demo: {e}", file=sys.stderr); return 2
     print()
     print(res["summary"])

@@ -8,7 +8,7 @@ FILES = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "sum
 def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     out = tmp_path / "demo"
     t0 = time.time()
-    r = cli("demo", "--out", out, "--n", "74", "--epochs", "1", timeout=300)
+    r = cli("demo", "--out", out, "--n", "74", "--epochs", "1", "--bench-samples", "100", timeout=300)
     first = time.time() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     for f in FILES:
@@ -23,7 +23,7 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     assert set(state) == {"data", "shuffle", "train", "bench"}
 
     t0 = time.time()
-    r2 = cli("demo", "--out", out, "--n", "74", "--epochs", "1", timeout=300)
+    r2 = cli("demo", "--out", out, "--n", "74", "--epochs", "1", "--bench-samples", "100", timeout=300)
     assert r2.returncode == 0, r2.stderr[-3000:]
     for step in ("data: reusing", "shuffle: reusing", "train: reusing", "bench: reusing"):
         assert step in r2.stdout, (step, r2.stdout)

@@ -138,7 +138,7 @@ def test_bench_loader_cli(shards, cli, tmp_path):
     r = cli("bench", "loader", tmp_path / "nowhere")
     assert r.returncode == 2 and "nowhere" in r.stderr
     png = tmp_path / "bench.png"
-    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--cold", "--out", png, timeout=120)
+    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--cold", "--samples", "40", "--out", png, timeout=120)
     assert r.returncode == 0, r.stderr
     for row in ("seed post", "shardkit default", "map-style ImageFolder", "decode+augment ceiling", "goal: default >= 2.0x seed"):
         assert row in r.stdout, (row, r.stdout)
