@@ -31,13 +31,17 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     assert json.loads((out / "demo-state.json").read_text())["train"] == state["train"]
 
 
-def test_demo_bad_input_says_what_to_do(cli, tmp_path):
-    r = cli("demo", "--out", tmp_path, "--pets", tmp_path / "no-such-pets")
-    assert r.returncode == 2 and "no annotations/list.txt" in r.stderr and "no-such-pets" in r.stderr
-    r = cli("demo", "--out", tmp_path, "--n", "5")
-    assert r.returncode == 2 and "--n must be >= 37, got 5" in r.stderr
-    r = cli("demo", "--help")
-    assert r.returncode == 0 and "--pets" in r.stdout and "--out" in r.stdout
+def test_demo_bad_input_says_what_to_do(tmp_path, capsys):
+    from shardkit.cli import main
+    assert main(["demo", "--out", str(tmp_path), "--pets", str(tmp_path / "no-such-pets")]) == 2
+    err = capsys.readouterr().err
+    assert "no annotations/list.txt" in err and "no-such-pets" in err
+    assert main(["demo", "--out", str(tmp_path), "--n", "5"]) == 2
+    assert "--n must be >= 37, got 5" in capsys.readouterr().err
+    assert not (tmp_path / "demo-state.json").exists(), "nothing ran"
+    with pytest.raises(SystemExit) as e: main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--pets" in out and "--out" in out
 
 
 def test_demo_on_aistore(cli, tmp_path, ais_endpoint):
