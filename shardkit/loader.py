@@ -24,7 +24,7 @@ from .store import open_store
 # %% auto 0
 __all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'GOALS', 'DEFAULT', 'SEED', 'MAP', 'CEILING',
            'shard_urls', 'rank_and_world', 'seed_for', 'EpochShards', 'tar_samples', 'split_count', 'take_share',
-           'buffer_shuffle', 'shuffle_samples', 'is_mask_key', 'decode_jpeg_fast', 'decode_value', 'train_transform',
+           'buffer_shuffle', 'shuffle_samples', 'is_mask_key', 'decode_rgb', 'decode_value', 'train_transform',
            'eval_transform', 'normalize_batch', 'sample_to_tuple', 'collate', 'ShardDataset', 'create_dataset',
            'ShardLoader', 'create_dataloader', 'small_cnn', 'train_epochs', 'evaluate', 'seed_post_loader',
            'extract_image_folder', 'map_style_loader', 'drop_page_cache', 'time_loader', 'decode_augment_rate',
@@ -158,13 +158,9 @@ def is_mask_key(key: str) -> bool:
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor: return t.permute(1, 2, 0).contiguous().permute(2, 0, 1)
 
-def decode_jpeg_fast(data: bytes) -> torch.Tensor:
-    "An RGB JPEG as a uint8 3 x H x W tensor, channels-last in memory."
-    try:
-        import simplejpeg
-        return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB")).permute(2, 0, 1)
-    except (ImportError, ValueError):
-        return _channels_last(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
+def decode_rgb(data: bytes) -> torch.Tensor:
+    "Image bytes (JPEG, PNG, ... whatever the name says) as a uint8 3 x H x W tensor, channels-last in memory."
+    return _channels_last(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
 
 def decode_value(key: str, data):
     "Field `key` of a sample, decoded: images to uint8 tv_tensors, labels to int, other known types by WebDataset."
@@ -173,8 +169,7 @@ def decode_value(key: str, data):
     if ext in IMAGE_EXTS:
         if is_mask_key(key):
             return tv_tensors.Mask(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.GRAY))
-        if ext in ("jpg", "jpeg"): return tv_tensors.Image(decode_jpeg_fast(data))
-        return tv_tensors.Image(_channels_last(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)))
+        return tv_tensors.Image(decode_rgb(data))
     value = wds.autodecode.basichandlers(ext, data)
     return data if value is None else value
 
