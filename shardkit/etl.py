@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_etl.ipynb 3
 from __future__ import annotations
-import functools, importlib, io, os, random, socket, subprocess, sys, tarfile, tempfile, threading, time, warnings, zlib
+import functools, importlib, io, os, random, shlex, socket, subprocess, sys, tarfile, tempfile, threading, time, warnings, zlib
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -371,8 +371,10 @@ class Sidecar:
                  strict: bool = False,              # Re-raise on a failing sample (the shard answers 422)
                  seed: int | None = None,           # Per-sample seeds for random transforms
                  process: bool = True,              # Run in a subprocess (True) or a thread of this process
-                 start_timeout: float = 60):        # Seconds to wait for the server to answer
+                 start_timeout: float = 60,         # Seconds to wait for the server to answer
+                 stall_timeout: float = 120):       # A loader gives up on a shard after this many seconds without a byte
         self.fn, self.source, self.host = fn, open_store(source), host
+        self.stall_timeout = stall_timeout
         self.port = port or _free_port(host)
         self.kw = dict(decode=decode, strict=strict, seed=seed)
         self.process, self.start_timeout = process, start_timeout
@@ -384,7 +386,15 @@ class Sidecar:
     def __repr__(self): return f"Sidecar({getattr(self.fn, '__name__', self.fn)!r} on {self.url}, source={self.source.spec!r})"
 
     def url_for(self, store, name: str) -> str:
-        "The sidecar URL of object `name` of `store` (which must be the sidecar's source store or on its cluster)."
+        "What WebDataset opens for object `name` of `store`: a `pipe:curl` of its sidecar URL, with timeouts."
+        url, t = self.http_url(store, name), max(1, round(self.stall_timeout))
+        # exit 23 is the reader closing early (it took what it wanted): not worth a message
+        return (f"pipe:curl -s -f --connect-timeout 5 --speed-limit 1 --speed-time {t} {shlex.quote(url)} || {{ s=$?; "
+                f"[ $s = 23 ] || echo \"shardkit: the ETL sidecar did not deliver {url}: curl exit $s (7: sidecar not running, 52 or 56: connection lost, "
+                f"22: HTTP error, e.g. 422 for an unreadable shard, 28: no data for {t} s)\" >&2; exit $s; }}")
+
+    def http_url(self, store, name: str) -> str:
+        "The sidecar's HTTP URL of object `name` of `store` (its source store, or a bucket on the same cluster)."
         src = self.source
         if isinstance(store, AISStore) and isinstance(src, AISStore) and store.endpoint == src.endpoint:
             return f"{self.url}/{quote(store.bucket.name)}/{quote(store.prefix + name)}"
@@ -635,7 +645,7 @@ def bench_etl(src, pattern: str = "*.tar", repeat: int = 1) -> list[dict]:
     sidecars = {k: Sidecar(f"shardkit.etl:{fn}", store) for k, fn in OFFLOADS.items()}
     try:
         for sc in sidecars.values(): sc.start()
-        for sc in sidecars.values(): requests.get(sc.url_for(store, names[0]), timeout=300)  # warm up (imports)
+        for sc in sidecars.values(): requests.get(sc.http_url(store, names[0]), timeout=300)  # warm up (imports)
         rows = []
         for _ in range(repeat):
             rows.append(_measure("client-side (decode + augment)", client_side))

@@ -133,7 +133,7 @@ def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["imagenet-train-000000.tar", "imagenet-train-000002.tar"]
     # through the sidecar: HTTP 422 (not a 500 that curl would retry for a minute) with the reason
     with Sidecar(imagenet_val_npy, bad, process=False) as sc:
-        r = requests.get(sc.url_for(bad, "imagenet-train-000001.tar"), timeout=30)
+        r = requests.get(sc.http_url(bad, "imagenet-train-000001.tar"), timeout=30)
         assert r.status_code == 422 and "shard imagenet-train-000001.tar is not a readable tar" in r.text, r.text
         t0 = time.time()
         with pytest.raises(Exception, match="imagenet-train-000001.tar"):
@@ -153,6 +153,25 @@ def test_sidecar_stopped_mid_epoch_fails_fast(src):
     assert time.time() - t0 < 15, "the loader hung after the sidecar stopped"
     assert seen < 12
     assert sc.url in str(err.value.args), err.value.args  # the error names the sidecar URL of the shard
+
+
+def test_stalled_sidecar_times_out_instead_of_hanging(src):
+    "A sidecar that stops answering (SIGSTOP: connections still open) fails the loader after stall_timeout seconds."
+    import signal
+    sc = Sidecar("shardkit.etl:imagenet_val_npy", src, stall_timeout=3).start()
+    try:
+        urls = src.urls(src.list("*.tar"), etl=sc)
+        seen, t0 = 0, None
+        with pytest.raises(Exception) as err:
+            for s in wds.WebDataset(urls, shardshuffle=False):
+                seen += 1
+                if seen == 4:  # the end of the first shard: the next one will not come
+                    os.kill(sc._proc.pid, signal.SIGSTOP); t0 = time.time()
+        assert time.time() - t0 < 20, "the loader hung on a stalled sidecar"
+        assert "imagenet-train-000001.tar" in str(err.value.args), err.value.args
+    finally:
+        if sc._proc is not None: os.kill(sc._proc.pid, signal.SIGCONT)
+        sc.stop()
 
 
 def test_server_class_under_uvicorn_push_and_pull(src, ais_endpoint):
