@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_etl.ipynb 3
 from __future__ import annotations
-import functools, importlib, io, os, random, shlex, socket, subprocess, sys, tarfile, tempfile, threading, time, warnings, zlib
+import importlib, importlib.util, io, os, random, shlex, socket, subprocess, sys, tarfile, tempfile, threading, time, warnings, zlib
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -16,6 +16,7 @@ from webdataset.autodecode import Decoder, ImageHandler
 from webdataset.tariterators import group_by_keys, tar_file_expander
 from fastcore.script import store_true
 from tqdm.auto import tqdm
+from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
 from .store import AISStore, LocalStore, StoreError, ais_client, open_store
 
 # %% auto 0
@@ -235,8 +236,6 @@ class ShardTransform:
         return buf.getvalue()
 
 # %% ../nbs/07_etl.ipynb
-from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
-
 async def _etl_error_status(request, exc):
     "422 with the reason for transform errors (the SDK wraps every error in a 500, which clients retry)."
     from fastapi.exception_handlers import http_exception_handler
