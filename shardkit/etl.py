@@ -509,10 +509,10 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
     if src_store.spec == dest_store.spec: raise ValueError(f"source and destination are the same store ({src_store.spec}); pick another destination")
     names = src_store.list(pattern)
     if not names: raise ValueError(f"no shards matching {pattern!r} in {src_store.spec}")
-    t0 = time.perf_counter()
-    if isinstance(src_store, AISStore) and isinstance(dest_store, AISStore) and src_store.endpoint == dest_store.endpoint \
-            and etl_unavailable(src_store.client) is None:
-        return _run_in_cluster(fn, src_store, dest_store, names, decode, strict, seed, etl_name, t0)
+    t0, why_local = time.perf_counter(), None
+    if isinstance(src_store, AISStore) and isinstance(dest_store, AISStore) and src_store.endpoint == dest_store.endpoint:
+        why_local = etl_unavailable(src_store.client)
+        if why_local is None: return _run_in_cluster(fn, src_store, dest_store, names, decode, strict, seed, etl_name, t0)
     import cloudpickle
     shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
     payload = cloudpickle.dumps(shards)
@@ -536,7 +536,7 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
                 written=sum(r["error"] is None for r in results), failed={r["name"]: r["error"] for r in results if r["error"]},
                 samples_in=counts["in"], samples_out=counts["out"], skipped=counts["skipped"], reasons=dict(reasons),
                 bytes_in=sum(r["bytes_in"] for r in results), bytes_out=sum(r["bytes_out"] for r in results),
-                seconds=round(time.perf_counter() - t0, 2))
+                seconds=round(time.perf_counter() - t0, 2), **({"note": why_local} if why_local else {}))
 
 def _run_in_cluster(fn, src, dest, names, decode, strict, seed, etl_name, t0) -> dict:
     "AIStore's bucket-to-bucket transform with our ETL server class (needs a cluster that runs ETL)."
@@ -586,6 +586,7 @@ def etl_run_cli(fn: str,                      # The sample function, MODULE:FUNC
         why = ", ".join(f"{n} {r}" for r, n in s["reasons"].items())
         line += (f"; samples: {s['samples_in']} in, {s['samples_out']} out, {s['skipped']} skipped" + (f" ({why})" if why else "")
                  + f"; {s['bytes_in'] / 1e6:.1f} MB -> {s['bytes_out'] / 1e6:.1f} MB")
+    if s.get("note"): print(s["note"])
     print(line)
     for n, why in s["failed"].items(): print(f"FAILED {n}: {why}")
     return 1 if s["failed"] else 0

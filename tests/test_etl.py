@@ -209,6 +209,22 @@ def test_cluster_without_etl_says_why_in_one_line(ais_endpoint):
     assert str(e.value) == why
 
 
+def test_offline_between_buckets_falls_back_to_local_workers(src, ais_endpoint, capsys):
+    a, b = open_store("ais://shardkit-test-etl-src", create=True), open_store("ais://shardkit-test-etl-dest", create=True)
+    try:
+        a.put_file(src.path("imagenet-train-000000.tar"), "imagenet-train-000000.tar")
+        rc, out = shardkit(capsys, "etl", "run", "shardkit.etl:imagenet_val_npy", "ais://shardkit-test-etl-src",
+                           "ais://shardkit-test-etl-dest", "--workers", 1)
+        assert rc == 0, out
+        assert out.splitlines()[0] == etl_unavailable(ais_endpoint)  # says why the cluster did not run it
+        assert "1 of 1 shards written to ais://shardkit-test-etl-dest (local workers" in out, out
+        got = decoded(b.read_bytes("imagenet-train-000000.tar"))
+        same_samples(got, decoded(ShardTransform(imagenet_val_npy)(src.read_bytes("imagenet-train-000000.tar"))))
+    finally:
+        for st in (a, b):
+            for n in st.list(): st.delete(n)
+
+
 def test_cli_bad_input(src, capsys, tmp_path):
     rc, out = shardkit(capsys, "etl", "serve", "nomodule_xyz:fn", "--source", src.root)
     assert rc == 2 and "cannot import 'nomodule_xyz'" in out, out
