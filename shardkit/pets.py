@@ -15,15 +15,15 @@ from PIL import Image
 from tqdm import tqdm
 import webdataset as wds
 from fastcore.script import store_true
-from .store import LocalStore, StoreError, open_store
+from .store import LocalStore, StoreError, open_store, parse_size
 from .synth import draw_animal, jpeg_bytes, png_bytes
 
 # %% auto 0
 __all__ = ['CAT_BREEDS', 'DOG_BREEDS', 'CLASS_NAMES', 'SPECIES', 'PET_QUIRKS', 'PETS_URL', 'PETS_ARCHIVES', 'SPLITS', 'CHECKS',
            'pet_ids', 'PetsError', 'synthesize_pets', 'download_pets', 'pet_records', 'SkipSample', 'normalize_jpeg',
-           'check_trimap', 'load_pet_sample', 'pet_samples', 'parse_size', 'manifest_name', 'read_manifest',
-           'summarize', 'write_shards', 'convert_pets', 'pets_synth_cli', 'pets_download_cli', 'convert_pets_cli',
-           'bench_convert', 'bench_convert_cli']
+           'check_trimap', 'load_pet_sample', 'pet_samples', 'manifest_name', 'read_manifest', 'summarize',
+           'write_shards', 'convert_pets', 'pets_synth_cli', 'pets_download_cli', 'convert_pets_cli', 'bench_convert',
+           'bench_convert_cli']
 
 # %% ../nbs/03_pets.ipynb
 CAT_BREEDS = ("Abyssinian", "Bengal", "Birman", "Bombay", "British_Shorthair", "Egyptian_Mau", "Maine_Coon",
@@ -361,16 +361,6 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
             if what: converted[what] += 1
         st["skipped"], st["converted"] = dict(sorted(skipped.items())), dict(sorted(converted.items()))
         if sample is not None: yield sample
-
-# %% ../nbs/03_pets.ipynb
-def parse_size(s: str | int | None) -> int | None:
-    "Bytes in `s`: an int, or text like '100MB', '1.5GiB', '20k' (None or '' for no limit)."
-    if s is None or s == "": return None
-    if isinstance(s, (int, np.integer)): return int(s)
-    m_ = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(s).lower())
-    if not m_: raise ValueError(f"cannot read size {s!r}; write e.g. 100MB, 64MiB or 1000000")
-    num, unit, binary = m_.groups()
-    return int(float(num) * (1024 if binary else 1000) ** "_kmgt".index(unit or "_"))
 
 # %% ../nbs/03_pets.ipynb
 def _encode(sample: dict) -> dict:

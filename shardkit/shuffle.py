@@ -9,24 +9,11 @@ from pathlib import Path
 import numpy as np
 from fastcore.script import store_true
 from tqdm.auto import tqdm
-from .store import AISStore, LocalStore, StoreError, open_store
+from .store import AISStore, LocalStore, StoreError, open_store, parse_size
 
 # %% auto 0
-__all__ = ['parse_size', 'split_key', 'iter_samples', 'sample_digests', 'Shuffled', 'brace_template', 'dsort_framework',
-           'shuffle_shards', 'shuffle_cli']
-
-# %% ../nbs/04_shuffle.ipynb
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-def parse_size(size: str | int) -> int:
-    "Bytes in `size`: an int, or a string like `100MB`, `1.5GiB`, `4096`."
-    if isinstance(size, (int, np.integer)) and not isinstance(size, bool): n = int(size)
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", str(size), re.IGNORECASE)
-        if not m: raise ValueError(f"cannot read size {size!r}: use bytes or a number with a unit, e.g. 100MB, 64KiB, 1GB")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if n <= 0: raise ValueError(f"size must be positive, got {size!r}")
-    return n
+__all__ = ['split_key', 'iter_samples', 'sample_digests', 'Shuffled', 'brace_template', 'dsort_framework', 'shuffle_shards',
+           'shuffle_cli']
 
 # %% ../nbs/04_shuffle.ipynb
 def split_key(member: str) -> tuple[str | None, str | None]:
@@ -295,6 +282,7 @@ def shuffle_shards(src,                            # Input store or spec: a dire
     "Shuffle the samples of shards in `src` into new shards of about `shard_size` bytes in `dest`, records intact."
     if backend not in ("auto", "dsort", "local"): raise ValueError(f"backend must be 'auto', 'dsort' or 'local', not {backend!r}")
     shard_size = parse_size(shard_size)
+    if shard_size is None: raise ValueError("shard_size is required, e.g. '100MB'")
     if not re.fullmatch(r"[\w.\-/]*", output_prefix):
         raise ValueError(f"output_prefix {output_prefix!r} may hold only letters, digits, '_', '-', '.' and '/'")
     src, dest = open_store(src), open_store(dest, create=True)

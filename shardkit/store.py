@@ -4,14 +4,14 @@
 
 # %% ../nbs/00_store.ipynb 3
 from __future__ import annotations
-import fnmatch, io, os, shutil, tempfile, urllib.parse
+import fnmatch, io, os, re, shutil, tempfile, urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Iterable
 import requests
 from braceexpand import braceexpand
 
 # %% auto 0
-__all__ = ['StoreError', 'expand_names', 'LocalStore', 'ais_endpoint', 'ais_client', 'AISStore', 'open_store']
+__all__ = ['StoreError', 'expand_names', 'parse_size', 'LocalStore', 'ais_endpoint', 'ais_client', 'AISStore', 'open_store']
 
 # %% ../nbs/00_store.ipynb
 class StoreError(Exception):
@@ -33,6 +33,20 @@ def _match(names: Iterable[str], pattern: str | None) -> list[str]:
         return [n for n in names if n in wanted]
     if any(c in pattern for c in "*?["): return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
     return [n for n in names if n.startswith(pattern)]
+
+# %% ../nbs/00_store.ipynb
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+def parse_size(size: str | int | None) -> int | None:
+    "Bytes in `size`: an int, or text like `100MB`, `1.5GiB`, `4096`; None or '' for no limit."
+    if size is None or size == "": return None
+    if isinstance(size, int) and not isinstance(size, bool): n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([kmgt]i?)?b?\s*", str(size), re.IGNORECASE)
+        if not m: raise ValueError(f"cannot read size {size!r}: use bytes or a number with a unit, e.g. 100MB, 64KiB, 1GB")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0: raise ValueError(f"size must be positive, got {size!r}")
+    return n
 
 # %% ../nbs/00_store.ipynb
 class LocalStore:

@@ -164,19 +164,19 @@ def test_bad_input(tmp_path, pets):
 
 def test_cli(tmp_path, pets, cli):
     _fill(open_store(tmp_path / "src", create=True), pets)
-    r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--shard_size", "100KB", "--seed", "4")
+    r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--shard-size", "100KB", "--seed", "4")
     assert r.returncode == 0, r.stderr
     assert "60 samples ->" in r.stdout and "(local," in r.stdout
     assert len(sample_digests(tmp_path / "out")) == 60
     r = cli("shuffle", tmp_path / "src", tmp_path / "out")
     assert r.returncode == 2 and "--overwrite" in r.stdout
-    r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--overwrite", "--shard_size", "1MB")
+    r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--overwrite", "--shard-size", "1MB")
     assert r.returncode == 0 and open_store(tmp_path / "out").list() == ["shuffled-00000.tar"]
     r = cli("shuffle", tmp_path / "missing", tmp_path / "out2")
     assert r.returncode == 2 and "does not exist" in r.stdout
-    r = cli("shuffle", tmp_path / "src", tmp_path / "out3", "--shard_size", "lots")
+    r = cli("shuffle", tmp_path / "src", tmp_path / "out3", "--shard-size", "lots")
     assert r.returncode == 2 and "cannot read size 'lots'" in r.stdout
-    assert "--shard_size" in cli("shuffle", "--help").stdout
+    assert "--shard-size" in cli("shuffle", "--help").stdout
 
 
 # ---- AIStore ----------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_across_backends_runs_the_local_algorithm(ais_endpoint, tmp_path, pets):
 
 def test_dsort_cli(ais_endpoint, pets, cli):
     src, dst = _fill(_bucket("clisrc"), pets), _bucket("clidst")
-    r = cli("shuffle", src.spec, dst.spec, "--shard_size", "100KB", "--seed", "3")
+    r = cli("shuffle", src.spec, dst.spec, "--shard-size", "100KB", "--seed", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "(dsort " in r.stdout and f"in {dst.spec}" in r.stdout
     assert len(sample_digests(dst)) == 60
