@@ -12,7 +12,7 @@ from PIL import Image
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .synth import draw_animal, jpeg_bytes
-from .store import open_store, StoreError
+from .store import open_store, parse_size, StoreError
 
 # %% auto 0
 __all__ = ['SPLITS', 'class_names', 'synthesize_folder', 'folder_samples', 'folder_shard_samples', 'convert_folder',
@@ -108,12 +108,13 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
                    dest,                            # Store for the shards: a local directory or ais://bucket[/prefix]
                    prefix: str = "imagenet-train-", # Shard names: PREFIX000000.tar, PREFIX000001.tar, ...
                    maxcount: int = 100_000,         # At most this many samples per shard
-                   maxsize: float = 1e9,            # Close a shard once it holds this many bytes
+                   maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (an int, or e.g. 100MB)
                    shuffle: bool = True,            # Shuffle the samples once before writing
                    seed: int = 0,                   # Seed of that shuffle
                    progress: bool = True) -> dict:  # Show a progress bar
     "Convert ImageFolder tree `src` into WebDataset shards of `NAME.jpg` + `NAME.cls` in store `dest`; a summary dict."
-    if maxcount < 1 or maxsize <= 0: raise ValueError(f"maxcount and maxsize must be positive, got {maxcount} and {maxsize}")
+    if maxcount < 1: raise ValueError(f"maxcount must be positive, got {maxcount}")
+    maxsize = parse_size(maxsize) or 10**15
     pairs, classes = folder_samples(src)
     if not pairs: raise ValueError(f"{src} holds no images in its class folders {classes[:3]}...")
     skipped = Counter()
@@ -141,7 +142,7 @@ def convert_folder_cli(src: str,                         # ImageFolder tree, e.g
                        dest: str,                        # Destination store: a directory or ais://bucket[/prefix]
                        prefix: str = "imagenet-train-",  # Shard names: PREFIX000000.tar, ...
                        maxcount: int = 100_000,          # At most this many samples per shard
-                       maxsize: float = 1e9,             # Close a shard once it holds this many bytes
+                       maxsize: str = "1GB",             # Close a shard once it holds this many bytes: bytes, or e.g. 100MB
                        seed: int = 0,                    # Seed of the one-time shuffle
                        no_shuffle: store_true = False):  # Keep ImageFolder order (one class after another)
     "Convert an ImageFolder tree into WebDataset shards of NAME.jpg + NAME.cls, classes numbered like ImageFolder."

@@ -52,6 +52,8 @@ def test_convert_folder_maxsize_in_bytes(tree, tmp_path):
     assert main(["convert", "folder", str(tree / "val"), str(tmp_path), "--prefix", "imagenet-val-", "--maxsize", "1"]) == 0
     # maxsize is checked before each write: a 1-byte limit gives one sample per shard
     assert len(list(tmp_path.glob("imagenet-val-*.tar"))) == 6
+    assert main(["convert", "folder", str(tree / "val"), str(tmp_path / "units"), "--maxsize", "1GB"]) == 0
+    assert len(list((tmp_path / "units").glob("*.tar"))) == 1
 
 
 def test_convert_folder_no_shuffle_keeps_imagefolder_order(tree, tmp_path):
@@ -68,6 +70,8 @@ def test_convert_folder_bad_input(tmp_path, capsys):
     assert "class subfolders" in capsys.readouterr().out
     assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out"), "--maxcount", "0"]) == 2
     assert "must be positive" in capsys.readouterr().out
+    assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out"), "--maxsize", "huge"]) == 2
+    assert "cannot read size 'huge'" in capsys.readouterr().out
 
 
 def test_convert_folder_skips_and_counts_junk(tree, tmp_path, capsys):
