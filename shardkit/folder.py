@@ -13,6 +13,7 @@ from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .synth import draw_animal, jpeg_bytes
 from .store import open_store, parse_size, StoreError
+from .pets import write_shards
 
 # %% auto 0
 __all__ = ['SPLITS', 'class_names', 'synthesize_folder', 'folder_samples', 'folder_shard_samples', 'convert_folder',
@@ -88,22 +89,6 @@ def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/trai
         yield {"__key__": f"{i:07d}", "jpg": jpg, "cls": cls}
 
 # %% ../nbs/06_folder.ipynb
-def _shard_writer(samples, dest, prefix: str, maxcount: int, maxsize: float, progress: bool, total: int | None = None) -> list[str]:
-    "Write `samples` into shards `prefix%06d.tar` of store `dest`; the names written, in order."
-    import webdataset as wds
-    store = open_store(dest, create=True)
-    written = []
-    with tempfile.TemporaryDirectory(prefix="shardkit-folder-") as tmpd:
-        def _upload(fname):
-            written.append(store.put_file(fname, Path(fname).name))
-            os.unlink(fname)
-        with wds.ShardWriter(os.path.join(tmpd, f"{prefix}%06d.tar"), maxcount=maxcount, maxsize=maxsize,
-                             post=_upload, verbose=0, mtime=0) as sink:
-            for s in tqdm(samples, desc=f"writing {prefix}*.tar", unit="img", total=total, disable=not progress):
-                sink.write(s)
-    return written
-
-# %% ../nbs/06_folder.ipynb
 def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROOT/train
                    dest,                            # Store for the shards: a local directory or ais://bucket[/prefix]
                    prefix: str = "imagenet-train-", # Shard names: PREFIX000000.tar, PREFIX000001.tar, ...
@@ -118,11 +103,11 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
     pairs, classes = folder_samples(src)
     if not pairs: raise ValueError(f"{src} holds no images in its class folders {classes[:3]}...")
     skipped = Counter()
-    shards = _shard_writer(folder_shard_samples(src, shuffle, seed, skipped), dest, prefix, maxcount, maxsize,
-                           progress, total=len(pairs))
-    store = open_store(dest)
-    return dict(src=str(src), dest=store.spec, shards=shards, samples=len(pairs) - sum(skipped.values()),
-                classes=len(classes), bytes=sum(store.size(n) for n in shards), skipped=dict(skipped))
+    m = write_shards(folder_shard_samples(src, shuffle, seed, skipped), dest, prefix=prefix, maxcount=maxcount,
+                     maxsize=maxsize, digits=6, total=len(pairs), progress=progress,
+                     info=dict(src=Path(src).name, images=len(pairs), classes=classes, shuffle=shuffle, seed=seed))
+    return dict(src=str(src), dest=m["store"], shards=[s["name"] for s in m["shards"]], samples=m["samples"],
+                classes=len(classes), bytes=m["bytes"], skipped=dict(skipped))
 
 # %% ../nbs/06_folder.ipynb
 def synth_folder_cli(root: str,               # Folder to write train/ and val/ into

@@ -440,13 +440,15 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
                  info: dict | None = None,   # What identifies the input (checked on resume)
                  total: int | None = None,   # Expected number of samples, for the progress bar
                  progress: bool = True,      # Show a progress bar and print the summary
-                 mtime: float = 0):          # Modification time of every member (fixed: reproducible bytes)
+                 mtime: float = 0,           # Modification time of every member (fixed: reproducible bytes)
+                 digits: int = 5):           # Digits of the shard number: 5 for pets-00000.tar, 6 for imagenet-train-000000.tar
     "Write `samples` as WebDataset shards into `dest`, each handed to the store when finished; the manifest."
     if maxcount < 1: raise ValueError(f"maxcount must be >= 1, got {maxcount}")
     maxsize = parse_size(maxsize)
     if maxsize is not None and maxsize < 10240: raise ValueError(f"maxsize must be >= 10240 bytes (one tar record), got {maxsize}")
     store = open_store(dest, create=True)
     settings = dict(prefix=prefix, maxcount=maxcount, maxsize=maxsize, info=info or {})
+    if digits != 5: settings["digits"] = digits  # older manifests, written with 5 digits, stay valid
     old = read_manifest(store, prefix)
     shards = _resume_point(store, old, settings)
     if old and old.get("complete") and len(shards) == len(old["shards"]):
@@ -478,7 +480,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
 
     def open_shard():
         nonlocal index
-        name = f"{prefix}{index:05d}.tar"
+        name = f"{prefix}{index:0{digits}d}.tar"
         index += 1
         f = open(tmpdir / name, "wb")
         return dict(name=name, path=tmpdir / name, file=f, count=0, size=0, first=None, last=None,
