@@ -4,14 +4,14 @@
 
 # %% ../nbs/05_display.ipynb 3
 from __future__ import annotations
-import io, json, re, stat, tarfile, time
+import io, json, stat, tarfile, time
 from pathlib import Path
 import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
 from PIL import Image
 from .store import AISStore, LocalStore, StoreError, open_store
-from .shuffle import iter_samples
+from .shuffle import iter_samples, split_key
 from fastcore.script import store_true
 
 # %% auto 0
@@ -71,8 +71,8 @@ def count_samples(store, shard: str) -> int:
     with f, tarfile.open(fileobj=f, mode=mode) as tf:
         while (ti := tf.next()) is not None:
             tf.members.clear()
-            k = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", ti.name)
-            if ti.isfile() and k and k.group(1) != key: n += 1; key = k.group(1)
+            k, _ = split_key(ti.name)
+            if ti.isfile() and k and k != key: n += 1; key = k
     return n
 
 def list_shards(store, pattern: str = "*.tar") -> list[dict]:
