@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import requests
 import webdataset as wds
-from shardkit.etl import (ETLUnavailable, Sidecar, ShardError, ShardTransform, SampleError, etl_stage, etl_unavailable,
-                          imagenet_val_npy, imagenet_train_npy, init_etl, run_etl, shard_samples, sidecar_server)
+from shardkit.etl import (ETLUnavailable, ShardTransform, SampleError, etl_stage, etl_unavailable,
+                          imagenet_val_npy, imagenet_train_npy, init_etl, run_etl)
+from shardkit.shards import ShardError, read_samples
+from shardkit.sidecar import Sidecar, sidecar_server
 from shardkit.folder import convert_folder, synthesize_folder
 from shardkit.store import open_store
 from shardkit.cli import main
@@ -39,7 +41,7 @@ def transforms_module(tmp_path_factory):
 def decoded(tar_bytes):
     from webdataset.autodecode import Decoder, ImageHandler
     dec = Decoder([ImageHandler("pil")])
-    return {s["__key__"]: dec(s) for s in shard_samples(io.BytesIO(tar_bytes))}
+    return {s["__key__"]: dec(s) for s in read_samples(io.BytesIO(tar_bytes))}
 
 
 def same_samples(a: dict, b: dict):
