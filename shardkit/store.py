@@ -11,10 +11,17 @@ import requests
 from braceexpand import braceexpand
 
 # %% auto 0
-__all__ = ['StoreError', 'expand_names', 'parse_size', 'LocalStore', 'ais_endpoint', 'ais_client', 'AISStore', 'open_store']
+__all__ = ['ShardkitError', 'UsageError', 'StoreError', 'expand_names', 'parse_size', 'LocalStore', 'ais_endpoint', 'ais_client',
+           'AISStore', 'open_store']
 
 # %% ../nbs/00_store.ipynb
-class StoreError(Exception):
+class ShardkitError(Exception):
+    "The base of every error shardkit raises for a user mistake or bad input; the message says what was wrong and what to do."
+
+class UsageError(ShardkitError, ValueError):
+    "An argument with a value shardkit cannot use (a negative count, an unknown option value)."
+
+class StoreError(ShardkitError):
     "A store could not do what was asked; the message says why and what to do."
 
 # %% ../nbs/00_store.ipynb
@@ -43,9 +50,9 @@ def parse_size(size: str | int | None) -> int | None:
     if isinstance(size, int) and not isinstance(size, bool): n = size
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([kmgt]i?)?b?\s*", str(size), re.IGNORECASE)
-        if not m: raise ValueError(f"cannot read size {size!r}: use bytes or a number with a unit, e.g. 100MB, 64KiB, 1GB")
+        if not m: raise UsageError(f"cannot read size {size!r}: use bytes or a number with a unit, e.g. 100MB, 64KiB, 1GB")
         n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if n <= 0: raise ValueError(f"size must be positive, got {size!r}")
+    if n <= 0: raise UsageError(f"size must be positive, got {size!r}")
     return n
 
 # %% ../nbs/00_store.ipynb
