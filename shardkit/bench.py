@@ -12,7 +12,7 @@ import requests
 import torch
 import webdataset as wds
 from fastcore.script import store_true
-from .store import ShardkitError, open_store
+from .store import ShardkitError, UsageError, open_store
 from .shards import IMAGENET_MEAN, IMAGENET_STD
 from .pets import CHECKS, convert_pets
 from .etl import _rgb, _tv, to_tensor
@@ -135,8 +135,8 @@ def bench_convert_cli(root: str,         # Oxford-IIIT Pet folder (e.g. from `sh
                       check: str = "",   # Only this image check, decode or fast (empty: both)
                       dest: str = ""):   # Store to write into, e.g. ais://bench (empty: temp directories)
     "Benchmark the Pet converter against the seed post's plain ShardWriter loop, side by side."
-    if repeat < 1: raise BenchError(f"--repeat must be >= 1, got {repeat}")
-    if check and check not in CHECKS: raise BenchError(f"--check must be one of {', '.join(CHECKS)}, got {check!r}")
+    if repeat < 1: raise UsageError(f"--repeat must be >= 1, got {repeat}")
+    if check and check not in CHECKS: raise UsageError(f"--check must be one of {', '.join(CHECKS)}, got {check!r}")
     res = bench_convert(root, workers=workers, repeat=repeat, checks=(check,) if check else CHECKS, dest=dest or None)
     print(convert_table(res))
 
@@ -406,7 +406,7 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
                      samples: int = 2000,           # Samples per timed run (small sets are read several times over)
                      out: str = "bench-loader.png"):  # Where to save the bar chart
     "Benchmark shardkit's loader against the seed pipeline, a map-style ImageFolder loader and the decode+augment ceiling."
-    if workers < 0: raise BenchError(f"--workers must be >= 0, got {workers}")
+    if workers < 0: raise UsageError(f"--workers must be >= 0, got {workers}")
     urls = shard_urls(src)
     missing = [u for u in urls if "://" not in u and not Path(u).exists()]
     if missing: raise BenchError(f"{len(missing)} shard(s) do not exist, e.g. {missing[0]}; check SRC")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from fastcore.script import store_true
 from PIL import Image
-from .store import ShardkitError, StoreError, open_store
+from .store import StoreError, UsageError, open_store
 from .pets import synthesize_pets, convert_pets, pet_records, CLASS_NAMES
 from .shuffle import shuffle_shards
 from .sidecar import Sidecar
@@ -21,7 +21,7 @@ from .bench import bench_loader, bench_ratios, loader_table, plot_bench
 
 # %% auto 0
 __all__ = ['SIZE', 'BATCH', 'shrink_pets', 'demo_stores', 'DemoState', 'step_data', 'step_shards', 'step_shuffle', 'step_train',
-           'step_bench', 'format_summary', 'run_demo', 'DemoError', 'demo_cli']
+           'step_bench', 'format_summary', 'run_demo', 'demo_cli']
 
 # %% ../nbs/13_demo.ipynb
 def shrink_pets(sample: dict, side: int = 112) -> dict:
@@ -221,9 +221,6 @@ def run_demo(out: str | Path = "shardkit-demo", pets: str | None = None, n: int 
     return r
 
 # %% ../nbs/13_demo.ipynb
-class DemoError(ShardkitError):
-    "The demo was given options it cannot run with; the message says what to pass instead."
-
 def demo_cli(out: str = "shardkit-demo",   # Folder for the results (and, on the embedded default, the data)
              pets: str = None,             # Use the real Oxford-IIIT Pet folder at PETS instead of synthesizing one
              n: int = 740,                 # Synthetic images to draw (ignored with --pets)
@@ -235,9 +232,9 @@ def demo_cli(out: str = "shardkit-demo",   # Folder for the results (and, on the
              quiet: store_true = False):   # Print only the summary
     "Run the whole pipeline end to end on the embedded default (or the AIStore cluster at AIS_ENDPOINT)."
     for name, v, lo in (("--n", n, 37), ("--epochs", epochs, 1), ("--workers", workers, 0)):
-        if v < lo: raise DemoError(f"{name} must be >= {lo}, got {v}")
+        if v < lo: raise UsageError(f"{name} must be >= {lo}, got {v}")
     if pets and not (Path(pets) / "annotations" / "list.txt").is_file():
-        raise DemoError(f"--pets {pets} holds no annotations/list.txt; give the Oxford-IIIT Pet folder "
+        raise UsageError(f"--pets {pets} holds no annotations/list.txt; give the Oxford-IIIT Pet folder "
                         "(with images/ and annotations/), or leave --pets out to synthesize the data")
     res = run_demo(out, pets=pets, n=n, epochs=epochs, workers=workers, bench=not no_bench, bench_samples=bench_samples, fresh=fresh, quiet=quiet)
     print()
