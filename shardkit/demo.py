@@ -4,7 +4,7 @@
 
 # %% ../nbs/13_demo.ipynb 3
 from __future__ import annotations
-import json, os, shutil, sys, time
+import json, os, shutil, time
 from pathlib import Path
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ def step_data(state: DemoState, out: Path, pets: str | None, n: int, quiet: bool
     if pets:
         root = Path(pets)
         if not (root / "annotations" / "list.txt").is_file():
-            raise ValueError(f"--pets {pets}: no annotations/list.txt there; give the folder that holds images/ and annotations/")
+            raise UsageError(f"--pets {pets}: no annotations/list.txt there; give the folder that holds images/ and annotations/")
         return dict(root=str(root), images=len(pet_records(root)), synthetic=False)
     settings = dict(n=n, seed=0)
     root = Path(out) / "pets-synth"
@@ -80,6 +80,7 @@ def step_data(state: DemoState, out: Path, pets: str | None, n: int, quiet: bool
     synthesize_pets(root, n=n, seed=0, workers=2, progress=not quiet)
     return state.finish("data", settings, dict(root=str(root), images=len(pet_records(root)), synthetic=True))
 
+# %% ../nbs/13_demo.ipynb
 def _clear(store, prefix: str) -> int:
     "Delete the objects of `store` whose names start with `prefix`; how many."
     names = store.list(prefix)
@@ -103,6 +104,7 @@ def step_shards(state: DemoState, data: dict, shards_spec: str, quiet: bool, fre
          f"{res['test']['samples']} test samples in {res['test']['shards']} shards, in {shards.spec}", quiet)
     return res
 
+# %% ../nbs/13_demo.ipynb
 def step_shuffle(state: DemoState, shards_spec: str, shuffled_spec: str, fingerprint, quiet: bool) -> dict:
     "Shuffle the training shards into ~2 MB shards in the shuffled store."
     settings = dict(src=shards_spec, dest=shuffled_spec, shard_size="2MB", seed=0, input=fingerprint)
@@ -124,6 +126,18 @@ def _loaders(train_urls, test_urls, workers: int):
                              num_workers=workers, batch_size=64, shuffle=0)
     return train, test
 
+# %% ../nbs/13_demo.ipynb
+def _plot_losses(losses: list[float], acc: float, epochs: int, path: Path):
+    "The training loss per step against chance, titled with the test accuracy, saved as a PNG."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot(losses, lw=1, label="training loss per step")
+    ax.axhline(float(np.log(37)), color="grey", ls="--", lw=1, label="chance (ln 37)")
+    ax.set_xlabel(f"step (batch of {BATCH})"); ax.set_ylabel("cross-entropy"); ax.legend()
+    ax.set_title(f"Small CNN, {epochs} epochs on the CPU: test accuracy {acc:.0%}")
+    fig.tight_layout(); fig.savefig(path, dpi=90); plt.close(fig)
+
+# %% ../nbs/13_demo.ipynb
 def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str, fingerprint, epochs: int, workers: int, quiet: bool) -> dict:
     "Sample grid, then a small CNN trained through the ETL sidecar and loader, tested on the test split."
     import matplotlib.pyplot as plt
@@ -145,17 +159,13 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
         seconds = time.time() - t0
         acc = evaluate(model, test)
         etl_name = f"{shrink_pets.__module__}:{shrink_pets.__name__}"
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.plot(losses, lw=1, label="training loss per step")
-    ax.axhline(float(np.log(37)), color="grey", ls="--", lw=1, label="chance (ln 37)")
-    ax.set_xlabel(f"step (batch of {BATCH})"); ax.set_ylabel("cross-entropy"); ax.legend()
-    ax.set_title(f"Small CNN, {epochs} epochs on the CPU: test accuracy {acc:.0%}")
-    fig.tight_layout(); fig.savefig(out / "loss.png", dpi=90); plt.close(fig)
+    _plot_losses(losses, acc, epochs, out / "loss.png")
     torch.save(model.state_dict(), out / "model.pt")
     _say(f"train: {epochs} epochs in {seconds:.0f} s, test accuracy {acc:.1%} ({acc * 37:.1f}x chance)", quiet)
     return state.finish("train", settings, dict(accuracy=acc, seconds=round(seconds, 1), steps=len(losses),
                                                 final_loss=round(sum(losses[-5:]) / max(len(losses[-5:]), 1), 3), etl=etl_name))
 
+# %% ../nbs/13_demo.ipynb
 def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, samples: int, quiet: bool) -> dict:
     "The loader benchmark on the shuffled shards: table and plot."
     import matplotlib.pyplot as plt
