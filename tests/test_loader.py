@@ -1,4 +1,4 @@
-"""The training loader: exact epochs over workers and ranks, seeds, resampling, warnings, the bench command, AIStore."""
+"""The training loader: exact epochs over workers and ranks, seeds, resampling, warnings, AIStore."""
 import warnings
 import numpy as np
 import pytest
@@ -130,20 +130,6 @@ def test_bad_arguments_say_what_to_do(shards):
     with pytest.raises(ValueError, match="rank 3 is not in 0..1"): list(_dataset(shards, rank=3, world_size=2))
     with pytest.raises(KeyError, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, keys=("cls", "image.png"))))
     with pytest.raises(TypeError, match="needs a dataset from create_dataset"): create_dataloader(wds.WebDataset(shards, shardshuffle=False))
-
-
-def test_bench_loader_cli(shards, cli, tmp_path):
-    r = cli("bench", "loader", "--help")
-    assert r.returncode == 0 and "--workers" in r.stdout and "--cold" in r.stdout
-    r = cli("bench", "loader", tmp_path / "nowhere")
-    assert r.returncode == 2 and "nowhere" in r.stderr
-    png = tmp_path / "bench.png"
-    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--cold", "--samples", "40", "--out", png, timeout=120)
-    assert r.returncode == 0, r.stderr
-    for row in ("seed post", "shardkit default", "map-style ImageFolder", "decode+augment ceiling", "goal: default >= 2.0x seed"):
-        assert row in r.stdout, (row, r.stdout)
-    assert "page cache" in r.stdout
-    assert png.stat().st_size > 10_000
 
 
 def test_reads_from_aistore_exactly_once(shards, ais_endpoint):
