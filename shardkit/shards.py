@@ -114,11 +114,15 @@ def count_samples(store, shard: str) -> int:
         f, mode = open(store.path(shard), "rb"), "r:"
     else: f, mode = store.open(shard), "r|"
     n, key = 0, None
-    with f, tarfile.open(fileobj=f, mode=mode) as tf:
-        while (ti := tf.next()) is not None:
-            tf.members.clear()
-            k, _ = split_key(ti.name)
-            if ti.isfile() and k and k != key: n += 1; key = k
+    try:
+        with f, tarfile.open(fileobj=f, mode=mode) as tf:
+            while (ti := tf.next()) is not None:
+                tf.members.clear()
+                k, _ = split_key(ti.name)
+                if ti.isfile() and k and k != key: n += 1; key = k
+    except (tarfile.TarError, EOFError) as e:
+        raise ShardError(f"shard {shard} in {store.spec} is not a readable tar ({_tar_reason(e)}); "
+                         "check it with `tar tvf`, or list the good ones with a pattern") from None
     return n
 
 def list_shards(store, pattern: str = "*.tar") -> list[dict]:
