@@ -112,6 +112,7 @@ def _grid(n: int, rows: int = 1, size: float = 2.4):
     for ax in axes.flat: ax.axis("off")
     return fig, axes
 
+# %% ../nbs/07_display.ipynb
 def display_shard_images(store, shard: str, objects: int = 4, class_names=None, overlay: bool = True):
     "Draw the first `objects` samples of `shard` (photo with trimap overlay), titled with key and class name."
     samples = first_samples(store, shard, objects)

@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 from fastcore.script import store_true
-from .store import ShardkitError, UsageError, parse_size
+from .store import ShardkitError, UsageError
 from .shards import SkipSample, ordered_map, write_shards
 from .synth import draw_animal, jpeg_bytes, png_bytes
 
@@ -101,6 +101,38 @@ def _quirk_bytes(quirk: str, jpg: bytes) -> bytes | None:
     return buf.getvalue()
 
 # %% ../nbs/04_pets.ipynb
+def _draw_files(root: Path, names: list, extra: list, planted: dict, seed: int, workers: int, progress: bool):
+    "Draw every image (listed and unlisted) with its trimap, planting quirks, and a few head boxes as VOC XML."
+    images, ann = root / "images", root / "annotations"
+    jobs = [(seed, cid, k) for _, cid, k in names + extra]
+    xmls = 0
+    for (name, cid, k), (jpg, trimap, box) in tqdm(zip(names + extra, ordered_map(_draw_pet, jobs, workers)), total=len(jobs),
+                                                   disable=not progress, desc="drawing", unit="img"):
+        quirk = next((q for q, nm in planted.items() if nm == name), None)
+        data = _quirk_bytes(quirk, jpg) if quirk else jpg
+        if data is not None: (images / f"{name}.jpg").write_bytes(data)
+        if quirk != "missing_trimap": (ann / "trimaps" / f"{name}.png").write_bytes(trimap)
+        if k % 2 == 1 and xmls < 5 and quirk is None and box is not None:
+            img = Image.open(io.BytesIO(jpg))
+            (ann / "xmls" / f"{name}.xml").write_text(_voc_xml(name, img.width, img.height, box))
+            xmls += 1
+
+def _write_lists(ann: Path, names: list):
+    "list.txt (with its header), trainval.txt (odd numbers) and test.txt (even numbers)."
+    (ann / "list.txt").write_text(_LIST_HEADER + "".join(_list_line(nm) for nm, _, _ in names))
+    (ann / "trainval.txt").write_text("".join(_list_line(nm) for nm, _, k in names if k % 2 == 1))
+    (ann / "test.txt").write_text("".join(_list_line(nm) for nm, _, k in names if k % 2 == 0))
+
+def _write_junk(root: Path, names: list) -> list[str]:
+    "The real archives' junk files (.mat files, macOS resource forks); their paths relative to `root`."
+    a, b, out = names[0][0], names[1][0], []
+    for j in _JUNK:
+        p = (root / "annotations" if j.startswith("trimaps/") else root / "images") / j.format(a=a, b=b)
+        p.write_bytes(b"MATLAB 5.0 MAT-file, junk" if p.suffix == ".mat" else b"\x00\x05\x16\x07 Mac OS X resource fork")
+        out.append(p.relative_to(root).as_posix())
+    return out
+
+# %% ../nbs/04_pets.ipynb
 def synthesize_pets(root: str | Path,     # Folder to write the data set into (created)
                     n: int = 740,         # Number of images listed in list.txt (the real set has 7,349)
                     seed: int = 0,        # Random seed: the same seed gives the same bytes
@@ -127,30 +159,9 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
              for cid in (1, 2)[:_UNLISTED]] if quirks else []
     # quirks go on images spread over the list, one each (n >= 14 keeps them apart)
     planted = {q: names[j * n // len(PET_QUIRKS) + 1][0] for j, q in enumerate(PET_QUIRKS)} if quirks else {}
-    jobs = [(seed, cid, k) for _, cid, k in names + extra]
-    drawn = ordered_map(_draw_pet, jobs, workers)
-    xmls = 0
-    for (name, cid, k), (jpg, trimap, box) in tqdm(zip(names + extra, drawn), total=len(jobs), disable=not progress,
-                                                   desc="drawing", unit="img"):
-        quirk = next((q for q, nm in planted.items() if nm == name), None)
-        data = _quirk_bytes(quirk, jpg) if quirk else jpg
-        if data is not None: (images / f"{name}.jpg").write_bytes(data)
-        if quirk != "missing_trimap": (ann / "trimaps" / f"{name}.png").write_bytes(trimap)
-        if k % 2 == 1 and xmls < 5 and quirk is None and box is not None:
-            img = Image.open(io.BytesIO(jpg))
-            (ann / "xmls" / f"{name}.xml").write_text(_voc_xml(name, img.width, img.height, box))
-            xmls += 1
-    listed = [nm for nm, _, _ in names]
-    (ann / "list.txt").write_text(_LIST_HEADER + "".join(_list_line(nm) for nm in listed))
-    (ann / "trainval.txt").write_text("".join(_list_line(nm) for nm, _, k in names if k % 2 == 1))
-    (ann / "test.txt").write_text("".join(_list_line(nm) for nm, _, k in names if k % 2 == 0))
-    junk = []
-    if quirks:
-        a, b = names[0][0], names[1][0]
-        for j in _JUNK:
-            p = (ann if j.startswith("trimaps/") else images) / j.format(a=a, b=b)
-            p.write_bytes(b"MATLAB 5.0 MAT-file, junk" if p.suffix == ".mat" else b"\x00\x05\x16\x07 Mac OS X resource fork")
-            junk.append(p.relative_to(root).as_posix())
+    _draw_files(root, names, extra, planted, seed, workers, progress)
+    _write_lists(ann, names)
+    junk = _write_junk(root, names) if quirks else []
     skipped = Counter(PET_QUIRKS[q][1] for q in planted if PET_QUIRKS[q][0] == "skip")
     plan = dict(n=n, seed=seed, quirks=planted, listed=n, kept=n - sum(skipped.values()),
                 skipped=dict(sorted(skipped.items())),

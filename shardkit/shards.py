@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_shards.ipynb 3
 from __future__ import annotations
-import hashlib, io, json, multiprocessing as mp, os, shutil, signal, sys, tarfile, tempfile, threading, time
+import hashlib, json, multiprocessing as mp, os, shutil, signal, sys, tarfile, tempfile, threading, time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
@@ -207,6 +207,9 @@ def read_manifest(dest, prefix: str = "shard-") -> dict | None:
 def _save_manifest(store, m: dict):
     store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), manifest_name(m["prefix"]))
 
+def _resume_mismatch(store, prefix: str, what: str) -> StoreError:
+    return StoreError(f"cannot resume in {store.spec}: {what}; delete {manifest_name(prefix)} and its shards to start over")
+
 def _resume_point(store, old: dict | None, settings: dict) -> list[dict]:
     "The shards of a previous run to keep; raises when `store` holds a different conversion."
     if old is None: return []
@@ -301,9 +304,6 @@ def cleanup(self: _ShardSink):
     shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 # %% ../nbs/01_shards.ipynb
-def _resume_mismatch(store, prefix: str, what: str) -> StoreError:
-    return StoreError(f"cannot resume in {store.spec}: {what}; delete {manifest_name(prefix)} and its shards to start over")
-
 def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a fixed order
                  dest,                     # Store: a local directory or ais://bucket[/prefix]
                  prefix: str = "shard-",   # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json
