@@ -13,7 +13,7 @@ from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .synth import draw_animal, jpeg_bytes
 from .store import ShardkitError, UsageError, open_store, parse_size
-from .shards import write_shards
+from .shards import SkipSample, check_image, image_size, write_shards
 
 # %% auto 0
 __all__ = ['FOLDER_SPLITS', 'class_names', 'synthesize_folder', 'FolderError', 'folder_samples', 'folder_shard_samples',
@@ -68,12 +68,15 @@ def folder_samples(src: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
 
 # %% ../nbs/05_folder.ipynb
 def _jpeg_of(path: str, quality: int = 95) -> bytes:
-    "The file's bytes if it is a JPEG, else the image re-encoded as an RGB JPEG (ValueError if unreadable)."
+    "The file's bytes if it is a JPEG the loader decodes, else the image re-encoded as an RGB JPEG; SkipSample if unusable."
     data = Path(path).read_bytes()
-    if data[:3] == b"\xff\xd8\xff": return data
+    image_size(data)  # empty, unreadable or oversized: skipped before any pixel is decoded
+    if data[:3] == b"\xff\xd8\xff":
+        check_image(data)  # the loader's decoder: a truncated JPEG or a bad marker is skipped here, not mid-epoch
+        return data
     try:
         with Image.open(io.BytesIO(data)) as im: return jpeg_bytes(im.convert("RGB"), quality)
-    except Exception as e: raise ValueError(f"not a readable image ({type(e).__name__})") from None
+    except Exception as e: raise SkipSample("unreadable image", type(e).__name__) from None
 
 def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/train)
                          shuffle: bool = True,  # Shuffle the samples once, as the WebDataset ImageNet example does
@@ -81,13 +84,16 @@ def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/trai
                          skipped: Counter | None = None):  # Counts skipped files by reason, if given
     "Yield WebDataset samples `{__key__, jpg, cls}` of an ImageFolder tree, classes numbered as `ImageFolder` does."
     pairs, _ = folder_samples(src)
+    root = Path(src).resolve()
     order = list(range(len(pairs)))
     if shuffle: random.Random(seed).shuffle(order)
     for i in order:
         path, cls = pairs[i]
-        try: jpg = _jpeg_of(path)
-        except ValueError as e:
-            if skipped is not None: skipped[str(e)] += 1
+        try:
+            if not Path(path).resolve().is_relative_to(root): raise SkipSample("link out of the tree")
+            jpg = _jpeg_of(path)
+        except SkipSample as e:
+            if skipped is not None: skipped[e.reason] += 1
             continue
         yield {"__key__": f"{i:07d}", "jpg": jpg, "cls": cls}
 

@@ -12,7 +12,7 @@ from PIL import Image
 from tqdm import tqdm
 from fastcore.script import store_true
 from .store import ShardkitError, UsageError
-from .shards import SkipSample, ordered_map, write_shards
+from .shards import SkipSample, check_image, image_size, ordered_map, unsafe_name, write_shards
 from .synth import draw_animal, jpeg_bytes, png_bytes
 
 # %% auto 0
@@ -234,6 +234,8 @@ def pet_records(root: str | Path, split: str = "all") -> list[tuple[str, int, in
         if len(f) != 4 or not all(x.isdigit() for x in f[1:]):
             raise PetsError(f"{path}:{i}: expected 'IMAGE CLASS-ID SPECIES BREED-ID', got {line!r}")
         if f[0] in seen: raise PetsError(f"{path}:{i}: image {f[0]!r} is listed twice")
+        if "/" in f[0] or "\\" in f[0] or unsafe_name(f[0]):
+            raise PetsError(f"{path}:{i}: image name {f[0]!r} is a path, not a file name; list.txt names files in images/")
         seen.add(f[0])
         recs.append((f[0], int(f[1]), int(f[2]), int(f[3])))
     return sorted(recs, key=lambda r: _natural(r[0]))
@@ -243,32 +245,31 @@ CHECKS = ("decode", "fast")
 
 def normalize_jpeg(data: bytes,           # The bytes of an image file
                    quality: int = 95,     # JPEG quality of re-encoded images
-                   check: str = "fast"  # 'decode' every JPEG, or 'fast': header and end marker (see below)
+                   check: str = "decode"  # 'decode' every JPEG with the loader's decoder, or 'fast': header and end marker
                   ) -> tuple[bytes, str | None]:
     "`data` as RGB JPEG bytes and what was converted ('JPEG L', 'PNG RGBA', ...; None: kept as is)."
-    if not data: raise SkipSample("empty image")
     if check not in CHECKS: raise UsageError(f"unknown check {check!r}; use one of {CHECKS}")
+    image_size(data)  # empty, unreadable or oversized: skipped before any pixel is decoded
     try:
         img = Image.open(io.BytesIO(data))
         kind = f"{img.format} {img.mode}"
         if img.format == "JPEG" and img.mode == "RGB":
             if check == "fast" and data.rstrip(b"\0").endswith(b"\xff\xd9"): return data, None
-            img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
-            img.load()
+            check_image(data)
             return data, None
         img.load()
         buf = io.BytesIO()
         img.convert("RGB").save(buf, "JPEG", quality=quality)
         return buf.getvalue(), kind
-    except Image.UnidentifiedImageError as e: raise SkipSample("unreadable image", str(e)) from None
-    except Image.DecompressionBombError as e: raise SkipSample("oversized image", str(e)) from None
     except (OSError, SyntaxError, ValueError) as e:
         raise SkipSample("truncated image" if "truncated" in str(e).lower() else "corrupt image", str(e)) from None
 
 # %% ../nbs/04_pets.ipynb
 def check_trimap(data: bytes) -> bytes:
-    "`data` if it is a readable PNG trimap, else SkipSample."
+    "`data` if it is a readable PNG trimap of a sane size, else SkipSample."
     if not data: raise SkipSample("bad trimap", "empty file")
+    try: image_size(data)
+    except SkipSample as e: raise SkipSample("oversized image" if e.reason == "oversized image" else "bad trimap", str(e)) from None
     try:
         img = Image.open(io.BytesIO(data))
         if img.format != "PNG": raise SkipSample("bad trimap", f"{img.format}, not PNG")
@@ -278,15 +279,18 @@ def check_trimap(data: bytes) -> bytes:
 
 # %% ../nbs/04_pets.ipynb
 def load_pet_sample(rec: tuple[str, int, int, int], root: str | Path, extras: bool = False,
-                    check: str = "fast") -> tuple[dict | None, str | None]:
+                    check: str = "decode") -> tuple[dict | None, str | None]:
     "The sample of list.txt record `rec` and what was converted, or (None, skip reason)."
     name, cid, species, breed = rec
     root = Path(root)
     try:
-        try: data = (root / "images" / f"{name}.jpg").read_bytes()
+        img, tri = root / "images" / f"{name}.jpg", root / "annotations" / "trimaps" / f"{name}.png"
+        for p in (img, tri):  # a symbolic link out of the data set is not part of it
+            if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()): raise SkipSample("link out of the data set")
+        try: data = img.read_bytes()
         except FileNotFoundError: raise SkipSample("missing image") from None
         jpg, kind = normalize_jpeg(data, check=check)
-        try: trimap = check_trimap((root / "annotations" / "trimaps" / f"{name}.png").read_bytes())
+        try: trimap = check_trimap(tri.read_bytes())
         except FileNotFoundError: raise SkipSample("missing trimap") from None
     except SkipSample as e: return None, e.reason
     sample = {"__key__": name, "image.jpg": jpg, "cls": cid - 1, "trimap.png": trimap}
@@ -314,7 +318,7 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
                 workers: int = 2,        # Processes validating and normalising images (<= 1: this process)
                 stats: dict | None = None, # Filled with listed/kept/skipped/converted/unlisted/ignored counts
                 extras: bool = False,    # Add species.cls and pet.json (list.txt's original ids) to each sample
-                check: str = "fast"):  # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
+                check: str = "decode"):  # Image check: 'decode' (the loader's decoder) or 'fast' (header and end marker)
     "Yield the WebDataset samples of a Pet folder, sorted by name; every skipped record is counted in `stats`."
     root = Path(root)
     recs = pet_records(root, split)
@@ -348,7 +352,7 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB
                  workers: int = 2,          # Processes validating and normalising images
                  extras: bool = False,      # Add species.cls and pet.json to each sample
-                 check: str = "fast",     # Image check: 'decode' every JPEG, or 'fast' (header and end marker)
+                 check: str = "decode",     # Image check: 'decode' (the loader's decoder) or 'fast' (header and end marker)
                  progress: bool = True):    # Progress bar and summary
     "Convert an Oxford-IIIT Pet folder into WebDataset shards in `dest`; the manifest."
     root = Path(root)
@@ -383,7 +387,7 @@ def convert_pets_cli(root: str,              # Oxford-IIIT Pet folder (ROOT/imag
                      maxsize: str = "",      # Most bytes per shard, e.g. 100MB (empty: no limit)
                      workers: int = 2,       # Processes validating and normalising images
                      extras: store_true = False, # Add species.cls and pet.json (list.txt's original ids) to each sample
-                     check: str = "fast"): # Image check: decode (every JPEG) or fast (header and end marker)
+                     check: str = "decode"): # Image check: decode (with the loader's decoder) or fast (header and end marker)
     "Convert an Oxford-IIIT Pet folder into WebDataset shards (validated, resumable, with a manifest)."
     convert_pets(root, dest, split=split, prefix=prefix, maxcount=maxcount, maxsize=maxsize or None, workers=workers,
                  extras=extras, check=check)

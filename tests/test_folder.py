@@ -82,4 +82,4 @@ def test_convert_folder_skips_and_counts_junk(tree, tmp_path, capsys):
     (src / cls0 / "broken.jpg").write_bytes(b"\x00" * 10)
     assert main(["convert", "folder", str(src), str(tmp_path / "out"), "--prefix", "v-"]) == 0
     out = capsys.readouterr().out
-    assert "6 samples" in out and "skipped: 1 not a readable image" in out, out
+    assert "6 samples" in out and "skipped: 1 unreadable image" in out, out
