@@ -6,6 +6,7 @@
 from __future__ import annotations
 import argparse, importlib, sys
 from fastcore.script import anno_parser
+from .store import ShardkitError
 
 # %% auto 0
 __all__ = ['COMMANDS', 'find_command', 'load_command', 'command_parser', 'main']
@@ -25,11 +26,11 @@ COMMANDS = {
     ("shuffle",):          ("shardkit.shuffle:shuffle_cli",        "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
     ("ls",):               ("shardkit.display:ls_cli",             "List the shards in a store with their samples and sizes"),
     ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
-    ("etl", "serve"):      ("shardkit.etl:etl_serve_cli",          "Serve a sample transform as an ETL sidecar in front of a store"),
+    ("etl", "serve"):      ("shardkit.sidecar:etl_serve_cli",      "Serve a sample transform as an ETL sidecar in front of a store"),
     ("etl", "run"):        ("shardkit.etl:etl_run_cli",            "Transform every shard of a store into another store"),
-    ("bench", "convert"):  ("shardkit.pets:bench_convert_cli",     "Benchmark the Pet converter against a plain ShardWriter loop"),
-    ("bench", "etl"):      ("shardkit.etl:bench_etl_cli",          "Benchmark client-side against offloaded (sidecar) transforms"),
-    ("bench", "loader"):   ("shardkit.loader:bench_loader_cli",    "Benchmark shardkit's loader against the seed, map-style and ceiling"),
+    ("bench", "convert"):  ("shardkit.bench:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
+    ("bench", "etl"):      ("shardkit.bench:bench_etl_cli",        "Benchmark client-side against offloaded (sidecar) transforms"),
+    ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loader against the seed, map-style and ceiling"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
 }
@@ -79,7 +80,7 @@ def _hyphenate(arg: str) -> str:
 
 # %% ../nbs/99_cli.ipynb
 def main(argv: list[str] | None = None) -> int:
-    "Entry point of the `shardkit` command."
+    "Entry point of the `shardkit` command: the one place where errors become a message and an exit status."
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd, rest = find_command(argv)
     if cmd is None:
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     for extra in ("pdb", "xtra"): args.pop(extra, None)  # anno_parser's debugging options, not the function's
     try:
         result = func(**args)
+    except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback
+        print(f"shardkit {' '.join(cmd)}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

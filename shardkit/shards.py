@@ -18,9 +18,10 @@ from fastcore.basics import patch
 from .store import LocalStore, ShardkitError, StoreError, UsageError, open_store, parse_size
 
 # %% auto 0
-__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'ShardError', 'SkipSample', 'split_key', 'is_image_key',
-           'is_mask_key', 'read_samples', 'url_samples', 'sample_digests', 'count_samples', 'list_shards',
-           'ordered_map', 'sha256_file', 'manifest_name', 'read_manifest', 'summarize', 'write_shards']
+__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'MAX_PIXELS', 'ShardError', 'SkipSample', 'split_key',
+           'is_image_key', 'is_mask_key', 'image_size', 'check_image', 'unsafe_name', 'read_samples', 'url_samples',
+           'sample_digests', 'count_samples', 'list_shards', 'ordered_map', 'sha256_file', 'manifest_name',
+           'read_manifest', 'summarize', 'write_shards']
 
 # %% ../nbs/01_shards.ipynb
 class ShardError(ShardkitError):
@@ -52,14 +53,59 @@ def is_mask_key(key: str) -> bool:
     return any(w in key.lower() for w in MASK_WORDS)
 
 # %% ../nbs/01_shards.ipynb
+MAX_PIXELS = 50_000_000  # about 8000 x 6000: more than any photo in a training set, far less than a bomb
+
+def image_size(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    "(width, height) from the header of image `data`; SkipSample if unreadable or larger than `max_pixels`."
+    from PIL import Image
+    if not data: raise SkipSample("empty image")
+    try:
+        with Image.open(io.BytesIO(data)) as im: w, h = im.size
+    except Image.DecompressionBombError as e: raise SkipSample("oversized image", str(e)) from None
+    except (Image.UnidentifiedImageError, OSError, SyntaxError, ValueError) as e: raise SkipSample("unreadable image", str(e)) from None
+    if w * h > max_pixels: raise SkipSample("oversized image", f"{w} x {h} pixels, more than {max_pixels:,}")
+    return w, h
+
+def check_image(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    "(width, height) if the loader's decoder (torchvision `decode_image`) decodes `data`, else SkipSample with the reason."
+    import torch
+    from torchvision.io import decode_image
+    w, h = image_size(data, max_pixels)
+    try: decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    except (RuntimeError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SkipSample("truncated image" if "truncat" in msg.lower() or "premature" in msg.lower() else "corrupt image", msg) from None
+    return w, h
+
+# %% ../nbs/01_shards.ipynb
 def _tar_reason(e: Exception) -> str:
     msg = str(e.args[0]) if e.args else ""
     return f"{type(e).__name__}: {msg.split(' @ ')[0]}" if msg else type(e).__name__
 
+def unsafe_name(name: str) -> str | None:
+    "Why member or key `name` is unsafe to extract or write (absolute, climbs out with `..`, odd characters), or None."
+    if not name: return "an empty name"
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"): return "an absolute path"
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts: return "a path that climbs out with '..'"
+    if "\0" in name or any(ord(ch) < 32 for ch in name): return "control characters"
+    return None
+
+def _safe_members(stream, name: str) -> Iterator[dict]:
+    "WebDataset's `{fname, data}` records of tar `stream`, refusing links, devices and unsafe names."
+    with tarfile.open(fileobj=stream, mode="r|*") as tf:
+        for ti in tf:
+            why = unsafe_name(ti.name) or (None if ti.isreg() or ti.isdir() else "a link or device, not a file")
+            if why: raise ShardError(f"shard {name} has a member {ti.name!r} that is {why}; shardkit does not read such "
+                                     "shards (they are dangerous to extract): rewrite the shard without it")
+            if ti.isreg() and not (ti.name.startswith("__") and ti.name.endswith("__")):
+                yield dict(fname=ti.name, data=tf.extractfile(ti).read(), __url__=name)
+            tf.members = []
+
 def read_samples(stream, name: str = "shard") -> Iterator[dict]:
-    "The raw samples (bytes per field) of tar `stream`, grouped as webdataset groups them; ShardError if unreadable."
+    "The raw samples (bytes per field) of tar `stream`, grouped as webdataset groups them; ShardError if unreadable or unsafe."
     try:
-        yield from group_by_keys(tar_file_expander([dict(url=name, stream=stream)], eof_value=None))
+        yield from group_by_keys(_safe_members(stream, name))
     except (tarfile.TarError, ValueError, OSError, EOFError, AssertionError) as e:
         raise ShardError(f"shard {name} is not a readable tar of samples ({_tar_reason(e)}); "
                          "check the object (tar tvf) or rewrite it") from None
@@ -114,11 +160,15 @@ def count_samples(store, shard: str) -> int:
         f, mode = open(store.path(shard), "rb"), "r:"
     else: f, mode = store.open(shard), "r|"
     n, key = 0, None
-    with f, tarfile.open(fileobj=f, mode=mode) as tf:
-        while (ti := tf.next()) is not None:
-            tf.members.clear()
-            k, _ = split_key(ti.name)
-            if ti.isfile() and k and k != key: n += 1; key = k
+    try:
+        with f, tarfile.open(fileobj=f, mode=mode) as tf:
+            while (ti := tf.next()) is not None:
+                tf.members.clear()
+                k, _ = split_key(ti.name)
+                if ti.isfile() and k and k != key: n += 1; key = k
+    except (tarfile.TarError, EOFError) as e:
+        raise ShardError(f"shard {shard} in {store.spec} is not a readable tar ({_tar_reason(e)}); "
+                         "check it with `tar tvf`, or list the good ones with a pattern") from None
     return n
 
 def list_shards(store, pattern: str = "*.tar") -> list[dict]:
@@ -172,6 +222,8 @@ def _encode(sample: dict) -> dict:
         elif isinstance(v, (dict, list)): out[k] = json.dumps(v, sort_keys=True).encode()
         elif isinstance(v, (int, np.integer, str)): out[k] = str(v).encode()
         else: raise TypeError(f"field {k!r} of sample {sample.get('__key__')!r} is a {type(v).__name__}; give bytes, int, str or dict")
+    if unsafe_name(str(out.get("__key__", ""))):
+        raise UsageError(f"sample key {out.get('__key__')!r} is {unsafe_name(str(out.get('__key__', '')))}; shards must be safe to extract")
     if "." in str(out.get("__key__", "")).rsplit("/", 1)[-1]:
         raise UsageError(f"sample key {out['__key__']!r} has a dot: WebDataset would split it there; use keys without dots")
     return out
@@ -202,6 +254,9 @@ def read_manifest(dest, prefix: str = "shard-") -> dict | None:
 
 def _save_manifest(store, m: dict):
     store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), manifest_name(m["prefix"]))
+
+def _resume_mismatch(store, prefix: str, what: str) -> StoreError:
+    return StoreError(f"cannot resume in {store.spec}: {what}; delete {manifest_name(prefix)} and its shards to start over")
 
 def _resume_point(store, old: dict | None, settings: dict) -> list[dict]:
     "The shards of a previous run to keep; raises when `store` holds a different conversion."
@@ -297,9 +352,6 @@ def cleanup(self: _ShardSink):
     shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 # %% ../nbs/01_shards.ipynb
-def _resume_mismatch(store, prefix: str, what: str) -> StoreError:
-    return StoreError(f"cannot resume in {store.spec}: {what}; delete {manifest_name(prefix)} and its shards to start over")
-
 def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a fixed order
                  dest,                     # Store: a local directory or ais://bucket[/prefix]
                  prefix: str = "shard-",   # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json

@@ -4,11 +4,12 @@
 
 # %% ../nbs/00_store.ipynb 3
 from __future__ import annotations
-import fnmatch, io, os, re, shutil, tempfile, urllib.parse
+import fnmatch, os, re, shutil, tempfile, urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Iterable
 import requests
 from braceexpand import braceexpand
+from fastcore.basics import patch
 
 # %% auto 0
 __all__ = ['ShardkitError', 'UsageError', 'StoreError', 'expand_names', 'parse_size', 'LocalStore', 'ais_endpoint', 'ais_client',
@@ -62,69 +63,83 @@ class LocalStore:
     @property
     def spec(self) -> str: return str(self.root)
     def __repr__(self): return f"LocalStore({self.spec!r})"
-
     def path(self, name: str) -> Path:
         "The local file of object `name`."
         p = (self.root / name).resolve()
         if self.root not in p.parents: raise StoreError(f"object name {name!r} points outside the store {self.spec}")
         return p
 
-    def put_file(self, src: str | Path, name: str | None = None) -> str:
-        "Copy local file `src` into the store as `name` (default: its file name), atomically."
-        name = name or Path(src).name
-        with open(src, "rb") as f: self._write(name, lambda out: shutil.copyfileobj(f, out, 1 << 20))
-        return name
+# %% ../nbs/00_store.ipynb
+@patch
+def put_file(self: LocalStore, src: str | Path, name: str | None = None) -> str:
+    "Copy local file `src` into the store as `name` (default: its file name), atomically."
+    name = name or Path(src).name
+    with open(src, "rb") as f: self._write(name, lambda out: shutil.copyfileobj(f, out, 1 << 20))
+    return name
 
-    def put_bytes(self, data: bytes, name: str) -> str:
-        "Store `data` as object `name`, atomically."
-        self._write(name, lambda out: out.write(data))
-        return name
+@patch
+def put_bytes(self: LocalStore, data: bytes, name: str) -> str:
+    "Store `data` as object `name`, atomically."
+    self._write(name, lambda out: out.write(data))
+    return name
 
-    def _write(self, name, fill):
-        dst = self.path(name)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                fill(out)
-                out.flush(); os.fsync(out.fileno())
-            os.replace(tmp, dst)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+@patch
+def _write(self: LocalStore, name, fill):
+    dst = self.path(name)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            fill(out)
+            out.flush(); os.fsync(out.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
-    def list(self, pattern: str | None = None) -> list[str]:
-        "Names of the objects (sorted), filtered by a glob, brace template or prefix."
-        names = (p.relative_to(self.root).as_posix() for p in self.root.rglob("*")
-                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(self.root).parts))
-        return _match(names, pattern)
+# %% ../nbs/00_store.ipynb
+@patch
+def list(self: LocalStore, pattern: str | None = None) -> list[str]:
+    "Names of the objects (sorted), filtered by a glob, brace template or prefix."
+    names = (p.relative_to(self.root).as_posix() for p in self.root.rglob("*")
+             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(self.root).parts))
+    return _match(names, pattern)
 
-    def exists(self, name: str) -> bool: return self.path(name).is_file()
-    def size(self, name: str) -> int: return self._stat(name).st_size
+@patch
+def exists(self: LocalStore, name: str) -> bool: return self.path(name).is_file()
 
-    def _stat(self, name):
-        try: return self.path(name).stat()
-        except FileNotFoundError: raise StoreError(f"no object {name!r} in {self.spec}") from None
+@patch
+def size(self: LocalStore, name: str) -> int: return self._stat(name).st_size
 
-    def open(self, name: str) -> BinaryIO:
-        "Open object `name` for reading (binary)."
-        self._stat(name)
-        return open(self.path(name), "rb")
+@patch
+def _stat(self: LocalStore, name):
+    try: return self.path(name).stat()
+    except FileNotFoundError: raise StoreError(f"no object {name!r} in {self.spec}") from None
 
-    def read_bytes(self, name: str) -> bytes:
-        with self.open(name) as f: return f.read()
+@patch
+def open(self: LocalStore, name: str) -> BinaryIO:
+    "Open object `name` for reading (binary)."
+    self._stat(name)
+    return open(self.path(name), "rb")
 
-    def delete(self, name: str) -> None:
-        "Remove object `name`; a missing object is an error."
-        self._stat(name)
-        self.path(name).unlink()
+@patch
+def read_bytes(self: LocalStore, name: str) -> bytes:
+    with self.open(name) as f: return f.read()
 
-    def urls(self, names: str | Iterable[str], etl=None) -> list[str]:
-        "Paths that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
-        names = expand_names(names)
-        missing = [n for n in names if not self.exists(n)]
-        if missing: raise StoreError(f"{len(missing)} of {len(names)} objects are not in {self.spec}, e.g. {missing[:3]}")
-        return _etl_urls(self, names, etl) if etl is not None else [str(self.path(n)) for n in names]
+@patch
+def delete(self: LocalStore, name: str) -> None:
+    "Remove object `name`; a missing object is an error."
+    self._stat(name)
+    self.path(name).unlink()
+
+# %% ../nbs/00_store.ipynb
+@patch
+def urls(self: LocalStore, names: str | Iterable[str], etl=None) -> list[str]:
+    "Paths that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
+    names = expand_names(names)
+    missing = [n for n in names if not self.exists(n)]
+    if missing: raise StoreError(f"{len(missing)} of {len(names)} objects are not in {self.spec}, e.g. {missing[:3]}")
+    return _etl_urls(self, names, etl) if etl is not None else [str(self.path(n)) for n in names]
 
 # %% ../nbs/00_store.ipynb
 def ais_endpoint(endpoint: str | None = None) -> str:
@@ -175,64 +190,77 @@ class AISStore:
                 raise StoreError(f"bucket ais://{bucket} does not exist on {self.endpoint}; create it with "
                                  f"`ais bucket create ais://{bucket}` or open_store('ais://{bucket}', create=True)") from None
             self.bucket.create(exist_ok=True)
-
     @property
     def spec(self) -> str: return f"ais://{self.bucket.name}/{self.prefix}".rstrip("/")
     def __repr__(self): return f"AISStore({self.spec!r}, endpoint={self.endpoint!r})"
     def _obj(self, name: str): return self.bucket.object(self.prefix + name)
 
-    def put_file(self, src: str | Path, name: str | None = None) -> str:
-        "Upload local file `src` as object `name` (default: its file name)."
-        name = name or Path(src).name
-        self._obj(name).get_writer().put_file(str(src))
-        return name
+# %% ../nbs/00_store.ipynb
+@patch
+def put_file(self: AISStore, src: str | Path, name: str | None = None) -> str:
+    "Upload local file `src` as object `name` (default: its file name)."
+    name = name or Path(src).name
+    self._obj(name).get_writer().put_file(str(src))
+    return name
 
-    def put_bytes(self, data: bytes, name: str) -> str:
-        "Store `data` as object `name`."
-        self._obj(name).get_writer().put_content(data)
-        return name
+@patch
+def put_bytes(self: AISStore, data: bytes, name: str) -> str:
+    "Store `data` as object `name`."
+    self._obj(name).get_writer().put_content(data)
+    return name
 
-    def list(self, pattern: str | None = None) -> list[str]:
-        "Names of the objects (sorted, relative to the prefix), filtered by a glob, brace template or prefix."
-        objs = self.bucket.list_all_objects(prefix=self.prefix)
-        return _match((o.name[len(self.prefix):] for o in objs), pattern)
+# %% ../nbs/00_store.ipynb
+@patch
+def list(self: AISStore, pattern: str | None = None) -> list[str]:
+    "Names of the objects (sorted, relative to the prefix), filtered by a glob, brace template or prefix."
+    objs = self.bucket.list_all_objects(prefix=self.prefix)
+    return _match((o.name[len(self.prefix):] for o in objs), pattern)
 
-    def exists(self, name: str) -> bool:
-        try: self._head(name); return True
-        except StoreError: return False
+@patch
+def exists(self: AISStore, name: str) -> bool:
+    try: self._head(name); return True
+    except StoreError: return False
 
-    def size(self, name: str) -> int:
-        return int(self._head(name).size)
+@patch
+def size(self: AISStore, name: str) -> int:
+    return int(self._head(name).size)
 
-    def _head(self, name):
-        from aistore.sdk.errors import AISError
-        try: return self._obj(name).head()
-        except AISError as e:
-            if _missing(e): raise StoreError(f"no object {name!r} in {self.spec}") from None
-            raise
+@patch
+def _head(self: AISStore, name):
+    from aistore.sdk.errors import AISError
+    try: return self._obj(name).head()
+    except AISError as e:
+        if _missing(e): raise StoreError(f"no object {name!r} in {self.spec}") from None
+        raise
 
-    def open(self, name: str) -> BinaryIO:
-        "Open object `name` for reading (a streaming, file-like response)."
-        self._head(name)
-        return self._obj(name).get_reader().raw()
+@patch
+def open(self: AISStore, name: str) -> BinaryIO:
+    "Open object `name` for reading (a streaming, file-like response)."
+    self._head(name)
+    return self._obj(name).get_reader().raw()
 
-    def read_bytes(self, name: str) -> bytes:
-        self._head(name)
-        return self._obj(name).get_reader().read_all()
+@patch
+def read_bytes(self: AISStore, name: str) -> bytes:
+    self._head(name)
+    return self._obj(name).get_reader().read_all()
 
-    def delete(self, name: str) -> None:
-        "Remove object `name`; a missing object is an error."
-        self._head(name)
-        self._obj(name).delete()
+@patch
+def delete(self: AISStore, name: str) -> None:
+    "Remove object `name`; a missing object is an error."
+    self._head(name)
+    self._obj(name).delete()
 
-    def object_url(self, name: str) -> str:
-        "The HTTP URL of object `name` (what `curl` or `WebDataset` fetches)."
-        return self._obj(name).get_url()
+# %% ../nbs/00_store.ipynb
+@patch
+def object_url(self: AISStore, name: str) -> str:
+    "The HTTP URL of object `name` (what `curl` or `WebDataset` fetches)."
+    return self._obj(name).get_url()
 
-    def urls(self, names: str | Iterable[str], etl=None) -> list[str]:
-        "HTTP URLs that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
-        names = expand_names(names)
-        return _etl_urls(self, names, etl) if etl is not None else [self.object_url(n) for n in names]
+@patch
+def urls(self: AISStore, names: str | Iterable[str], etl=None) -> list[str]:
+    "HTTP URLs that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
+    names = expand_names(names)
+    return _etl_urls(self, names, etl) if etl is not None else [self.object_url(n) for n in names]
 
 # %% ../nbs/00_store.ipynb
 def _etl_urls(store, names: list[str], etl) -> list[str]:

@@ -9,13 +9,18 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image
-from shardkit.display import (IMAGENET_MEAN, IMAGENET_STD, class_name, count_samples, display_loader_images,
-                              display_shard_images, list_shards, shard_listing, show_image_tensor, to_hwc,
-                              trimap_overlay, view_data)
-from shardkit.pets import CLASS_NAMES, write_shards
-from shardkit.shuffle import iter_samples
+from shardkit.display import (class_name, display_loader_images, display_shard_images, shard_listing, show_image_tensor,
+                              to_hwc, trimap_overlay, view_data)
+from shardkit.pets import CLASS_NAMES
+from shardkit.shards import IMAGENET_MEAN, IMAGENET_STD, count_samples, list_shards, read_samples, write_shards
 from shardkit.store import StoreError, open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+
+
+def iter_samples(f):
+    "(key, {field: bytes}) for each sample of tar stream `f`."
+    for s in read_samples(f):
+        yield s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}
 
 
 def _samples(n=10, seed=0, start=0):
@@ -74,10 +79,10 @@ def test_ls_counts_and_uses_manifests(tmp_path, cli):
 
 def test_ls_errors(tmp_path, cli):
     r = cli("ls", tmp_path / "missing")
-    assert r.returncode == 2 and "does not exist" in r.stdout
+    assert r.returncode == 2 and "does not exist" in r.stderr
     (tmp_path / "empty").mkdir()
     r = cli("ls", tmp_path / "empty")
-    assert r.returncode == 2 and "no shards matching '*.tar'" in r.stdout
+    assert r.returncode == 2 and "no shards matching '*.tar'" in r.stderr
 
 
 def test_count_samples_groups_like_webdataset(tmp_path):
@@ -98,19 +103,21 @@ def test_show_cli_writes_a_readable_png(tmp_path, cli, out_dir):
 
 def test_show_cli_errors(tmp_path, cli):
     r = cli("show", tmp_path / "nope.tar", "--out", tmp_path / "x.png")
-    assert r.returncode == 2 and "no shard file" in r.stdout
+    assert r.returncode == 2 and "no shard file" in r.stderr
     (tmp_path / "junk.tar").write_text("not a tar at all")
     r = cli("show", tmp_path / "junk.tar", "--out", tmp_path / "x.png")
-    assert r.returncode == 2 and "junk.tar" in r.stdout and "not a readable tar" in r.stdout
+    assert r.returncode == 2 and "junk.tar" in r.stderr and "not a readable tar" in r.stderr
     assert not (tmp_path / "x.png").exists()
     r = cli("show", "ais://", "--out", tmp_path / "x.png")
-    assert r.returncode == 2 and "names no object" in r.stdout
+    assert r.returncode == 2 and "names no object" in r.stderr
 
 
 def test_shard_figure_titles_and_overlay(tmp_path):
     store = _plain_shards(open_store(tmp_path / "s", create=True))
-    fig = display_shard_images(store, "part-000.tar", objects=4)
+    fig = display_shard_images(store, "part-000.tar", objects=4, class_names=CLASS_NAMES)
     assert [a.get_title() for a in fig.axes] == [f"img{j:03d} · {CLASS_NAMES[j * 5 % 37]}" for j in range(4)]
+    plain = display_shard_images(store, "part-000.tar", objects=2)  # no names given, none in a manifest: the class number
+    assert [a.get_title() for a in plain.axes] == ["img000 · 0", "img001 · 5"]
     # the picture drawn is the photo with its trimap: background dimmed, outline yellow
     key, files = next(iter_samples(store.open("part-000.tar")))
     img = np.asarray(Image.open(io.BytesIO(files["image.jpg"])).convert("RGB"))
@@ -161,7 +168,7 @@ def test_loader_batches(form, capsys):
               "torchrgb": lambda: [(cls, ims.float() / 255, tris[:, None].repeat(1, 3, 1, 1).float() / 255)],
               "normalised_dict": lambda: [{"__key__": [f"k{i}" for i in range(4)], "cls": cls, "image.jpg": norm}],
               "list_of_batches": lambda: [(cls, ims, tris), (cls, ims, tris)]}[form]()
-    fig = view_data(loader, objects=3)
+    fig = view_data(loader, objects=3, class_names=CLASS_NAMES)
     printed = capsys.readouterr().out
     assert "(4, 3, 64, 64)" in printed
     names = [CLASS_NAMES[int(c)] for c in cls[:3]]
@@ -183,7 +190,8 @@ def test_loader_trimaps_of_another_size_and_errors():
 
 
 def test_class_names():
-    assert len(CLASS_NAMES) == 37 and class_name(0) == CLASS_NAMES[0] and class_name(b"36\n") == CLASS_NAMES[36]
+    assert len(CLASS_NAMES) == 37 and class_name(0, CLASS_NAMES) == CLASS_NAMES[0] and class_name(b"36\n", CLASS_NAMES) == CLASS_NAMES[36]
+    assert class_name(0) == "0"  # display knows no data set: names are passed in
     assert class_name(torch.tensor(2), ["a", "b", "c"]) == "c" and class_name(40) == "40" and class_name("x") == "x"
 
 
@@ -200,4 +208,4 @@ def test_ais_views(ais_endpoint, tmp_path, cli, out_dir):
     assert r.returncode == 0, r.stdout + r.stderr
     assert Image.open(out).format == "PNG"
     r = cli("show", f"ais://{bucket}/sub/nope.tar", "--out", out)
-    assert r.returncode == 2 and "no object 'nope.tar'" in r.stdout
+    assert r.returncode == 2 and "no object 'nope.tar'" in r.stderr

@@ -64,14 +64,14 @@ def test_convert_folder_no_shuffle_keeps_imagefolder_order(tree, tmp_path):
 
 def test_convert_folder_bad_input(tmp_path, capsys):
     assert main(["convert", "folder", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
-    assert "does not exist" in capsys.readouterr().out
+    assert "does not exist" in capsys.readouterr().err
     (tmp_path / "flat").mkdir(); (tmp_path / "flat" / "a.jpg").write_bytes(b"x")
     assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out")]) == 2
-    assert "class subfolders" in capsys.readouterr().out
+    assert "class subfolders" in capsys.readouterr().err
     assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out"), "--maxcount", "0"]) == 2
-    assert "must be positive" in capsys.readouterr().out
+    assert "must be positive" in capsys.readouterr().err
     assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out"), "--maxsize", "huge"]) == 2
-    assert "cannot read size 'huge'" in capsys.readouterr().out
+    assert "cannot read size 'huge'" in capsys.readouterr().err
 
 
 def test_convert_folder_skips_and_counts_junk(tree, tmp_path, capsys):
@@ -82,4 +82,4 @@ def test_convert_folder_skips_and_counts_junk(tree, tmp_path, capsys):
     (src / cls0 / "broken.jpg").write_bytes(b"\x00" * 10)
     assert main(["convert", "folder", str(src), str(tmp_path / "out"), "--prefix", "v-"]) == 0
     out = capsys.readouterr().out
-    assert "6 samples" in out and "skipped: 1 not a readable image" in out, out
+    assert "6 samples" in out and "skipped: 1 unreadable image" in out, out

@@ -8,7 +8,8 @@ from PIL import Image
 from shardkit import pets
 from shardkit.cli import main as cli_main
 from shardkit.pets import (CLASS_NAMES, PET_QUIRKS, PetsError, convert_pets, download_pets, pet_records, pet_samples,
-                           read_manifest, synthesize_pets, write_shards)
+                           synthesize_pets)
+from shardkit.shards import read_manifest, write_shards
 from shardkit.store import StoreError, open_store
 
 N = 50  # listed images: enough for every quirk and a few shards, small enough to draw in seconds
@@ -62,7 +63,7 @@ def test_quirky_set_converts_with_exact_counts(quirky, tmp_path):
     for s in m["shards"]:
         data = (tmp_path / "out" / s["name"]).read_bytes()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (s["bytes"], s["sha256"])
-    assert read_manifest(tmp_path / "out") == m
+    assert read_manifest(tmp_path / "out", "pets-") == m
 
 
 @pytest.mark.parametrize("split", ["trainval", "test"])
@@ -124,7 +125,7 @@ def test_resume_after_exception_is_exact(quirky, tmp_path, monkeypatch):
         return gen
     monkeypatch.setattr(pets, "pet_samples", dies_after(23))
     with pytest.raises(KeyboardInterrupt): convert_pets(root, tmp_path / "part", maxcount=10, progress=False)
-    part = read_manifest(tmp_path / "part")
+    part = read_manifest(tmp_path / "part", "pets-")
     assert not part["complete"] and [s["samples"] for s in part["shards"]] == [10, 10]
     assert not list(Path(tmp_path / "part").glob("pets-00002.tar"))  # the unfinished shard never reached the store
     monkeypatch.setattr(pets, "pet_samples", real)
@@ -135,9 +136,10 @@ def test_resume_after_exception_is_exact(quirky, tmp_path, monkeypatch):
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    import shardkit.pets as p
+    import shardkit.pets as p, shardkit.shards as sh
+    from shardkit.store import LocalStore
     point, after = sys.argv[1], int(sys.argv[2])
-    real_save, real_put = p._save_manifest, p.LocalStore.put_file
+    real_save, real_put = sh._save_manifest, LocalStore.put_file
     done = []
     def save(store, m):
         real_save(store, m)
@@ -147,7 +149,7 @@ KILLER = textwrap.dedent("""
         done.append(name)
         if point == "before_manifest" and len(done) == after: os.kill(os.getpid(), signal.SIGKILL)
         return r
-    p._save_manifest, p.LocalStore.put_file = save, put
+    sh._save_manifest, LocalStore.put_file = save, put
     p.convert_pets(sys.argv[3], sys.argv[4], maxcount=8, workers=2, progress=False)
 """)
 
@@ -160,7 +162,7 @@ def test_resume_after_sigkill(quirky, tmp_path, point):
     r = subprocess.run([sys.executable, "-c", KILLER, point, "2", str(root), str(tmp_path / "part")],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert r.returncode == -9, r.stderr
-    part = read_manifest(tmp_path / "part")
+    part = read_manifest(tmp_path / "part", "pets-")
     assert not part["complete"]
     # killed after storing shard 2: recorded (after_manifest) or stored but not yet recorded (before_manifest)
     assert len(part["shards"]) == (2 if point == "after_manifest" else 1)
@@ -225,27 +227,27 @@ def test_cli_synth_and_convert(tmp_path, cli, capsys):
     r = cli("convert", "pets", tmp_path / "p", tmp_path / "s", "--maxcount", "5", "--maxsize", "200KB", "--workers", "2")
     assert r.returncode == 0, r.stderr
     assert f"{plan['kept']} samples in" in r.stdout and "skipped 4: empty image 1" in r.stdout and "writing pets-" in r.stderr
-    m = read_manifest(tmp_path / "s")
+    m = read_manifest(tmp_path / "s", "pets-")
     assert m["complete"] and m["samples"] == plan["kept"] and all(s["bytes"] <= 200_000 and s["samples"] <= 5 for s in m["shards"])
 
 
 def test_cli_bad_input(quirky, tmp_path, capsys):
     root, _ = quirky
-    cases = [(["convert", "pets", str(root), str(tmp_path), "--split", "val"], "--split must be one of all, trainval, test, got 'val'"),
+    cases = [(["convert", "pets", str(root), str(tmp_path), "--split", "val"], "unknown split 'val'; use one of all, trainval, test"),
              (["convert", "pets", str(root), str(tmp_path), "--maxsize", "lots"], "cannot read size 'lots'"),
-             (["convert", "pets", str(root), str(tmp_path), "--maxsize", "1k"], "at least 10240 bytes"),
-             (["convert", "pets", str(root), str(tmp_path), "--maxcount", "0"], "--maxcount must be >= 1, got 0"),
-             (["convert", "pets", str(root), str(tmp_path), "--check", "quick"], "--check must be one of"),
+             (["convert", "pets", str(root), str(tmp_path), "--maxsize", "1k"], "maxsize must be >= 10240 bytes"),
+             (["convert", "pets", str(root), str(tmp_path), "--maxcount", "0"], "maxcount must be >= 1, got 0"),
+             (["convert", "pets", str(root), str(tmp_path), "--check", "quick"], "check must be one of decode, fast, got 'quick'"),
              (["convert", "pets", str(tmp_path / "nope"), str(tmp_path)], "is not an Oxford-IIIT Pet folder"),
-             (["pets", "synth", str(tmp_path / "q"), "--n", "5", "--quirks"], "--n must be >= 14 with --quirks, got 5"),
+             (["pets", "synth", str(tmp_path / "q"), "--n", "5", "--quirks"], "quirks=True needs n >= 14 images"),
              (["bench", "convert", str(tmp_path / "nope")], "is not an Oxford-IIIT Pet folder"),
              (["pets", "synth", str(root), "--n", "20"], "already holds a data set (n=50, seed=3)")]
     for argv, msg in cases:
         assert cli_main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
-    # a destination that holds another conversion: one line saying so, exit 1
+    # a destination that holds another conversion: one line saying so, exit 2 like every user error
     assert cli_main(["convert", "pets", str(root), str(tmp_path / "d"), "--maxcount", "30"]) == 0
-    assert cli_main(["convert", "pets", str(root), str(tmp_path / "d"), "--maxcount", "31"]) == 1
+    assert cli_main(["convert", "pets", str(root), str(tmp_path / "d"), "--maxcount", "31"]) == 2
     assert "other settings" in capsys.readouterr().err
 
 
@@ -260,7 +262,7 @@ def test_download_fails_fast_offline(tmp_path, capsys):
                  str(tmp_path / "real" / "images"), str(tmp_path / "real" / "annotations"), "shardkit pets synth"):
         assert part in msg, part
     t0 = time.monotonic()
-    assert cli_main(["pets", "download", str(tmp_path / "real")]) == 1
+    assert cli_main(["pets", "download", str(tmp_path / "real")]) == 2
     assert time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "by hand" in err
@@ -296,6 +298,6 @@ def test_convert_into_aistore(quirky, tmp_path, ais_endpoint):
     assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in local["shards"]]
     keys = [s["__key__"] for s in wds.WebDataset(store.urls([s["name"] for s in m["shards"]]), shardshuffle=False)]
     assert keys == expected_keys(plan, root)
-    assert read_manifest(bucket) == m
+    assert read_manifest(bucket, "pets-") == m
     assert convert_pets(root, bucket, maxcount=16, progress=False) == m  # no-op
     for name in store.list(): store.delete(name)

@@ -4,9 +4,16 @@ import io, tarfile, tracemalloc, uuid
 import numpy as np
 import pytest
 import webdataset as wds
-from shardkit.shuffle import Shuffled, iter_samples, parse_size, sample_digests, shuffle_cli, shuffle_shards
+from shardkit.shuffle import Shuffled, parse_size, shuffle_cli, shuffle_shards
+from shardkit.shards import read_samples, sample_digests
 from shardkit.store import StoreError, open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+
+
+def iter_samples(f):
+    "(key, {field: bytes}) for each sample of tar stream `f`."
+    for s in read_samples(f):
+        yield s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}
 
 
 def _shard(samples) -> bytes:
@@ -169,13 +176,13 @@ def test_cli(tmp_path, pets, cli):
     assert "60 samples ->" in r.stdout and "(local," in r.stdout
     assert len(sample_digests(tmp_path / "out")) == 60
     r = cli("shuffle", tmp_path / "src", tmp_path / "out")
-    assert r.returncode == 2 and "--overwrite" in r.stdout
+    assert r.returncode == 2 and "--overwrite" in r.stderr
     r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--overwrite", "--shard-size", "1MB")
     assert r.returncode == 0 and open_store(tmp_path / "out").list() == ["shuffled-00000.tar"]
     r = cli("shuffle", tmp_path / "missing", tmp_path / "out2")
-    assert r.returncode == 2 and "does not exist" in r.stdout
+    assert r.returncode == 2 and "does not exist" in r.stderr
     r = cli("shuffle", tmp_path / "src", tmp_path / "out3", "--shard-size", "lots")
-    assert r.returncode == 2 and "cannot read size 'lots'" in r.stdout
+    assert r.returncode == 2 and "cannot read size 'lots'" in r.stderr
     assert "--shard-size" in cli("shuffle", "--help").stdout
 
 
