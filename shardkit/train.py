@@ -254,7 +254,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
     if (shards is None) == (folder is None): raise TrainError("give either shards or folder (exactly one)")
     dev = _pick_device(device)
     rank, world = setup_distributed(dev)
-    try: return _train(**locals())
+    try: return _train(**locals())  # every argument, and the device, rank and world size just set up
     except (OSError, tarfile.TarError) as e: raise TrainError(_explain(e)) from None
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
