@@ -162,6 +162,8 @@ def test_stalled_sidecar_times_out_instead_of_hanging(src):
     import signal
     sc = Sidecar("shardkit.etl:imagenet_val_npy", src, stall_timeout=3).start()
     try:
+        # warm up: the first transform imports torchvision (~3 s on a busy machine), as long as the stall timeout
+        requests.get(sc.http_url(src, src.list("*.tar")[0]), timeout=60).raise_for_status()
         urls = src.urls(src.list("*.tar"), etl=sc)
         seen, t0 = 0, None
         with pytest.raises(Exception) as err:
