@@ -26,6 +26,7 @@ COMMANDS = {
     ("shuffle",):          ("shardkit.shuffle:shuffle_cli",        "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
     ("ls",):               ("shardkit.display:ls_cli",             "List the shards in a store with their samples and sizes"),
     ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
+    ("verify",):           ("shardkit.shards:verify_cli",          "Check every shard in a store against its manifest (SHA-256, size, samples)"),
     ("etl", "serve"):      ("shardkit.sidecar:etl_serve_cli",      "Serve a sample transform as an ETL sidecar in front of a store"),
     ("etl", "run"):        ("shardkit.etl:etl_run_cli",            "Transform every shard of a store into another store"),
     ("bench", "convert"):  ("shardkit.bench:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
