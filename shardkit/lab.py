@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_lab.ipynb 3
 from __future__ import annotations
-import json, os, secrets, socket, subprocess, sys, tempfile
+import json, os, secrets, signal, socket, subprocess, sys, tempfile
 from importlib.util import find_spec
 from pathlib import Path
 from fastcore.script import store_true
@@ -78,6 +78,19 @@ def _port_free(port: int) -> bool:
         try: s.bind(("127.0.0.1", port)); return True
         except OSError: return False
 
+def _serve(argv: list[str], env: dict) -> int:
+    "Run the server until it exits, Ctrl-C, or SIGTERM to us (which stops it too, kernels with it); its exit code."
+    p = subprocess.Popen(argv, env=env)
+    try: old = signal.signal(signal.SIGTERM, lambda *_: p.terminate())
+    except ValueError: old = None  # not the main thread: no handler, Ctrl-C still works
+    try: return p.wait()
+    except KeyboardInterrupt:
+        p.terminate()  # Jupyter stops cleanly on SIGTERM, without asking to confirm
+        try: return p.wait(30)
+        except subprocess.TimeoutExpired: p.kill(); return p.wait()
+    finally:
+        if old is not None: signal.signal(signal.SIGTERM, old)
+
 def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = None, open_browser: bool = False) -> int:
     "Run JupyterLab on `dir` (default: the tutorials) at 127.0.0.1:`port` with a token, in this Python's kernel."
     check_lab()
@@ -89,12 +102,7 @@ def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = Non
         argv, env = lab_command(dir, port, token, write_kernel(kernels), open_browser)
         print(f"JupyterLab on {dir} with {sys.executable}\n\n    {lab_url(port, token)}\n\n"
               "(only this machine can reach it; Ctrl-C stops it)", flush=True)
-        p = subprocess.Popen(argv, env=env)
-        try: return p.wait()
-        except KeyboardInterrupt:
-            p.terminate()
-            try: return p.wait(30)
-            except subprocess.TimeoutExpired: p.kill(); return p.wait()
+        return _serve(argv, env)
 
 # %% ../nbs/14_lab.ipynb
 def lab_cli(dir: str = None,          # Folder to open (default: the checkout's nbs/tutorials, else the current one)

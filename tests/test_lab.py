@@ -7,7 +7,7 @@ come from this run. JupyterLab gets its own settings, workspace and runtime fold
 check are off (nothing leaves 127.0.0.1; the browser's requests are checked), and notebook windowing is off so
 every cell is in the page. Everything started is stopped at the end, kernels first.
 Skips when Chromium, chromedriver or JupyterLab is missing, unless SHARDKIT_REQUIRE_BROWSER=1."""
-import json, os, shutil, signal, socket, subprocess, sys, tempfile, time, urllib.request
+import json, os, shutil, signal, socket, subprocess, sys, tempfile, time, urllib.error, urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,7 +87,7 @@ def jupyterlab(tmp_path_factory):
         try:
             for k in _api(base, token, "kernels") or []: _api(base, token, f"kernels/{k['id']}", "DELETE")
         except OSError: pass
-        proc.send_signal(signal.SIGINT); proc.send_signal(signal.SIGINT)  # Jupyter's own clean shutdown
+        proc.terminate()  # Jupyter stops cleanly on SIGTERM (SIGINT may be ignored when started in the background)
         try: proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL); proc.wait(10)
@@ -205,3 +205,43 @@ def test_run_all_in_jupyterlab(jupyterlab, browser):
             if json.loads(e["message"])["message"]["method"] == "Network.requestWillBeSent"]
     foreign = [u for u in urls if u.startswith(("http:", "https:", "ws:", "wss:")) and not u.split("/")[2].startswith("127.0.0.1:")]
     assert any(u.startswith(base) for u in urls) and not foreign, f"requests off 127.0.0.1: {foreign[:5]}"
+
+
+def test_lab_serves_with_token_and_stops(tmp_path):
+    """`lab()` itself, as `shardkit lab` runs it: prints a URL with a token, serves the folder on 127.0.0.1 with this
+    Python's kernel, refuses requests without the token, and a SIGTERM to it stops the server as well."""
+    from importlib.util import find_spec
+    _need(find_spec("jupyterlab") is not None, "JupyterLab is not installed: pip install -e '.[lab]'")
+    (tmp_path / "nbs").mkdir()
+    (tmp_path / "nbs" / "hello.ipynb").write_text(TUTORIAL.read_text(encoding="utf-8"))
+    port = _free_port()
+    code = f"import sys; from shardkit.lab import lab; sys.exit(lab({str(tmp_path / 'nbs')!r}, port={port}))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "PYTHONWARNINGS": "ignore"}
+    log = tmp_path / "lab.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        url = _wait("the URL printed", lambda: next((w for w in log.read_text().split() if w.startswith(f"{base}/lab?token=")), None), 60)
+        token = url.split("token=")[1]
+        assert len(token) >= 32
+        def up():
+            try: return _api(base, token, "status") is not None
+            except OSError: return False
+        _wait("JupyterLab answering", up, 180)
+        assert [c["name"] for c in _api(base, token, "contents")["content"]] == ["hello.ipynb"]
+        spec = _api(base, token, "kernelspecs")["kernelspecs"]["python3"]["spec"]
+        assert spec["argv"][0] == sys.executable, spec
+        with pytest.raises(urllib.error.HTTPError) as e: _api(base, "wrong-token", "contents")
+        assert e.value.code == 403
+        proc.terminate()  # SIGTERM to `lab`, as a service manager or `kill` would send
+        assert proc.wait(60) is not None
+        def down():
+            try: _api(base, token, "status"); return False
+            except OSError: return True
+        _wait("the server stopping with `lab`", down, 30)
+    finally:
+        if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL); proc.wait(10)
