@@ -57,9 +57,10 @@ def write_kernel(folder: str | Path) -> Path:
     return folder
 
 # %% ../nbs/14_lab.ipynb
-def lab_command(dir: str | Path, port: int = 8888, token: str = "x", kernels: str | Path | None = None,
+def lab_command(dir: str | Path, port: int = 8888, *, token: str, kernels: str | Path | None = None,
                 open_browser: bool = False) -> tuple[list[str], dict]:
     "The argv and environment that start JupyterLab on `dir` at 127.0.0.1:`port` with `token`."
+    if not token: raise ValueError("an empty token turns Jupyter's login off: pass a token (lab() makes a random one)")
     argv = [sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={int(port)}",
             "--ServerApp.port_retries=0", f"--ServerApp.root_dir={Path(dir).resolve()}"]
     if not open_browser: argv.append("--no-browser")
@@ -99,7 +100,7 @@ def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = Non
     if not _port_free(port): raise OSError(f"port {port} on 127.0.0.1 is in use (another Jupyter?): pass --port with a free one")
     token = token or secrets.token_hex(24)
     with tempfile.TemporaryDirectory(prefix="shardkit-lab-") as kernels:
-        argv, env = lab_command(dir, port, token, write_kernel(kernels), open_browser)
+        argv, env = lab_command(dir, port, token=token, kernels=write_kernel(kernels), open_browser=open_browser)
         print(f"JupyterLab on {dir} with {sys.executable}\n\n    {lab_url(port, token)}\n\n"
               "(only this machine can reach it; Ctrl-C stops it)", flush=True)
         return _serve(argv, env)

@@ -63,7 +63,7 @@ def jupyterlab(tmp_path_factory):
     nbformat.write(nb, root / TUTORIAL.name)
     _settings(tmp / "settings")
     port, token = _free_port(), "shardkit-test-" + os.urandom(8).hex()
-    argv, env = lab_command(root, port, token, kernels=write_kernel(tmp / "data"))
+    argv, env = lab_command(root, port, token=token, kernels=write_kernel(tmp / "data"))
     env.update(JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
                JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
