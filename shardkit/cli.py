@@ -34,6 +34,7 @@ COMMANDS = {
     ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loader against the seed, map-style and ceiling"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
+    ("lab",):              ("shardkit.lab:lab_cli",                "Open the tutorials in JupyterLab on 127.0.0.1"),
 }
 
 # %% ../nbs/99_cli.ipynb
