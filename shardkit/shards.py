@@ -18,11 +18,11 @@ from fastcore.basics import patch
 from .store import LocalStore, ShardkitError, StoreError, UsageError, open_store, parse_size
 
 # %% auto 0
-__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'MAX_PIXELS', 'ShardError', 'SkipSample', 'split_key',
-           'is_image_key', 'is_mask_key', 'image_size', 'check_image', 'unsafe_name', 'read_samples', 'url_samples',
-           'sample_digests', 'count_samples', 'list_shards', 'ordered_map', 'sha256_file', 'manifest_name',
-           'read_manifest', 'summarize', 'staging_dir', 'write_shards', 'incomplete_jobs', 'verify_shards',
-           'verify_cli']
+__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError', 'SkipSample',
+           'split_key', 'is_image_key', 'is_mask_key', 'PickleRefused', 'decode_field', 'field_decoder', 'image_size',
+           'check_image', 'unsafe_name', 'read_samples', 'url_samples', 'sample_digests', 'count_samples',
+           'list_shards', 'ordered_map', 'sha256_file', 'manifest_name', 'read_manifest', 'summarize', 'staging_dir',
+           'write_shards', 'incomplete_jobs', 'verify_shards', 'verify_cli']
 
 # %% ../nbs/01_shards.ipynb
 class ShardError(ShardkitError):
@@ -52,6 +52,31 @@ def is_image_key(key: str) -> bool:
 def is_mask_key(key: str) -> bool:
     "Whether field `key` holds a label map (trimap, mask, segmentation) rather than a picture."
     return any(w in key.lower() for w in MASK_WORDS)
+
+# %% ../nbs/01_shards.ipynb
+PICKLE_EXTS = frozenset({"pyd", "pickle", "pkl", "pth", "pt"})
+
+class PickleRefused(ShardkitError):
+    "A field holds a pickle (or a torch.save file), which would run code from the shard if decoded."
+
+def _refuse_pickle(key: str, data, allow_pickle: bool = False):
+    "Raise PickleRefused for a pickle field unless `allow_pickle`; None otherwise (the next decoder decides)."
+    ext = key.rsplit(".", 1)[-1].lower()
+    if ext in PICKLE_EXTS and not allow_pickle:
+        raise PickleRefused(f"field {key!r} is a pickle ({ext}): decoding it would run code from the shard; "
+                            "leave it out of the keys, or pass allow_pickle=True only for shards you trust")
+    return None
+
+def decode_field(key: str, data: bytes, allow_pickle: bool = False):
+    "Field `key` decoded by WebDataset's basic decoders (None: not a type they know); pickles refused unless `allow_pickle`."
+    _refuse_pickle(key, data, allow_pickle)
+    return wds.autodecode.basichandlers(key, data)
+
+def field_decoder(spec: str | None = "pil", allow_pickle: bool = False):
+    "A webdataset sample decoder (images as `spec`, other fields by type) that refuses pickle fields unless `allow_pickle`."
+    handlers = [lambda k, d: _refuse_pickle(k, d, allow_pickle)]
+    if spec: handlers.append(wds.autodecode.imagehandler(spec))
+    return wds.autodecode.Decoder(handlers)
 
 # %% ../nbs/01_shards.ipynb
 MAX_PIXELS = 50_000_000  # about 8000 x 6000: more than any photo in a training set, far less than a bomb
