@@ -72,11 +72,18 @@ def decode_field(key: str, data: bytes, allow_pickle: bool = False):
     _refuse_pickle(key, data, allow_pickle)
     return wds.autodecode.basichandlers(key, data)
 
-def field_decoder(spec: str | None = "pil", allow_pickle: bool = False):
-    "A webdataset sample decoder (images as `spec`, other fields by type) that refuses pickle fields unless `allow_pickle`."
-    handlers = [lambda k, d: _refuse_pickle(k, d, allow_pickle)]
-    if spec: handlers.append(wds.autodecode.imagehandler(spec))
-    return wds.autodecode.Decoder(handlers)
+def field_decoder(spec: str | None = "pil", allow_pickle: bool = False) -> Callable[[dict], dict]:
+    "A sample decoder like webdataset's `.decode(spec)` (images as `spec`, other fields by type), refusing pickles unless `allow_pickle`."
+    image = wds.autodecode.imagehandler(spec) if spec else None
+    def decode(sample: dict) -> dict:
+        out = {}
+        for k, v in sample.items():
+            if k.startswith("__") or not isinstance(v, (bytes, bytearray)): out[k] = v; continue
+            r = image(k, v) if image is not None else None
+            if r is None: r = decode_field(k, v, allow_pickle)
+            out[k] = v if r is None else r
+        return out
+    return decode
 
 # %% ../nbs/01_shards.ipynb
 MAX_PIXELS = 50_000_000  # about 8000 x 6000: more than any photo in a training set, far less than a bomb
