@@ -26,6 +26,7 @@ COMMANDS = {
     ("shuffle",):          ("shardkit.shuffle:shuffle_cli",        "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
     ("ls",):               ("shardkit.display:ls_cli",             "List the shards in a store with their samples and sizes"),
     ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
+    ("verify",):           ("shardkit.shards:verify_cli",          "Check every shard in a store against its manifest (SHA-256, size, samples)"),
     ("etl", "serve"):      ("shardkit.sidecar:etl_serve_cli",      "Serve a sample transform as an ETL sidecar in front of a store"),
     ("etl", "run"):        ("shardkit.etl:etl_run_cli",            "Transform every shard of a store into another store"),
     ("bench", "convert"):  ("shardkit.bench:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
@@ -33,6 +34,7 @@ COMMANDS = {
     ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loader against the seed, map-style and ceiling"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
+    ("lab",):              ("shardkit.lab:lab_cli",                "Open the tutorials in JupyterLab on 127.0.0.1"),
 }
 
 # %% ../nbs/99_cli.ipynb

@@ -10,14 +10,15 @@ import requests
 from .store import ShardkitError
 
 # %% auto 0
-__all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'ClusterError', 'shardkit_home', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'ais_status', 'ais_up', 'ais_down',
-           'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli']
+__all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'shardkit_home', 'default_root',
+           'aistore_source', 'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'ais_status',
+           'ais_up', 'ais_down', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli']
 
 # %% ../nbs/02_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
 AIS_VERSION = "v1.5.0"  # AIStore 5.0; pairs with the `aistore` 2.x Python SDK
 BUILD_TAGS = ("dsort",)
+AIS_CLI_VERSION = "ad7b5519cb21"  # the ais CLI module commit that matches AIStore 5.0 (its module has no tags)
 
 class ClusterError(ShardkitError):
     "The local cluster could not be built, started or stopped; the message says why and what to do."
@@ -70,7 +71,7 @@ def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
     return out
 
 # %% ../nbs/02_cluster.ipynb
-def build_ais_cli(version: str = "latest", quiet: bool = False) -> Path | None:
+def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path | None:
     "Try to `go install` the `ais` CLI (binary `cli`, installed as `ais`); None, with a note, if the module is unavailable."
     bindir = shardkit_home() / "bin"
     if (bindir / "ais").exists(): return bindir / "ais"

@@ -4,14 +4,14 @@
 
 # %% ../nbs/07_display.ipynb 3
 from __future__ import annotations
-import io, json, stat, tarfile, time
+import io, json, stat, sys, tarfile, time
 from pathlib import Path
 import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
 from PIL import Image
 from .store import StoreError, UsageError, open_store
-from .shards import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key, list_shards, read_samples
+from .shards import IMAGENET_MEAN, IMAGENET_STD, is_image_key, incomplete_jobs, is_mask_key, list_shards, read_samples
 from fastcore.script import store_true
 
 # %% auto 0
@@ -235,6 +235,7 @@ def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
     rows = list_shards(store, pattern)
     if not rows: raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the store, or pass --pattern")
     print(format_listing(rows, dest))  # the store as the user named it
+    for w in incomplete_jobs(store): print(f"warning: {w}", file=sys.stderr)
 
 def show_cli(shard: str,                  # Shard: a .tar path or ais://bucket/name.tar
              out: str = "shard.png",      # PNG file to write

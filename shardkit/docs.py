@@ -4,17 +4,18 @@
 
 # %% ../nbs/98_docs.ipynb 3
 from __future__ import annotations
-import html, json, os, re, shutil, subprocess, sys, tempfile, warnings
+import base64, html, io, json, os, re, shutil, subprocess, sys, tempfile, warnings
 from contextlib import contextmanager
 from pathlib import Path
 import yaml
+from PIL import Image
 from fastcore.script import store_true
 
 # %% auto 0
 __all__ = ['find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root', 'process_notebook',
            'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem', 'render_offline',
-           'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed', 'docs_cli',
-           'pipeline_diagram', 'save_pipeline_diagram']
+           'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed', 'shrink_image',
+           'shrink_outputs', 'shrink_notebook', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
 
 # %% ../nbs/98_docs.ipynb
 def find_notebooks(nbs: str | Path) -> list[Path]:
@@ -339,17 +340,18 @@ def _no_eval(cell) -> bool:
     return _directives(cell.source)[0].get("eval") == "false"
 
 def execute_notebook(path: str | Path) -> bool:
-    "Execute the notebook at `path` in place (in this process), keeping its outputs; False if a cell failed."
+    "Execute the notebook at `path` in place (in this process), keeping its outputs at 1x, shrunk; False if a cell failed."
     from execnb.nbio import read_nb, write_nb
     from execnb.shell import CaptureShell
     path = Path(path).resolve()
     nb = read_nb(path)
-    sh = CaptureShell(path)
+    sh = CaptureShell(path, mpl_format="png")  # 1x: execnb's default, 'retina', stores twice the pixels shown
     with _cwd(path.parent):
         try: sh.run_all(nb, exc_stop=True, preproc=_no_eval)
         except Exception:
             print(sh.prettytb(fname=path), file=sys.stderr)
             return False
+    shrink_outputs(nb)
     write_nb(nb, path)
     from nbdev.clean import nbdev_clean
     with _in_project(path.parent): nbdev_clean.__wrapped__(fname=str(path))
@@ -370,6 +372,59 @@ def committed_executed(nbs: str | Path) -> list[Path]:
     "The notebooks under `nbs` that are committed with outputs: the tutorials (folders) and any saved with outputs."
     def has_outputs(p): return any(c.get("outputs") for c in json.loads(p.read_text(encoding="utf-8"))["cells"])
     return [Path(nbs) / p for p in find_notebooks(nbs) if len(p.parts) > 1 or has_outputs(Path(nbs) / p)]
+
+# %% ../nbs/98_docs.ipynb
+def _rgb(im):
+    "`im` as RGB, transparent parts on white."
+    if im.mode in ("RGBA", "LA", "P", "PA"):
+        im = im.convert("RGBA")
+        bg = Image.new("RGB", im.size, "white")
+        bg.paste(im, mask=im.getchannel("A"))
+        return bg
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+def shrink_image(png: bytes, width: int | None = None, height: int | None = None,
+                 quality: int = 85, jpeg_gain: float = 0.8) -> tuple[str, bytes]:
+    "The figure `png`, shown at `width`x`height`, at the size shown, in RGB, as the smaller of PNG and JPEG: (mime, bytes)."
+    im = Image.open(io.BytesIO(png)); im.load()
+    rgb = _rgb(im)
+    resized = bool(width and height and rgb.width > int(width))
+    if resized: rgb = rgb.resize((int(width), int(height)), Image.BOX)  # plain averaging keeps line art compressible
+    def enc(fmt, **kw):
+        b = io.BytesIO(); rgb.save(b, fmt, **kw); return b.getvalue()
+    best = min([enc("PNG", optimize=True)] + ([] if resized else [png]), key=len)  # never bigger than it was
+    jpeg = enc("JPEG", quality=quality, optimize=True)
+    return ("image/jpeg", jpeg) if len(jpeg) < jpeg_gain * len(best) else ("image/png", best)
+
+# %% ../nbs/98_docs.ipynb
+def shrink_outputs(nb: dict, quality: int = 85) -> int:
+    "Shrink every PNG output of `nb` in place with `shrink_image`; the number of bytes saved."
+    saved = 0
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            data = out.get("data", {})
+            if "image/png" not in data: continue
+            md = out.setdefault("metadata", {})
+            shown = md.get("image/png", {}) if isinstance(md.get("image/png"), dict) else {}
+            png = base64.b64decode(_md_text(data["image/png"]))
+            mime, b = shrink_image(png, shown.get("width"), shown.get("height"), quality)
+            if mime == "image/png" and b == png: continue
+            del data["image/png"]
+            data[mime] = base64.b64encode(b).decode("ascii")
+            if "image/png" in md: md[mime] = md.pop("image/png")
+            saved += len(png) - len(b)
+    return saved
+
+def shrink_notebook(path: str | Path, quality: int = 85) -> tuple[int, int]:
+    "Shrink the image outputs of the notebook file at `path` in place (nothing executed); its size before and after."
+    path = Path(path)
+    before = path.stat().st_size
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    if shrink_outputs(nb, quality):
+        path.write_text(json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        from nbdev.clean import nbdev_clean
+        with _in_project(path.resolve().parent): nbdev_clean.__wrapped__(fname=str(path))
+    return before, path.stat().st_size
 
 # %% ../nbs/98_docs.ipynb
 def docs_cli(out: str = "_site",                 # Folder to write the site into
@@ -399,17 +454,24 @@ def docs_cli(out: str = "_site",                 # Folder to write the site into
     return 0
 
 # %% ../nbs/98_docs.ipynb
+_USAGE = ("usage: python -m shardkit.docs execute NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]\n"
+          "       python -m shardkit.docs shrink NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]")
+
 def _main(argv: list[str] | None = None) -> int:
-    "`python -m shardkit.docs execute NOTEBOOK...`: execute notebooks in place, keeping their outputs."
+    "`python -m shardkit.docs execute|shrink NOTEBOOK...`: execute notebooks in place, or shrink their figures."
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[0] != "execute":
-        print("usage: python -m shardkit.docs execute NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]", file=sys.stderr)
+    if len(argv) < 2 or argv[0] not in ("execute", "shrink"):
+        print(_USAGE, file=sys.stderr)
         return 2
     missing = [p for p in argv[1:] if not Path(p).is_file()]
     if missing:
         print(f"no such notebook: {missing[0]!r}", file=sys.stderr)
         return 2
-    return 1 if execute_notebooks(argv[1:]) else 0
+    if argv[0] == "execute": return 1 if execute_notebooks(argv[1:]) else 0
+    for p in argv[1:]:
+        before, after = shrink_notebook(p)
+        print(f"{p}: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB")
+    return 0
 
 # %% ../nbs/98_docs.ipynb
 #| eval: false

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_shards.ipynb 3
 from __future__ import annotations
-import hashlib, io, json, multiprocessing as mp, os, shutil, signal, sys, tarfile, tempfile, threading, time
+import errno, hashlib, io, json, multiprocessing as mp, os, shutil, signal, sys, tarfile, tempfile, threading, time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
@@ -18,10 +18,11 @@ from fastcore.basics import patch
 from .store import LocalStore, ShardkitError, StoreError, UsageError, open_store, parse_size
 
 # %% auto 0
-__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'MAX_PIXELS', 'ShardError', 'SkipSample', 'split_key',
-           'is_image_key', 'is_mask_key', 'image_size', 'check_image', 'unsafe_name', 'read_samples', 'url_samples',
-           'sample_digests', 'count_samples', 'list_shards', 'ordered_map', 'sha256_file', 'manifest_name',
-           'read_manifest', 'summarize', 'write_shards']
+__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError', 'SkipSample',
+           'split_key', 'is_image_key', 'is_mask_key', 'PickleRefused', 'decode_field', 'field_decoder', 'image_size',
+           'check_image', 'unsafe_name', 'read_samples', 'url_samples', 'sample_digests', 'count_samples',
+           'list_shards', 'ordered_map', 'sha256_file', 'manifest_name', 'read_manifest', 'summarize', 'staging_dir',
+           'write_shards', 'incomplete_jobs', 'verify_shards', 'verify_cli']
 
 # %% ../nbs/01_shards.ipynb
 class ShardError(ShardkitError):
@@ -51,6 +52,38 @@ def is_image_key(key: str) -> bool:
 def is_mask_key(key: str) -> bool:
     "Whether field `key` holds a label map (trimap, mask, segmentation) rather than a picture."
     return any(w in key.lower() for w in MASK_WORDS)
+
+# %% ../nbs/01_shards.ipynb
+PICKLE_EXTS = frozenset({"pyd", "pickle", "pkl", "pth", "pt"})
+
+class PickleRefused(ShardkitError):
+    "A field holds a pickle (or a torch.save file), which would run code from the shard if decoded."
+
+def _refuse_pickle(key: str, data, allow_pickle: bool = False):
+    "Raise PickleRefused for a pickle field unless `allow_pickle`; None otherwise (the next decoder decides)."
+    ext = key.rsplit(".", 1)[-1].lower()
+    if ext in PICKLE_EXTS and not allow_pickle:
+        raise PickleRefused(f"field {key!r} is a pickle ({ext}): decoding it would run code from the shard; "
+                            "leave it out of the keys, or pass allow_pickle=True only for shards you trust")
+    return None
+
+def decode_field(key: str, data: bytes, allow_pickle: bool = False):
+    "Field `key` decoded by WebDataset's basic decoders (None: not a type they know); pickles refused unless `allow_pickle`."
+    _refuse_pickle(key, data, allow_pickle)
+    return wds.autodecode.basichandlers(key, data)
+
+def field_decoder(spec: str | None = "pil", allow_pickle: bool = False) -> Callable[[dict], dict]:
+    "A sample decoder like webdataset's `.decode(spec)` (images as `spec`, other fields by type), refusing pickles unless `allow_pickle`."
+    image = wds.autodecode.imagehandler(spec) if spec else None
+    def decode(sample: dict) -> dict:
+        out = {}
+        for k, v in sample.items():
+            if k.startswith("__") or not isinstance(v, (bytes, bytearray)): out[k] = v; continue
+            r = image(k, v) if image is not None else None
+            if r is None: r = decode_field(k, v, allow_pickle)
+            out[k] = v if r is None else r
+        return out
+    return decode
 
 # %% ../nbs/01_shards.ipynb
 MAX_PIXELS = 50_000_000  # about 8000 x 6000: more than any photo in a training set, far less than a bomb
@@ -288,11 +321,22 @@ def summarize(m: dict) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/01_shards.ipynb
+def staging_dir(store, prefix: str, kind: str = "shards") -> Path:
+    "A fresh local folder for the shards of job (`store`, `prefix`) before they are stored; whatever a killed run left there is removed."
+    job = hashlib.sha256(f"{kind}\0{store.spec}\0{prefix}".encode()).hexdigest()[:16]
+    d = Path(tempfile.gettempdir()) / f"shardkit-{kind}-{job}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    if isinstance(store, LocalStore) and store.root.is_dir():  # a killed atomic write leaves its hidden temp file
+        for p in store.root.glob(f".{prefix}*.tmp"): p.unlink(missing_ok=True)
+    return d
+
+# %% ../nbs/01_shards.ipynb
 class _ShardSink:
     "Fills one shard at a time on local disk and hands each finished one to `store` on a thread; the only writer of manifest `m`."
     def __init__(self, store, m: dict, prefix: str, digits: int, mtime: float, index: int):
         self.store, self.m, self.prefix, self.digits, self.mtime, self.index = store, m, prefix, digits, mtime, index
-        self.tmpdir = Path(tempfile.mkdtemp(prefix="shardkit-shards-"))
+        self.tmpdir = staging_dir(store, prefix)
         self.uploader = ThreadPoolExecutor(1, thread_name_prefix="shardkit-upload")
         self.upload = None  # the shard being handed to the store while the next one fills
         self.cur = None     # the open shard: dict(name, path, file, tar, count, size, first, last)
@@ -352,6 +396,24 @@ def cleanup(self: _ShardSink):
     shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 # %% ../nbs/01_shards.ipynb
+def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcount: int, maxsize: int | None, bar, stats):
+    "Write `samples` into `sink`, skipping those the recorded `shards` already hold (checking that the last one skipped matches)."
+    store, prefix, skip, seen = sink.store, sink.prefix, sink.m["samples"], 0
+    for sample in samples:
+        seen += 1
+        bar.update((stats or {}).get("done", seen) - bar.n)  # records handled, when the source counts them
+        if skip:  # a sample already in the recorded shards
+            skip -= 1
+            if skip == 0 and sample["__key__"] != shards[-1]["last_key"]:
+                raise _resume_mismatch(store, prefix, f"the input changed since the interrupted run (sample {sink.m['samples']} "
+                                       f"is {sample['__key__']!r}, the manifest says {shards[-1]['last_key']!r})")
+            continue
+        sink.add(_encode(sample), maxcount, maxsize)
+    if skip: raise _resume_mismatch(store, prefix, "the input has fewer samples than the shards already written")
+    sink.finish()
+    bar.update((stats or {}).get("done", seen) - bar.n)
+
+# %% ../nbs/01_shards.ipynb
 def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a fixed order
                  dest,                     # Store: a local directory or ais://bucket[/prefix]
                  prefix: str = "shard-",   # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json
@@ -377,25 +439,57 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
         return old
     m = dict(settings, store=store.spec, shards=shards, complete=False,
              samples=sum(s["samples"] for s in shards), bytes=sum(s["bytes"] for s in shards))
-    sink, skip, seen = _ShardSink(store, m, prefix, digits, mtime, len(shards)), m["samples"], 0
+    sink = _ShardSink(store, m, prefix, digits, mtime, len(shards))
     bar = tqdm(total=total, disable=not progress, unit="sample", desc=f"writing {prefix}*.tar", file=sys.stderr)
-    try:
-        for sample in samples:
-            seen += 1
-            bar.update((stats or {}).get("done", seen) - bar.n)  # records handled, when the source counts them
-            if skip:  # a sample already in the recorded shards
-                skip -= 1
-                if skip == 0 and sample["__key__"] != shards[-1]["last_key"]:
-                    raise _resume_mismatch(store, prefix, f"the input changed since the interrupted run (sample {m['samples']} "
-                                           f"is {sample['__key__']!r}, the manifest says {shards[-1]['last_key']!r})")
-                continue
-            sink.add(_encode(sample), maxcount, maxsize)
-        if skip: raise _resume_mismatch(store, prefix, "the input has fewer samples than the shards already written")
-        sink.finish()
-        bar.update((stats or {}).get("done", seen) - bar.n)
+    try: _feed(sink, samples, shards, maxcount, maxsize, bar, stats)
+    except OSError as e:
+        if e.errno != errno.ENOSPC: raise
+        raise StoreError(f"no space left on the device while writing {prefix}*.tar to {store.spec} (staging in {sink.tmpdir}): "
+                         f"{len(m['shards'])} shards ({m['bytes'] / 1e6:.1f} MB) are stored and recorded in {manifest_name(prefix)}; "
+                         "free some space and run the same command again: it resumes after them") from None
     finally:
         bar.close(); sink.cleanup()
     m.update(complete=True, source=dict(stats) if stats is not None else None)
     _save_manifest(store, m)
     if progress: print(summarize(m))
     return m
+
+# %% ../nbs/01_shards.ipynb
+def _manifests(store) -> Iterator[tuple[str, dict]]:
+    "(name, manifest) of every shardkit manifest in `store`."
+    for name in store.list("*manifest.json"):
+        try: m = json.loads(store.read_bytes(name))
+        except ValueError: continue
+        if isinstance(m, dict) and isinstance(m.get("shards"), list) and "complete" in m: yield name, m
+
+def incomplete_jobs(store) -> list[str]:
+    "One line per manifest in `store` that says its job did not finish."
+    store = open_store(store)
+    return [f"{name} says the job that wrote it did not finish ({len(m['shards'])} shards recorded); "
+            "run the same command again to complete it" for name, m in _manifests(store) if not m.get("complete")]
+
+# %% ../nbs/01_shards.ipynb
+def verify_shards(dest, progress: bool = True) -> list[str]:
+    "Problems found in store `dest`: shards whose SHA-256, size or sample count differ from their manifest, missing or unrecorded shards."
+    store = open_store(dest)
+    problems, recorded = list(incomplete_jobs(store)), set()
+    for name, m in _manifests(store):
+        for sh in tqdm(m["shards"], desc=f"verify {name}", unit="shard", disable=not progress, file=sys.stderr):
+            recorded.add(sh["name"])
+            if not store.exists(sh["name"]): problems.append(f"{sh['name']}: missing (recorded in {name})"); continue
+            h, n = hashlib.sha256(), 0
+            with store.open(sh["name"]) as f:
+                for b in iter(lambda: f.read(1 << 20), b""): h.update(b); n += len(b)
+            if n != sh["bytes"]: problems.append(f"{sh['name']}: {n} bytes, the manifest says {sh['bytes']}")
+            elif sh.get("sha256") and h.hexdigest() != sh["sha256"]: problems.append(f"{sh['name']}: SHA-256 differs from the manifest (corrupted)")
+            elif "samples" in sh and count_samples(store, sh["name"]) != sh["samples"]:
+                problems.append(f"{sh['name']}: sample count differs from the manifest")
+    problems += [f"{n}: not recorded in any manifest" for n in store.list("*.tar") if n not in recorded]
+    return problems
+
+def verify_cli(dest: str):  # Store to check: a directory or ais://bucket[/prefix]
+    "Check every shard in a store against its manifest (SHA-256, size, samples)."
+    problems = verify_shards(dest)
+    for p in problems: print(p)
+    if problems: raise ShardError(f"{len(problems)} problem(s) in {dest}; re-run the job that wrote it (or restore the shards) and verify again")
+    print(f"{dest}: every shard matches its manifest")

@@ -4,13 +4,13 @@
 
 # %% ../nbs/06_shuffle.ipynb 3
 from __future__ import annotations
-import dataclasses, io, math, re, shutil, tarfile, tempfile, time
+import dataclasses, hashlib, io, math, re, shutil, tarfile, time
 from pathlib import Path
 import numpy as np
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .store import AISStore, LocalStore, StoreError, UsageError, open_store, parse_size
-from .shards import ShardError, split_key
+from .shards import ShardError, _resume_point, _save_manifest, read_manifest, sha256_file, split_key, staging_dir, unsafe_name
 
 # %% auto 0
 __all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'shuffle_shards', 'shuffle_cli']
@@ -24,7 +24,7 @@ def _index_shard(path, shard: int, name: str | None = None):
             while (ti := tf.next()) is not None:
                 tf.members.clear()  # tarfile keeps every header it reads; we keep only our rows
                 k, _ = split_key(ti.name)
-                if not ti.isfile() or k is None:
+                if not ti.isfile() or k is None or unsafe_name(ti.name):  # links, devices, names that climb out
                     skipped += 1; key = None; continue
                 end = ti.offset_data + math.ceil(ti.size / tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                 if k == key: rows[-1][2] += 1; rows[-1][3] = end - rows[-1][1]
@@ -84,10 +84,10 @@ class Shuffled:
 
 # %% ../nbs/06_shuffle.ipynb
 class _OutputShards:
-    "Write records into shards of at most `shard_size` bytes (one record more if a record alone is bigger)."
-    def __init__(self, dest, prefix: str, shard_size: int, tmpdir: Path):
-        self.dest, self.prefix, self.shard_size, self.tmpdir = dest, prefix, shard_size, tmpdir
-        self.names, self.tar, self.used, self.count = [], None, 0, 0
+    "Write records into shards of at most `shard_size` bytes (one record more if a record alone is bigger); record each in manifest `m`."
+    def __init__(self, dest, prefix: str, shard_size: int, tmpdir: Path, m: dict):
+        self.dest, self.prefix, self.shard_size, self.tmpdir, self.m = dest, prefix, shard_size, tmpdir, m
+        self.names, self.tar, self.used, self.count = [s["name"] for s in m["shards"]], None, 0, 0
 
     def add(self, f, offset: int, members: int, size: int):
         if self.tar is not None and self.count and self._closed_size(self.used + size) > self.shard_size: self.finish()
@@ -104,34 +104,40 @@ class _OutputShards:
         return math.ceil((used + 2 * tarfile.BLOCKSIZE) / tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
     def finish(self):
+        "Store the open shard, then record it in the manifest (so a killed run resumes after it)."
         if self.tar is None: return
         self.tar.close()
         name = f"{self.prefix}{len(self.names):05d}.tar"
+        nbytes, sha = self.path.stat().st_size, sha256_file(self.path)
         self.dest.put_file(self.path, name)
         self.path.unlink()
         self.names.append(name); self.tar = None
+        self.m["shards"].append(dict(name=name, samples=self.count, bytes=nbytes, sha256=sha))
+        self.m["samples"] += self.count; self.m["bytes"] += nbytes
+        _save_manifest(self.dest, self.m)
 
 # %% ../nbs/06_shuffle.ipynb
-def _shuffle_local(src, dest, names, shard_size: int, seed, output_prefix: str, tmpdir=None, progress=True):
-    "The local algorithm: index, permute, copy records into new shards."
-    t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="shardkit-shuffle-", dir=tmpdir) as work:
-        work = Path(work)
-        inputs = _Inputs(src, names, work, progress)
-        try:
-            index, skipped = [], 0
-            for i, p in enumerate(tqdm(inputs.paths, desc="index", unit="shard", disable=not progress)):
-                rows, s = _index_shard(p, i, names[i])
-                index.extend(rows); skipped += s
-            index = np.array(index, dtype=np.int64).reshape(-1, 4)
-            order = np.random.default_rng(seed).permutation(len(index))
-            out = _OutputShards(dest, output_prefix, shard_size, work)
-            for shard, offset, members, size in tqdm(index[order], desc="write", unit="sample", disable=not progress):
-                out.add(inputs.file(int(shard)), int(offset), int(members), int(size))
-            out.finish()
-        finally: inputs.close()
-    total = sum(dest.size(n) for n in out.names)
-    return Shuffled(dest.spec, out.names, len(index), total, "local", time.time() - t0, skipped)
+def _shuffle_local(src, dest, names, shard_size: int, seed, output_prefix: str, m: dict | None = None, progress=True):
+    "The local algorithm: index, permute, copy records into new shards, after those manifest `m` already records."
+    m = m or dict(prefix=output_prefix, info={}, store=dest.spec, shards=[], complete=False, samples=0, bytes=0)
+    t0, work = time.time(), staging_dir(dest, output_prefix, "shuffle")
+    inputs = _Inputs(src, names, work, progress)
+    try:
+        index, skipped = [], 0
+        for i, p in enumerate(tqdm(inputs.paths, desc="index", unit="shard", disable=not progress)):
+            rows, s = _index_shard(p, i, names[i])
+            index.extend(rows); skipped += s
+        index = np.array(index, dtype=np.int64).reshape(-1, 4)
+        order = np.random.default_rng(seed).permutation(len(index))[m["samples"]:]  # a resumed run skips what is stored
+        out = _OutputShards(dest, output_prefix, shard_size, work, m)
+        for shard, offset, members, size in tqdm(index[order], desc="write", unit="sample", disable=not progress):
+            out.add(inputs.file(int(shard)), int(offset), int(members), int(size))
+        out.finish()
+    finally:
+        inputs.close(); shutil.rmtree(work, ignore_errors=True)
+    m.update(complete=True, skipped=skipped)
+    _save_manifest(dest, m)
+    return Shuffled(dest.spec, out.names, len(index), m["bytes"], "local", time.time() - t0, skipped)
 
 # %% ../nbs/06_shuffle.ipynb
 def brace_template(names: list[str]) -> str | None:
@@ -236,6 +242,20 @@ def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, seed, 
 def _same_cluster(a, b) -> bool:
     return isinstance(a, AISStore) and isinstance(b, AISStore) and a.endpoint == b.endpoint
 
+def _job_settings(src, names, shard_size: int, seed, output_prefix: str, backend: str) -> dict:
+    "What identifies a shuffle (its inputs by name and size, seed, size, backend): a re-run with the same settings resumes."
+    inputs = hashlib.sha256("".join(f"{n} {src.size(n)}\n" for n in names).encode()).hexdigest()
+    return dict(prefix=output_prefix, info=dict(kind="shuffle", src=src.spec, inputs=inputs, seed=seed, shard_size=shard_size, backend=backend))
+
+def _check_shuffle_args(backend: str, shard_size, output_prefix: str) -> int:
+    if backend not in ("auto", "dsort", "local"): raise UsageError(f"backend must be 'auto', 'dsort' or 'local', not {backend!r}")
+    shard_size = parse_size(shard_size)
+    if shard_size is None: raise UsageError("shard_size is required, e.g. '100MB'")
+    if not re.fullmatch(r"[\w.\-/]*", output_prefix):
+        raise UsageError(f"output_prefix {output_prefix!r} may hold only letters, digits, '_', '-', '.' and '/'")
+    return shard_size
+
+# %% ../nbs/06_shuffle.ipynb
 def shuffle_shards(src,                            # Input store or spec: a directory or ais://bucket[/prefix]
                    dest,                           # Output store or spec (created when missing)
                    shard_size: str | int = "100MB",  # Output shard size: bytes or e.g. "100MB", "64MiB"
@@ -244,31 +264,39 @@ def shuffle_shards(src,                            # Input store or spec: a dire
                    output_prefix: str = "shuffled-",  # Output names: <prefix>00000.tar, ...
                    overwrite: bool = False,        # Replace earlier outputs with the same prefix in dest
                    backend: str = "auto",          # "auto" (dSort when both are AIStore), "dsort" or "local"
-                   tmpdir: str | None = None,      # Where the local algorithm spills and builds shards
                    timeout: float = 600,           # Seconds to wait for a dSort job
                    progress: bool = True,          # Show progress bars
                   ) -> Shuffled:
-    "Shuffle the samples of shards in `src` into new shards of about `shard_size` bytes in `dest`, records intact."
-    if backend not in ("auto", "dsort", "local"): raise UsageError(f"backend must be 'auto', 'dsort' or 'local', not {backend!r}")
-    shard_size = parse_size(shard_size)
-    if shard_size is None: raise UsageError("shard_size is required, e.g. '100MB'")
-    if not re.fullmatch(r"[\w.\-/]*", output_prefix):
-        raise UsageError(f"output_prefix {output_prefix!r} may hold only letters, digits, '_', '-', '.' and '/'")
+    "Shuffle the samples of shards in `src` into new shards of about `shard_size` bytes in `dest`, records intact; resumable."
+    shard_size = _check_shuffle_args(backend, shard_size, output_prefix)
     src, dest = open_store(src), open_store(dest, create=True)
     names = src.list(input_template or "*.tar")
     if src.spec == dest.spec: names = [n for n in names if not n.startswith(output_prefix)]
     if not names: raise StoreError(f"no input shards {input_template or '*.tar'!r} in {src.spec}; check the source and --input-template")
-    old = dest.list(f"{output_prefix}*.tar")
-    if old and not overwrite:
-        raise StoreError(f"{dest.spec} already holds {len(old)} shards named {output_prefix}*.tar (e.g. {old[0]}); "
-                         "pass overwrite=True (--overwrite) to replace them, or another output prefix")
     if backend == "dsort" and not _same_cluster(src, dest):
         raise StoreError(f"dSort runs inside one AIStore cluster; {src.spec} -> {dest.spec} needs backend='local'")
-    if backend != "local" and _same_cluster(src, dest):
-        for n in old: dest.delete(n)  # dSort numbers its outputs from 00000; stale higher numbers must not linger
-        return _shuffle_dsort(src, dest, names, shard_size, seed, output_prefix, timeout, progress)
-    res = _shuffle_local(src, dest, names, shard_size, seed, output_prefix, tmpdir, progress)
-    for n in set(old) - set(res.names): dest.delete(n)
+    use_dsort = backend != "local" and _same_cluster(src, dest)
+    settings = _job_settings(src, names, shard_size, seed, output_prefix, "dsort" if use_dsort else "local")
+    old, old_names = read_manifest(dest, output_prefix), dest.list(f"{output_prefix}*.tar")
+    same = old is not None and not overwrite and all(old.get(k) == v for k, v in settings.items())
+    if (old_names or old) and not same and not overwrite:
+        raise StoreError(f"{dest.spec} already holds {len(old_names)} shards named {output_prefix}*.tar from another shuffle"
+                         f"{' (e.g. ' + old_names[0] + ')' if old_names else ''}; pass overwrite=True (--overwrite) to replace them, "
+                         "or another output prefix")
+    keep = _resume_point(dest, old, settings) if same and not use_dsort else []
+    if same and old.get("complete") and len(keep) == len(old["shards"]):
+        if progress: print(f"nothing to do: {dest.spec} already holds this shuffle ({len(keep)} shards)")
+        return Shuffled(dest.spec, [s["name"] for s in keep], old["samples"], old["bytes"], "local (done earlier)", 0.0, old.get("skipped", 0))
+    m = dict(settings, store=dest.spec, shards=keep, complete=False,
+             samples=sum(s["samples"] for s in keep), bytes=sum(s["bytes"] for s in keep))
+    if use_dsort:
+        for n in old_names: dest.delete(n)  # dSort numbers its outputs from 00000; stale higher numbers must not linger
+        res = _shuffle_dsort(src, dest, names, shard_size, seed, output_prefix, timeout, progress)
+        _save_manifest(dest, dict(m, complete=True, bytes=res.bytes, samples=None,
+                                  shards=[dict(name=n, bytes=dest.size(n)) for n in res.names]))
+        return res
+    res = _shuffle_local(src, dest, names, shard_size, seed, output_prefix, m, progress)
+    for n in set(old_names) - set(res.names): dest.delete(n)
     return res
 
 # %% ../nbs/06_shuffle.ipynb

@@ -31,6 +31,10 @@ def expand_names(names: str | Iterable[str]) -> list[str]:
     if isinstance(names, (str, os.PathLike)): names = [str(names)]
     return [n for t in names for n in braceexpand(str(t))]
 
+def _as_names(names: str | Iterable[str]) -> list[str]:
+    "A template (one string) expanded; a list taken as names, as they are: a listed file may well have braces in its name."
+    return expand_names(names) if isinstance(names, (str, os.PathLike)) else [str(n) for n in names]
+
 # %% ../nbs/00_store.ipynb
 def _match(names: Iterable[str], pattern: str | None) -> list[str]:
     "Sorted `names` matching `pattern`: a glob, a brace template, a prefix, or None for all."
@@ -136,7 +140,7 @@ def delete(self: LocalStore, name: str) -> None:
 @patch
 def urls(self: LocalStore, names: str | Iterable[str], etl=None) -> list[str]:
     "Paths that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
-    names = expand_names(names)
+    names = _as_names(names)
     missing = [n for n in names if not self.exists(n)]
     if missing: raise StoreError(f"{len(missing)} of {len(names)} objects are not in {self.spec}, e.g. {missing[:3]}")
     return _etl_urls(self, names, etl) if etl is not None else [str(self.path(n)) for n in names]
@@ -259,7 +263,7 @@ def object_url(self: AISStore, name: str) -> str:
 @patch
 def urls(self: AISStore, names: str | Iterable[str], etl=None) -> list[str]:
     "HTTP URLs that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
-    names = expand_names(names)
+    names = _as_names(names)
     return _etl_urls(self, names, etl) if etl is not None else [self.object_url(n) for n in names]
 
 # %% ../nbs/00_store.ipynb

@@ -1,6 +1,6 @@
 """The docs site: `shardkit docs` builds it offline, and headless Chromium finds a page for every notebook,
 every image loaded, and nothing fetched from another host. Also `python -m shardkit.docs execute`."""
-import functools, http.server, io, json, os, shutil, subprocess, sys, tempfile, threading
+import base64, functools, http.server, io, json, os, re, shutil, subprocess, sys, tempfile, threading
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -140,6 +140,26 @@ def test_nothing_loads_from_other_hosts(built, server, visits):
     assert not foreign, f"the pages fetched from other hosts: {foreign[:5]}"
 
 
+PAGE_MB = 2
+_IMG_SRC = re.compile(r"""<img\b[^>]*?\bsrc\s*=\s*["']([^"'#?]+)""", re.I)
+
+
+def page_weight(site: Path, page: Path) -> int:
+    "Bytes a browser loads for `page`: the HTML (mkdocs-jupyter inlines figures into it) and the local images it shows."
+    html = page.read_text(encoding="utf-8")
+    imgs = {(page.parent / src).resolve() for src in _IMG_SRC.findall(html) if not re.match(r"^[a-z]+:|^//", src, re.I)}
+    return page.stat().st_size + sum(f.stat().st_size for f in imgs if f.is_file())
+
+
+def test_no_page_over_budget(built):
+    "No page is heavier than 2 MB: figures are stored at the size shown, photos as JPEG (tests/test_budget.py)."
+    site = built[0]
+    weights = {p.relative_to(site).as_posix(): page_weight(site, p) for p in site.rglob("*.html")}
+    assert len(weights) > 5 and max(weights.values()) > 10_000
+    heavy = {p: f"{w / 1e6:.2f} MB" for p, w in weights.items() if w > PAGE_MB * 1e6}
+    assert not heavy, f"pages over {PAGE_MB} MB: {heavy}; shrink the notebooks' figures: python -m shardkit.docs shrink NOTEBOOK.ipynb"
+
+
 def test_no_broken_links(built):
     "Links between pages lead somewhere (the index links to every tutorial)."
     assert docs.broken_links(built[0]) == []
@@ -198,7 +218,10 @@ def test_execute_in_place(tmp_path):
     assert bad.read_text() == before
     cells = json.loads(good.read_text())["cells"]
     assert cells[0]["outputs"][0]["text"] == ["from the notebook's folder\n"]
-    assert any("image/png" in o.get("data", {}) for o in cells[1]["outputs"])
+    pngs = [o["data"]["image/png"] for o in cells[1]["outputs"] if "image/png" in o.get("data", {})]
+    assert pngs, cells[1]["outputs"]  # a line plot stays PNG
+    from PIL import Image
+    assert Image.open(io.BytesIO(base64.b64decode("".join(pngs[0])))).width < 800, "the figure was drawn at 2x (retina), not 1x"
     assert cells[2]["outputs"] == []
 
 
@@ -231,3 +254,25 @@ def test_quarto_renderer_when_quarto_exists(tmp_path, monkeypatch, capsys):
     inputs = (tmp_path / "site" / "inputs.txt").read_text().split()
     assert {"index.ipynb", "99_cli.ipynb", "_quarto.yml", "sidebar.yml"} <= set(inputs)
     assert (proj / "nbs" / "sidebar.yml").exists()
+
+
+def test_shrink_cli(tmp_path):
+    "`python -m shardkit.docs shrink` brings a committed retina photo figure down to its shown size, as JPEG, in place."
+    import nbformat
+    import numpy as np
+    from PIL import Image
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (12, 16, 3), dtype=np.uint8)).resize((800, 600), Image.BICUBIC)
+    b = io.BytesIO(); photo.convert("RGBA").save(b, "PNG")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("show()")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(b.getvalue()).decode()},
+                                                  metadata={"image/png": {"width": 400, "height": 300}})]
+    p = tmp_path / "retina.ipynb"
+    nbformat.write(nb, p)
+    before = p.stat().st_size
+    r = subprocess.run([sys.executable, "-m", "shardkit.docs", "shrink", str(p)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "MB ->" in r.stdout
+    out = nbformat.read(p, as_version=4).cells[0].outputs[0]
+    assert list(out.data) == ["image/jpeg"] and out.metadata == {"image/jpeg": {"width": 400, "height": 300}}
+    assert Image.open(io.BytesIO(base64.b64decode(out.data["image/jpeg"]))).size == (400, 300)
+    assert p.stat().st_size < before / 3

@@ -1,0 +1,60 @@
+"""The repository's notebooks stay light: everyone who clones the project downloads them, and every docs reader
+loads their figures. Budgets: no image output over 200 KB, no notebook over 1 MB, all of them under 6 MB, and
+figures stored at the size they are shown (not at 2x, "retina"). `python -m shardkit.docs execute` keeps
+to this by itself; `python -m shardkit.docs shrink NOTEBOOK...` brings committed outputs back under it."""
+import base64, io, json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+NBS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb")
+             if not any(part.startswith((".", "_")) or part == "data" for part in p.relative_to(ROOT / "nbs").parts))
+IMAGE_KB, NOTEBOOK_MB, TOTAL_MB = 200, 1, 6
+FIX = "run `python -m shardkit.docs shrink NOTEBOOK.ipynb` (or re-execute it with `python -m shardkit.docs execute`)"
+
+
+def _images(nb: Path):
+    "(cell index, mime, bytes, metadata shown-size dict) of every bitmap output of the notebook at `nb`."
+    for i, cell in enumerate(json.loads(nb.read_text(encoding="utf-8"))["cells"]):
+        for out in cell.get("outputs", []):
+            for mime, data in out.get("data", {}).items():
+                if mime in ("image/png", "image/jpeg", "image/gif", "image/webp"):
+                    shown = out.get("metadata", {}).get(mime, {})
+                    yield i, mime, base64.b64decode("".join(data) if isinstance(data, list) else data), shown
+
+
+def test_notebooks_found():
+    names = {p.relative_to(ROOT / "nbs").as_posix() for p in NBS}
+    assert "index.ipynb" in names and any(n.startswith("tutorials/") for n in names)
+
+
+def test_no_image_over_budget():
+    big = [f"{nb.relative_to(ROOT)} cell {i}: {mime} {len(b) / 1e3:.0f} KB"
+           for nb in NBS for i, mime, b, _ in _images(nb) if len(b) > IMAGE_KB * 1000]
+    assert not big, f"image outputs over {IMAGE_KB} KB: {big}; {FIX}"
+
+
+def test_figures_stored_at_the_size_shown():
+    "A figure whose metadata says it is shown smaller than its pixels (retina) carries pixels nobody sees."
+    big = []
+    for nb in NBS:
+        for i, mime, b, shown in _images(nb):
+            w = Image.open(io.BytesIO(b)).width
+            if isinstance(shown, dict) and shown.get("width") and w > int(shown["width"]):
+                big.append(f"{nb.relative_to(ROOT)} cell {i}: {w} px shown at {shown['width']}")
+    assert not big, f"figures stored larger than shown: {big}; {FIX}"
+
+
+@pytest.mark.parametrize("nb", NBS, ids=[p.relative_to(ROOT / "nbs").as_posix() for p in NBS])
+def test_notebook_under_budget(nb):
+    size = nb.stat().st_size
+    assert size <= NOTEBOOK_MB * 1e6, f"{nb.relative_to(ROOT)} is {size / 1e6:.2f} MB (budget {NOTEBOOK_MB} MB); {FIX}"
+
+
+def test_all_notebooks_under_budget():
+    sizes = {nb.relative_to(ROOT).as_posix(): nb.stat().st_size for nb in NBS}
+    total = sum(sizes.values())
+    heaviest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    assert total <= TOTAL_MB * 1e6, f"the notebooks weigh {total / 1e6:.1f} MB (budget {TOTAL_MB} MB); heaviest: {heaviest}"

@@ -1,0 +1,192 @@
+"""Shards, data set folders and HTTP requests come from other people. Each test here feeds shardkit a real
+hostile or unlucky input (a member that climbs out of its folder, a link, a decompression bomb, a full disk,
+a kill -9, a flipped bit) and checks that it gets a clear error or a counted skip: never silent loss,
+never a file outside the roots it was given, never a hang."""
+import io, json, os, signal, subprocess, sys, tarfile, textwrap, time, uuid
+from pathlib import Path
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+from shardkit.cli import main as cli_main
+from shardkit.pets import PetsError, convert_pets, pet_records, synthesize_pets
+from shardkit.shards import ShardError, read_manifest, read_samples, sample_digests, verify_shards, write_shards
+from shardkit.shuffle import shuffle_shards
+from shardkit.store import StoreError, open_store
+from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+
+
+def _tar(members) -> bytes:
+    "A tar of (name, kind, data) members; kind: 'file', 'sym' (to /etc/passwd) or 'hard' (to the first member)."
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, kind, data in members:
+            ti = tarfile.TarInfo(name)
+            if kind == "sym": ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"; tf.addfile(ti)
+            elif kind == "hard": ti.type, ti.linkname = tarfile.LNKTYPE, members[0][0]; tf.addfile(ti)
+            else: ti.size = len(data); tf.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _sample_members(key, seed=0):
+    img, tri = draw_animal(seed % 37, np.random.default_rng(seed), size=(48, 36))
+    return [(f"{key}.image.jpg", "file", jpeg_bytes(img)), (f"{key}.cls", "file", str(seed % 37).encode()),
+            (f"{key}.trimap.png", "file", png_bytes(tri))]
+
+
+@pytest.mark.parametrize("evil", [("../escape.cls", "file", b"1"), ("/abs/x.cls", "file", b"1"),
+                                  ("link.jpg", "sym", b""), ("hard.jpg", "hard", b"")], ids=["dotdot", "absolute", "symlink", "hardlink"])
+def test_reader_refuses_dangerous_members(evil):
+    data = _tar(_sample_members("a") + [evil])
+    with pytest.raises(ShardError, match="evil.tar has a member") as e: list(read_samples(io.BytesIO(data), "evil.tar"))
+    assert repr(evil[0]) in str(e.value)
+
+
+def test_shuffle_never_writes_a_dangerous_member(tmp_path):
+    src = open_store(tmp_path / "src", create=True)
+    src.put_bytes(_tar(_sample_members("a", 1) + [("../escape.cls", "file", b"1"), ("b.jpg", "sym", b"")] + _sample_members("c", 2)), "in-0.tar")
+    res = shuffle_shards(src, tmp_path / "out", "1MB", progress=False)
+    names = [m for n in res.names for m in tarfile.open(tmp_path / "out" / n).getnames()]
+    assert sorted(names) == sorted(n for n, _, _ in _sample_members("a", 1) + _sample_members("c", 2))
+    assert res.skipped == 2  # counted, and reported by the CLI
+
+
+def test_writer_refuses_unsafe_keys(tmp_path):
+    for key in ("../up", "/abs/key"):
+        with pytest.raises(ValueError, match="safe to extract"):
+            write_shards([{"__key__": key, "txt": "x"}], tmp_path / "w", progress=False)
+    assert not list((tmp_path.parent).glob("up*"))
+
+
+@pytest.fixture
+def pets(tmp_path):
+    root = tmp_path / "pets"
+    synthesize_pets(root, n=40, seed=5)
+    return root
+
+
+def test_list_txt_cannot_pull_files_from_outside(pets, tmp_path):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.jpg").write_bytes((pets / "images" / "Abyssinian_1.jpg").read_bytes())
+    lst = pets / "annotations" / "list.txt"
+    lst.write_text(lst.read_text() + "../../outside/secret 1 1 1\n")
+    with pytest.raises(PetsError, match="is a path, not a file name"): pet_records(pets)
+    assert cli_main(["convert", "pets", str(pets), str(tmp_path / "out")]) == 2
+
+
+def test_links_out_of_the_data_set_are_skipped(pets, tmp_path):
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes((pets / "images" / "Bengal_1.jpg").read_bytes())
+    (pets / "images" / "Abyssinian_1.jpg").unlink()
+    (pets / "images" / "Abyssinian_1.jpg").symlink_to(secret)
+    m = convert_pets(pets, tmp_path / "out", progress=False)
+    assert m["source"]["skipped"] == {"link out of the data set": 1}
+    assert "Abyssinian_1" not in sample_digests(tmp_path / "out")
+
+
+def test_decompression_bomb_is_a_counted_skip(pets, tmp_path):
+    bomb = io.BytesIO()
+    Image.new("L", (20000, 20000)).save(bomb, "PNG")  # a few hundred KB on disk, 400 M pixels decoded
+    (pets / "annotations" / "trimaps" / "Bengal_1.png").write_bytes(bomb.getvalue())
+    t0 = time.monotonic()
+    m = convert_pets(pets, tmp_path / "out", progress=False)
+    assert m["source"]["skipped"] == {"oversized image": 1} and m["samples"] == 39
+    assert time.monotonic() - t0 < 120  # no 400 MB decode per check
+
+
+def test_listed_names_are_not_templates(tmp_path):
+    "A file literally named odd-{0..3000000}.tar is one shard, not three million."
+    from shardkit.loader import create_dataset
+    d = tmp_path / "odd"
+    d.mkdir()
+    (d / "odd-{0..3000000}.tar").write_bytes(_tar(_sample_members("a", 3)))
+    t0 = time.monotonic()
+    samples = list(create_dataset(str(d), keys=("__key__", "cls"), batch_size=None, shuffle=0))
+    assert time.monotonic() - t0 < 60
+    assert [s[0] for s in samples] == ["a"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    "A 600 KB tmpfs: a destination that fills up. Skips where mounting is not permitted."
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode: pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or r.returncode})")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_full_disk_says_where_and_resumes(tiny_disk, tmp_path):
+    rng = np.random.default_rng(0)
+    samples = [{"__key__": f"s{i:03d}", "bin": rng.bytes(60_000)} for i in range(20)]  # 1.2 MB of noise
+    with pytest.raises(StoreError, match="no space left") as e:
+        write_shards(samples, tiny_disk, prefix="big-", maxcount=2, progress=False)
+    msg = str(e.value)
+    assert str(tiny_disk) in msg and "run the same command again" in msg
+    part = read_manifest(tiny_disk, "big-")
+    assert part["complete"] is False and len(part["shards"]) >= 1
+    stored = [s["name"] for s in part["shards"]]
+    subprocess.run(["mount", "-o", "remount,size=4m", str(tiny_disk)], check=True)
+    m = write_shards(samples, tiny_disk, prefix="big-", maxcount=2, progress=False)
+    assert m["complete"] and m["samples"] == 20 and [s["name"] for s in m["shards"]][:len(stored)] == stored
+    assert not [p for p in Path(tiny_disk).iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+
+KILL_SHUFFLE = textwrap.dedent("""
+    import os, signal, sys
+    from shardkit import shards, shuffle
+    real = shards._save_manifest
+    def save(store, m):
+        real(store, m)
+        if len(m["shards"]) == 2 and not m["complete"]: os.kill(os.getpid(), signal.SIGKILL)
+    shuffle._save_manifest = save
+    shuffle.shuffle_shards(sys.argv[1], sys.argv[2], "100KB", seed=3, progress=False)
+""")
+
+
+def test_shuffle_killed_midway_resumes_exactly(tmp_path):
+    src = open_store(tmp_path / "src", create=True)
+    for s in range(4):
+        src.put_bytes(_tar([m for i in range(10) for m in _sample_members(f"k{s}_{i}", s * 10 + i)]), f"in-{s}.tar")
+    full = shuffle_shards(src, tmp_path / "full", "100KB", seed=3, progress=False)
+    r = subprocess.run([sys.executable, "-c", KILL_SHUFFLE, str(tmp_path / "src"), str(tmp_path / "part")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == -9, r.stderr
+    assert read_manifest(tmp_path / "part", "shuffled-")["complete"] is False
+    assert list(tmp_path.glob("shardkit-shuffle-*")), "the killed run's staging folder is there to be cleaned"
+    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
+    assert "did not finish" in r.stderr
+    os.environ["TMPDIR"], old = str(tmp_path), os.environ.get("TMPDIR")
+    try:
+        import tempfile; tempfile.tempdir = None
+        again = shuffle_shards(src, tmp_path / "part", "100KB", seed=3, progress=False)
+    finally:
+        if old is None: os.environ.pop("TMPDIR")
+        else: os.environ["TMPDIR"] = old
+        tempfile.tempdir = None
+    assert again.names == full.names
+    for n in full.names: assert (tmp_path / "part" / n).read_bytes() == (tmp_path / "full" / n).read_bytes()
+    assert not list(tmp_path.glob("shardkit-shuffle-*")), "staging folders are cleaned"
+
+
+def test_stale_temp_files_of_a_killed_conversion_are_cleaned(pets, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".pets-00003.tar.k2j3h4.tmp").write_bytes(b"half a shard")
+    convert_pets(pets, out, maxcount=10, progress=False)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_bit_rot_is_found_by_verify(pets, tmp_path, capsys):
+    m = convert_pets(pets, tmp_path / "out", maxcount=10, progress=False)
+    assert cli_main(["verify", str(tmp_path / "out")]) == 0
+    p = tmp_path / "out" / m["shards"][1]["name"]
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert convert_pets(pets, tmp_path / "out", maxcount=10, progress=False)["complete"]  # a re-run sees sizes only
+    assert cli_main(["verify", str(tmp_path / "out")]) == 2
+    out = capsys.readouterr()
+    assert f"{m['shards'][1]['name']}: SHA-256 differs" in out.out and "1 problem(s)" in out.err
