@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 import numpy as np
 import webdataset as wds
-from webdataset.autodecode import Decoder, ImageHandler
 from fastcore.basics import patch
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
 from .store import AISStore, ShardkitError, ais_client, open_store
-from .shards import IMAGENET_MEAN, IMAGENET_STD, ShardError, read_samples
+from .shards import IMAGENET_MEAN, IMAGENET_STD, ShardError, field_decoder, read_samples
 
 # %% auto 0
 __all__ = ['imagenet_train_npy', 'imagenet_val_npy', 'imagenet_train_uint8', 'imagenet_train_jpg', 'to_tensor', 'seed_sample',
@@ -134,7 +133,8 @@ class SampleTransform:
         self.fn, self.decode, self.seed = resolve_fn(fn), decode, seed
         self.handler = _HANDLERS.get(handler, handler) if isinstance(handler, str) else handler
         if not callable(self.handler): raise ETLError(f"handler must be 'skip', 'strict' or a function, got {handler!r}")
-        self.decoder = Decoder([ImageHandler(decode)], partial=True) if decode else None
+        # the shards module's decoder: webdataset's, except that pickle fields (code from the shard) are refused
+        self.decoder = field_decoder(decode) if decode else None
         self.counts, self.reasons = Counter(), Counter()
 
     def __repr__(self): return f"SampleTransform({getattr(self.fn, '__name__', self.fn)}, decode={self.decode!r}, seed={self.seed})"

@@ -18,7 +18,7 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from .store import ShardkitError, open_store
-from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, is_mask_key, url_samples
+from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, decode_field, is_mask_key, url_samples
 
 # %% auto 0
 __all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'EpochShards', 'split_count', 'take_share',
@@ -147,7 +147,7 @@ def decode_value(key: str, data):
         if is_mask_key(key):
             return tv_tensors.Mask(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.GRAY))
         return tv_tensors.Image(decode_rgb(data))
-    value = wds.autodecode.basichandlers(ext, data)
+    value = decode_field(key, data)  # webdataset's basic decoders, pickles refused
     return data if value is None else value
 
 # %% ../nbs/10_loader.ipynb

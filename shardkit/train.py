@@ -16,7 +16,7 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 from .store import ShardkitError, expand_names
-from .shards import IMAGENET_MEAN, IMAGENET_STD
+from .shards import IMAGENET_MEAN, IMAGENET_STD, field_decoder
 from .loader import normalize_batch
 
 # %% auto 0
@@ -78,7 +78,7 @@ def shard_loader(urls: list[str],        # shard URLs (all of them: the loader p
                          "write more, smaller shards (a smaller --maxsize) or use fewer ranks")
     ds = (wds.WebDataset(urls, nodesplitter=wds.split_by_node, shardshuffle=len(urls) if shuffle else False,
                          seed=seed, empty_check=False)
-          .shuffle(shuffle).decode("pil").to_tuple("jpg;jpeg;png", "cls", "__key__")
+          .shuffle(shuffle).map(field_decoder("pil")).to_tuple("jpg;jpeg;png", "cls", "__key__")
           .map_tuple(transform, int, str)
           .batched(batch_size, partial=True))
     loader = wds.WebLoader(ds, batch_size=None, num_workers=min(workers, mine))
