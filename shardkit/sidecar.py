@@ -4,14 +4,14 @@
 
 # %% ../nbs/09_sidecar.ipynb 3
 from __future__ import annotations
-import json, os, shlex, socket, subprocess, sys, tempfile, threading, time
+import json, os, shlex, socket, subprocess, sys, tempfile, threading, time, warnings
 from pathlib import Path
 from typing import Callable
 from urllib.parse import quote
 import requests
 from fastcore.basics import patch
 from fastcore.script import store_true
-from .store import AISStore, LocalStore, StoreError, open_store
+from .store import AISStore, LocalStore, StoreError, UsageError, open_store
 from .etl import ETLError, ShardETLServer, _one_torch_thread, etl_server_class, resolve_fn
 
 # %% auto 0
@@ -20,16 +20,47 @@ __all__ = ['sidecar_server', 'serve', 'Sidecar', 'etl_serve_cli']
 # %% ../nbs/09_sidecar.ipynb
 def _local_url(host: str) -> str: return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
+def _check_port(port: int) -> int:
+    "`port` if it is one a server can listen on (0: any free one), else UsageError."
+    if not isinstance(port, int) or not 0 <= port <= 65535: raise UsageError(f"port must be between 1 and 65535, got {port!r}")
+    return port
+
+def _loopback(host: str) -> bool: return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
 def _free_port(host: str = "127.0.0.1") -> int:
     "A port that is free on `host` right now."
     with socket.socket() as s:
         s.bind((_local_url(host), 0)); return s.getsockname()[1]
 
 # %% ../nbs/09_sidecar.ipynb
+def _refusal(method: str, path: str, query: dict, headers, store) -> tuple[int, str] | None:
+    "(HTTP status, reason) for a request the sidecar must not serve, or None."
+    if "etl_fqn" in query: return 403, "direct file access (etl_fqn) is for AIStore targets; this sidecar reads only objects of its source"
+    if "ais-node-url" in {h.lower() for h in headers}: return 403, "Ais-Node-Url: this sidecar sends nothing to other nodes"
+    if method not in ("GET", "HEAD", "PUT"): return 405, f"{method} is not served; GET an object under the source"
+    p = path.lstrip("/")
+    if ".." in p.split("/") or "\\" in p: return 400, "a path with '..' names nothing under the source"
+    if method == "PUT" or p in ("", "health") or p.startswith("_source/") or not isinstance(store, AISStore): return None
+    own = f"{store.bucket.name}/{store.prefix}"
+    return None if p.startswith(own) else (403, f"this sidecar serves objects under ais://{own}, not {p!r}")
+
+def _guard(app, store):
+    "Refuse what `_refusal` refuses, on every HTTP request, and drop the SDK's WebSocket route."
+    from starlette.responses import PlainTextResponse
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/ws"]
+    @app.middleware("http")
+    async def refuse(request, call_next):
+        why = _refusal(request.method, request.url.path, request.query_params, request.headers.keys(), store)
+        return PlainTextResponse(why[1], status_code=why[0]) if why else await call_next(request)
+
+# %% ../nbs/09_sidecar.ipynb
 def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: int = 8000, decode: str | None = "pil",
                    strict: bool = False, seed: int | None = None) -> ShardETLServer:
     "The ETL server of way 3, set up to pull shards from store `source` (AIStore, or a local directory it serves itself)."
-    store = open_store(source)
+    store, port = open_store(source), _check_port(port)
+    if not _loopback(host):
+        warnings.warn(f"the sidecar listens on {host}: anyone who reaches port {port} there can read transformed shards of "
+                      f"{store.spec}; bind 127.0.0.1 unless that is what you want")
     if isinstance(store, AISStore): target = f"{store.endpoint}/v1/objects"  # GET {target}/{bucket}/{object}
     else: target = f"http://{_local_url(host)}:{port}/_source"
     old = os.environ.get("AIS_TARGET_URL")
@@ -49,6 +80,7 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
             if not path.is_file(): return PlainTextResponse(f"no object {name!r} in {store.spec}", status_code=404)
             return FileResponse(path)
         server.app.router.routes.insert(0, Route("/_source/{name:path}", _source))
+    _guard(server.app, store)
     server.source = store
     return server
 
@@ -83,7 +115,7 @@ class Sidecar:
                  stall_timeout: float = 120):       # A loader gives up on a shard after this many seconds without a byte
         self.fn, self.source, self.host = fn, open_store(source), host
         self.stall_timeout = stall_timeout
-        self.port = port or _free_port(host)
+        self.port = _check_port(port) or _free_port(host)
         self.kw = dict(decode=decode, strict=strict, seed=seed)
         self.process, self.start_timeout = process, start_timeout
         self._proc = self._thread = self._server = None
@@ -209,6 +241,7 @@ def etl_serve_cli(fn: str,                  # The sample function, MODULE:FUNCTI
                   raw: store_true = False):    # Hand the function raw bytes instead of decoded fields
     "Serve a sample transform as an ETL sidecar in front of a store: GET /NAME answers the transformed shard."
     if not source: raise ETLError("--source is required: a directory of shards or ais://bucket")
+    _check_port(port)
     resolve_fn(fn)  # fail here, not in the server, when the function cannot be imported
     store = open_store(source)
     example = store.list("*.tar")[:1] or ["NAME.tar"]
