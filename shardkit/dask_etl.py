@@ -40,7 +40,7 @@ def local_cluster(workers: int | None = None):  # Worker processes (default: one
     d = _distributed()
     if workers is not None and workers < 1: raise UsageError(f"workers must be at least 1, got {workers}")
     return d.LocalCluster(n_workers=workers or os.cpu_count() or 1, threads_per_worker=1, processes=True,
-                          host="127.0.0.1", dashboard_address=_dashboard_address(), silence_logs=logging.ERROR)
+                          host="127.0.0.1", dashboard_address=_dashboard_address(), silence_logs=logging.CRITICAL)
 
 # %% ../nbs/15_dask.ipynb
 def _connect(scheduler, workers: int | None = None, timeout: float = 5):
