@@ -163,18 +163,16 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
     done = _done_shards(dest_store, read_etl_manifest(dest_store), settings)
     todo = [n for n in names if n not in done]
     t0, results, failed, where = time.perf_counter(), {}, {}, None
-    bar = tqdm(total=len(names), initial=len(names) - len(todo), desc=f"dask etl {src_store.spec} -> {dest_store.spec}",
+    if not todo: return _summary(src_store, dest_store, names, done, results, failed, t0, where)
+    client, close = _connect(scheduler, workers)  # before the manifest is touched: a bad address changes nothing
+    bar = tqdm(total=len(names), initial=len(done), desc=f"dask etl {src_store.spec} -> {dest_store.spec}",
                unit="shard", disable=not progress)
     try:
-        if todo:
-            client, close = _connect(scheduler, workers)
-            try:
-                where = dict(scheduler=client.scheduler.address, dashboard=_dashboard_link(client))
-                if progress and where["dashboard"]: print(f"Dask dashboard: {where['dashboard']}")
-                results, failed = _run_tasks(client, shards, src_store, dest_store, todo, retries, bar)
-            finally: close()
+        where = dict(scheduler=client.scheduler.address, dashboard=_dashboard_link(client))
+        if progress and where["dashboard"]: print(f"Dask dashboard: {where['dashboard']}")
+        results, failed = _run_tasks(client, shards, src_store, dest_store, todo, retries, bar)
     finally:
-        bar.close()
+        bar.close(); close()
         _write_manifest(dest_store, settings, names, {**done, **results}, failed)
     return _summary(src_store, dest_store, names, done, results, failed, t0, where)
 
