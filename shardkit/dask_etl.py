@@ -199,7 +199,7 @@ def _cpu_self() -> float:
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
-def _import_torch(): import torch  # noqa: F401
+def _warm_up(): import torch, torchvision.transforms  # noqa: F401
 
 def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
     n = max(s["samples_in"], 1)
@@ -217,7 +217,7 @@ def bench_dask_etl(src, fn: str | Callable = "shardkit.etl:imagenet_train_uint8"
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, _cpu_self() - c0))
         with local_cluster(workers) as cluster, _distributed().Client(cluster) as client:
-            client.run(_import_torch)  # a cluster that has run before: torch imported
+            client.run(_warm_up)  # a cluster that has run before: torch and torchvision imported
             w0, t0, c0 = client.run(_cpu_self), time.perf_counter(), _cpu_self()
             s = run_etl_dask(fn, src, root / "warm", pattern, seed=seed, scheduler=client, progress=False)
             dt, w1 = time.perf_counter() - t0, client.run(_cpu_self)

@@ -36,8 +36,14 @@ def expected(src, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    "One 2-worker LocalCluster for the tests that pass it as `scheduler` (a worker is killed in the last one)."
-    with local_cluster(2) as c: yield c
+    "One 2-worker LocalCluster for the tests that pass it as `scheduler` (a worker is killed in the last one), torch and torchvision imported."
+    from distributed import Client
+    with local_cluster(2) as c:
+        with Client(c) as client: client.run(_warm_up)  # start-up cost here, not in the first test that uses it
+        yield c
+
+
+def _warm_up(): import torch, torchvision.transforms  # noqa: F401
 
 
 def shas(store) -> dict:
@@ -64,8 +70,11 @@ def test_identical_bucket_to_bucket(src, expected, cluster, ais_endpoint):
     ais_src = open_store(f"ais://dask-src-{b}", create=True)
     for n in src.list("*.tar"): ais_src.put_file(src.path(n), n)
     try:
+        t0 = time.perf_counter()
         local = run_etl(FN, ais_src.spec, f"ais://dask-local-{b}", workers=1, seed=0, progress=False)
+        t1 = time.perf_counter()
         s = run_etl_dask(FN, ais_src.spec, f"ais://dask-out-{b}", seed=0, scheduler=cluster, progress=False)
+        print(f"local engine {t1 - t0:.1f} s, dask engine {time.perf_counter() - t1:.1f} s")
         assert (s["written"], s["failed"], local["written"]) == (3, {}, 3)
         out = open_store(f"ais://dask-out-{b}")
         assert shas(out) == shas(open_store(f"ais://dask-local-{b}")) == expected
