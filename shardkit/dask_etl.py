@@ -14,7 +14,7 @@ from .etl import ShardTransform, resolve_fn, run_etl
 
 # %% auto 0
 __all__ = ['MANIFEST', 'DaskUnavailable', 'SchedulerUnreachable', 'local_cluster', 'transform_shard', 'read_etl_manifest',
-           'run_etl_dask', 'bench_dask_etl']
+           'run_etl_dask', 'bench_dask_etl', 'format_dask_bench', 'bench_dask_etl_cli']
 
 # %% ../nbs/15_dask.ipynb
 class DaskUnavailable(ShardkitError):
@@ -224,3 +224,19 @@ def bench_dask_etl(src, fn: str | Callable = "shardkit.etl:imagenet_train_uint8"
             rows.append(_row("dask, warm cluster", s, dt, _cpu_self() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0)))
     finally: shutil.rmtree(root, ignore_errors=True)
     return rows
+
+# %% ../nbs/15_dask.ipynb
+def format_dask_bench(rows: list[dict]) -> str:
+    "The rows of `bench_dask_etl` as a table."
+    lines = [f"{'engine':<24}{'shards':>7}{'samples':>8}{'seconds':>9}{'shards/s':>10}{'samples/s':>11}{'CPU ms/sample':>15}"]
+    lines += [f"{r['engine']:<24}{r['shards']:>7}{r['samples']:>8}{r['seconds']:>9.2f}{r['shards_per_s']:>10.2f}"
+              f"{r['samples_per_s']:>11.1f}{r['cpu_ms_per_sample']:>15.1f}" for r in rows]
+    return "\n".join(lines)
+
+def bench_dask_etl_cli(src: str,                # Store of ImageNet-style shards (NAME.jpg + NAME.cls): a directory or ais://bucket
+                       pattern: str = "*.tar",  # Which shards
+                       workers: int = 2,        # Worker processes for both engines
+                       fn: str = "shardkit.etl:imagenet_train_uint8"):  # The transform, MODULE:FUNCTION
+    "Benchmark the Dask ETL engine against the local one: time, shards/s and CPU per sample."
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(format_dask_bench(bench_dask_etl(src, fn, pattern, workers)))
