@@ -30,17 +30,12 @@ def _distributed():
     return distributed
 
 # %% ../nbs/15_dask.ipynb
-def _dashboard_address() -> str | None:
-    try: import bokeh  # noqa: F401  (distributed serves its dashboard only with bokeh)
-    except ImportError: return None
-    return "127.0.0.1:0"
-
 def local_cluster(workers: int | None = None):  # Worker processes (default: one per core)
-    "A Dask `LocalCluster` for ETL on 127.0.0.1: `workers` processes of one thread; dashboard on 127.0.0.1 or off."
+    "A Dask `LocalCluster` for ETL on 127.0.0.1: `workers` processes of one thread; its dashboard on 127.0.0.1 too."
     d = _distributed()
     if workers is not None and workers < 1: raise UsageError(f"workers must be at least 1, got {workers}")
     return d.LocalCluster(n_workers=workers or os.cpu_count() or 1, threads_per_worker=1, processes=True,
-                          host="127.0.0.1", dashboard_address=_dashboard_address(), silence_logs=logging.CRITICAL)
+                          host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
 
 # %% ../nbs/15_dask.ipynb
 def _connect(scheduler, workers: int | None = None, timeout: float = 5):
@@ -178,8 +173,9 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
 
 # %% ../nbs/15_dask.ipynb
 def _dashboard_link(client) -> str:
-    try: return client.dashboard_link or ""
-    except (KeyError, AttributeError): return ""
+    "The dashboard's address, or '' where the scheduler serves none (Dask formats a link either way)."
+    if "dashboard" not in client.scheduler_info().get("services", {}): return ""
+    return client.dashboard_link
 
 def _summary(src, dest, names, done, results, failed, t0, where) -> dict:
     counts, reasons = Counter(), Counter()
