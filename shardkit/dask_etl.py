@@ -204,11 +204,14 @@ def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
 
 def bench_dask_etl(src, fn: str | Callable = "shardkit.etl:imagenet_train_uint8",  # Store and transform to run
                    pattern: str = "*.tar", workers: int = 2, seed: int = 0) -> list[dict]:
-    "Local engine against Dask engine (own LocalCluster; warm cluster) on the shards of `src`: time and CPU per sample."
+    "The local and the Dask engine, each fresh and warm, on the shards of `src`: time and CPU per sample."
     rows, root = [], Path(tempfile.mkdtemp(prefix="shardkit-bench-dask-"))
     try:
-        for i, (engine, run) in enumerate([("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, workers, seed=seed, progress=False)),
-                            ("dask, own LocalCluster", lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, workers=workers, progress=False))]):
+        _warm_up()
+        for i, (engine, run) in enumerate([
+                ("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, workers, seed=seed, progress=False)),
+                ("local, 1 warm process", lambda d: run_etl(fn, src, d, pattern, 1, seed=seed, progress=False)),
+                ("dask, own LocalCluster", lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, workers=workers, progress=False))]):
             t0, c0 = time.perf_counter(), _cpu_self()
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, _cpu_self() - c0))
