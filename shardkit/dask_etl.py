@@ -202,8 +202,17 @@ def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
     return dict(engine=engine, shards=s["written"], samples=s["samples_in"], seconds=round(dt, 2), shards_per_s=round(s["written"] / dt, 2),
                 samples_per_s=round(s["samples_in"] / dt, 1), cpu_ms_per_sample=round(1000 * cpu / n, 1))
 
+def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
+    "The Dask engine on a running cluster; CPU read from each worker and this process."
+    client.run(_warm_up)  # a cluster that has run before: torch and torchvision imported
+    w0, t0, c0 = client.run(_cpu_self), time.perf_counter(), _cpu_self()
+    s = run_etl_dask(fn, src, dest, pattern, seed=seed, scheduler=client, progress=False)
+    dt, w1 = time.perf_counter() - t0, client.run(_cpu_self)
+    return _row("dask, warm cluster", s, dt, _cpu_self() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0))
+
 def bench_dask_etl(src, fn: str | Callable = "shardkit.etl:imagenet_train_uint8",  # Store and transform to run
-                   pattern: str = "*.tar", workers: int = 2, seed: int = 0) -> list[dict]:
+                   pattern: str = "*.tar", workers: int = 2, seed: int = 0,
+                   cluster=None) -> list[dict]:  # A running cluster (or address) for the warm row; None: start one
     "The local and the Dask engine, each fresh and warm, on the shards of `src`: time and CPU per sample."
     rows, root = [], Path(tempfile.mkdtemp(prefix="shardkit-bench-dask-"))
     try:
@@ -215,12 +224,9 @@ def bench_dask_etl(src, fn: str | Callable = "shardkit.etl:imagenet_train_uint8"
             t0, c0 = time.perf_counter(), _cpu_self()
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, _cpu_self() - c0))
-        with local_cluster(workers) as cluster, _distributed().Client(cluster) as client:
-            client.run(_warm_up)  # a cluster that has run before: torch and torchvision imported
-            w0, t0, c0 = client.run(_cpu_self), time.perf_counter(), _cpu_self()
-            s = run_etl_dask(fn, src, root / "warm", pattern, seed=seed, scheduler=client, progress=False)
-            dt, w1 = time.perf_counter() - t0, client.run(_cpu_self)
-            rows.append(_row("dask, warm cluster", s, dt, _cpu_self() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0)))
+        client, close = _connect(cluster, workers)
+        try: rows.append(_warm_row(client, fn, src, root / "warm", pattern, seed))
+        finally: close()
     finally: shutil.rmtree(root, ignore_errors=True)
     return rows
 
