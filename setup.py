@@ -16,7 +16,9 @@ py_versions = '3.10 3.11 3.12'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
-lab_requirements = shlex.split(cfg.get('lab_requirements', ''))  # `pip install 'shardkit[lab]'`: JupyterLab for the tutorials
+# optional extras: settings.ini key `<extra>_requirements` -> pip install "shardkit[<extra>]"
+extras = {'dev': dev_requirements, 'lab': shlex.split(cfg.get('lab_requirements', '')),
+          'dask': shlex.split(cfg.get('dask_requirements', ''))}
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']
 
@@ -32,7 +34,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=['shardkit', 'shardkit.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements, 'lab': lab_requirements},
+    extras_require=extras,
     dependency_links=cfg.get('dep_links', '').split(),
     python_requires='>=' + min_python,
     long_description=open('README.md', encoding='utf-8').read(),
