@@ -14,7 +14,7 @@ import torch
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from .cluster import shardkit_home
-from .loader import IMAGE_EXTS, collate, rank_and_world, sample_to_tuple, seed_for, time_loader, train_transform
+from .loader import IMAGE_EXTS, collate, rank_and_world, sample_to_tuple, seed_for, train_transform
 from .shards import split_key
 from .store import AISStore, LocalStore, ShardkitError, UsageError, open_store
 
@@ -412,20 +412,37 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
                 key_bytes=(idx.keys.nbytes + idx.key_end.nbytes) / n, samples_per_s=n / secs)
 
 # %% ../nbs/11_random.ipynb
+def _cpu_now() -> float:
+    "CPU seconds of this process and its finished children (DataLoader workers are joined when a pass ends)."
+    import resource
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[int, float, float]:
+    "Samples, wall and CPU seconds of one epoch of `loader`; `read_only`: fetch the bytes in this process, no decoding."
+    c0, t0, n = _cpu_now(), time.perf_counter(), 0
+    if read_only:
+        for ids in loader.batches(loader.epoch): n += len(loader.dataset.samples(ids.tolist()))
+        loader.set_epoch(loader.epoch + 1)
+    else:
+        for b in loader: n += len(b[0])
+    return n, time.perf_counter() - t0, _cpu_now() - c0
+
 def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
-                 samples: int = 2000, size: int = 224, seed: int = 0) -> dict:
-    "Samples/s and CPU ms per sample of the random-access loader over `source`, for at least `samples` samples (whole epochs)."
+                 samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False) -> dict:
+    "Samples/s and CPU ms per sample of the random-access loader over `source` (whole epochs, >= `samples`); `read_only`: bytes only, one process."
     t0 = time.perf_counter()
     loader = create_random_loader(source, keys, train_transform(size), batch_size, num_workers, seed)
     index_s, n, secs, cpu = time.perf_counter() - t0, 0, 0.0, 0.0
     while n < samples:
-        k, s, c = time_loader(loader)
+        k, s, c = _timed_pass(loader, read_only)
         n, secs, cpu = n + k, secs + s, cpu + c
     return dict(source=str(source), rate=n / secs, cpu_ms=1000 * cpu / n, samples=n, index_s=index_s,
-                num_workers=num_workers, batch_size=batch_size)
+                num_workers=0 if read_only else num_workers, batch_size=batch_size, read_only=read_only)
 
 def bench_ais_index(store, **kw) -> dict:
-    "`bench_random` on AIStore bucket `store` without, then with, the cluster's shard index (built in between)."
-    without = bench_random(store, **kw)
+    "`bench_random` on AIStore bucket `store`, reading only and decoding, without, then with, the cluster's shard index."
+    def both(): return {"read": bench_random(store, read_only=True, **kw), "decode": bench_random(store, **kw)}
+    without = both()
     t0 = time.perf_counter(); build_shard_index(store); build_s = time.perf_counter() - t0
-    return {"without index": without, "with index": dict(bench_random(store, **kw), build_s=build_s)}
+    return {"without index": without, "with index": both(), "build_s": build_s}
