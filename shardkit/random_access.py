@@ -64,7 +64,8 @@ def group_members(names: Sequence[str], offsets, sizes, shard: str = "shard") ->
     blob = "".join(keys).encode()
     key_end = np.cumsum([len(k.encode()) for k in keys], dtype=np.int64)
     keep = np.array(keep, np.int64)
-    return dict(keys=np.frombuffer(blob, np.uint8), key_end=key_end, fields=np.array(fields, dtype=str),
+    plain = all(names[j].isascii() and len(names[j]) <= 100 for j in keep)
+    return dict(keys=np.frombuffer(blob, np.uint8), key_end=key_end, fields=np.array(fields, dtype=str), plain=np.array(plain),
                 m_sample=np.array(m_sample, np.int32), m_field=np.array(m_field, np.int16),
                 m_offset=np.asarray(offsets, np.int64)[keep], m_size=np.asarray(sizes, np.int64)[keep])
 
@@ -75,7 +76,7 @@ def index_cache_dir() -> Path:
 
 def _cache_path(path: Path, cache_dir: Path) -> Path:
     st = path.stat()
-    h = hashlib.blake2b(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(f"v2\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=16).hexdigest()
     return cache_dir / f"{h}.npz"
 
 def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
@@ -98,6 +99,14 @@ def _data_fields(keys: Sequence[str]) -> tuple[str, ...]:
     "The tar fields among the loader's `keys` (not `__key__`, `__url__`), lower-cased as WebDataset does."
     return tuple(dict.fromkeys(k.lower() for k in keys if not k.startswith("__")))
 
+def _key_from_header(header: bytes, field: str, where: str) -> str:
+    "The WebDataset key in the 512-byte tar header of a member that holds `field` (the name fills its first 100 bytes)."
+    key, got = split_key(header[:100].split(b"\0", 1)[0].decode("ascii", "replace"))
+    if key is None or got.lower() != field:
+        raise RandomAccessError(f"{where}: no tar header of a {field!r} member where the index expects one; "
+                                "the shard changed after indexing: build the loader again")
+    return key
+
 class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
     def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
@@ -105,13 +114,17 @@ class SampleIndex:
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
     def __len__(self): return len(self.shard)
     def key(self, i: int) -> str:
-        "The WebDataset key of sample `i`."
+        "The WebDataset key of sample `i` (from its tar header when the index does not keep keys)."
+        if self.keys is None:
+            path, off = self.shards[self.shard[i]], int(self.offset[i, 0])
+            with open(path, "rb") as f: return _key_from_header(os.pread(f.fileno(), 512, off - 512), self.fields[0], path)
         return bytes(self.keys[(self.key_end[i - 1] if i else 0):self.key_end[i]]).decode()
     @property
-    def nbytes(self) -> int: return sum(a.nbytes for a in (self.shard, self.offset, self.size, self.keys, self.key_end))
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.shard, self.offset, self.size, self.keys, self.key_end) if a is not None)
     def __repr__(self):
         return (f"SampleIndex({len(self)} samples in {len(self.shards)} shards of {self.source}, fields={self.fields}, "
-                f"{self.nbytes / max(len(self), 1):.1f} bytes/sample)")
+                f"{self.nbytes / max(len(self), 1):.1f} bytes/sample, keys {'in tar headers' if self.keys is None else 'in memory'})")
 
 # %% ../nbs/11_random.ipynb
 def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source: str) -> SampleIndex:
@@ -134,6 +147,8 @@ def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source
                       np.concatenate([g["key_end"] + key_base[s] for s, g in enumerate(groups)] or [np.zeros(0, np.int64)]),
                       fields, source)
     _check_complete(idx, groups)
+    if not (offset >= 0).all(): idx.offset = None  # a listing (AIStore): members are read by name
+    elif F and all(bool(g["plain"]) for g in groups): idx.keys = idx.key_end = None  # read back from the tar headers
     return idx
 
 def _check_complete(idx: SampleIndex, groups: list[dict]):
@@ -171,20 +186,22 @@ class LocalReader:
         except OSError as e: raise RandomAccessError(f"cannot open shard {path} ({e.strerror}); was it moved?") from None
         return self.fds[path]
 
-    def read(self, idx: SampleIndex, ids) -> list[list[bytes]]:
-        "For each sample in `ids`, the bytes of each of `idx.fields`."
-        out = []
+    def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
+        "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
+        keys, out = [], []
         for i in ids:
             path = idx.shards[idx.shard[i]]
-            fd, row = self._fd(path), []
+            fd, row, key = self._fd(path), [], None if idx.keys is None else idx.key(i)
             for off, n in zip(idx.offset[i].tolist(), idx.size[i].tolist()):
-                data = os.pread(fd, n, off)
-                if len(data) != n:
-                    raise RandomAccessError(f"shard {path}: sample {idx.key(i)!r} is cut short ({len(data)} of {n} bytes); "
-                                            "the shard changed after indexing: index it again")
+                head = 512 if key is None else 0  # the first field's tar header too: it names the sample
+                data = os.pread(fd, n + head, off - head)
+                if len(data) != n + head:
+                    raise RandomAccessError(f"shard {path}: sample {i} is cut short ({len(data)} of {n + head} bytes); "
+                                            "the shard changed after indexing: build the loader again")
+                if head: key, data = _key_from_header(data[:512], idx.fields[0], path), data[512:]
                 row.append(data)
-            out.append(row)
-        return out
+            keys.append(key); out.append(row)
+        return keys, out
 
 # %% ../nbs/11_random.ipynb
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
@@ -227,9 +244,9 @@ class RandomAccessDataset(Dataset):
 
     def samples(self, ids) -> list[dict]:
         "Raw samples `ids` (bytes per field, `__key__`, `__url__`), as WebDataset would yield them."
-        rows = self.reader.read(self.index, ids)
-        return [dict({k: row[j] for k, j in self._field.items()}, __key__=self.index.key(i),
-                     __url__=self.index.shards[self.index.shard[i]]) for i, row in zip(ids, rows)]
+        keys, rows = self.reader.read(self.index, ids)
+        return [dict({k: row[j] for k, j in self._field.items()}, __key__=key, __url__=self.index.shards[self.index.shard[i]])
+                for i, key, row in zip(ids, keys, rows)]
 
     def __getitem__(self, item) -> tuple:
         epoch, ids = item
@@ -333,12 +350,13 @@ class AISReader:
             self.bucket, self.pid = self.client.bucket(self.bucket_name), os.getpid()
         return self.bucket
 
-    def read(self, idx: SampleIndex, ids) -> list[list[bytes]]:
-        "For each sample in `ids`, the bytes of each of `idx.fields`."
-        want = [(idx.shards[idx.shard[i]], idx.key(i), f) for i in ids for f in idx.fields]
+    def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
+        "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one GetBatch request for all)."
+        keys = [idx.key(i) for i in ids]
+        want = [(idx.shards[idx.shard[i]], k, f) for i, k in zip(ids, keys) for f in idx.fields]
         data = [] if not want else self._batch(want) if self.use_batch else [self._one(*w) for w in want]
         F = len(idx.fields)
-        return [data[k * F:(k + 1) * F] for k in range(len(ids))]
+        return keys, [data[k * F:(k + 1) * F] for k in range(len(ids))]
 
     def _fail(self, shard, key, field, why):
         return RandomAccessError(f"cannot read field {field!r} of sample {key!r} from shard ais://{self.bucket_name}/{shard}: {why}. "
@@ -393,7 +411,7 @@ def synthetic_listing(n: int, per_shard: int = 1000, fields: Sequence[str] = ("c
     out = []
     for s in range(0, n, per_shard):
         names = [f"img{i:012d}.{f}" for i in range(s, min(s + per_shard, n)) for f in fields]
-        out.append((names, 1024 * np.arange(len(names), dtype=np.int64), np.full(len(names), 110_000, np.int64)))
+        out.append((names, 1024 + 1024 * np.arange(len(names), dtype=np.int64), np.full(len(names), 110_000, np.int64)))
     return out
 
 def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str] = ("cls", "jpg")) -> dict:
@@ -407,9 +425,9 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
     tracemalloc.start()
     try: idx = build(); peak = tracemalloc.get_traced_memory()[1]
     finally: tracemalloc.stop()
-    fixed = idx.shard.itemsize + idx.offset.itemsize * len(fields) + idx.size.itemsize * len(fields)
-    return dict(samples=n, seconds=secs, peak_mb=peak / 2**20, bytes_per_sample=idx.nbytes / n, fixed_bytes=fixed,
-                key_bytes=(idx.keys.nbytes + idx.key_end.nbytes) / n, samples_per_s=n / secs)
+    key_bytes = sum(len(l[0][0].split(".", 1)[0]) * len(l[0]) // len(fields) for l in listing) / n + 8
+    return dict(samples=n, seconds=secs, peak_mb=peak / 2**20, bytes_per_sample=idx.nbytes / n, samples_per_s=n / secs,
+                keys_in_memory=idx.keys is not None, ais_bytes_per_sample=idx.shard.itemsize + idx.size.itemsize * len(fields) + key_bytes)
 
 # %% ../nbs/11_random.ipynb
 def _cpu_now() -> float:

@@ -177,6 +177,18 @@ def test_cache_is_keyed_by_path_size_and_mtime(tmp_path):
     assert len(sample_index(paths, ("cls",))) == 5
 
 
+def test_keys_from_tar_headers_or_memory(shards, tmp_path):
+    idx = sample_index(shards, ("cls", "image.jpg"))
+    assert idx.keys is None and idx.nbytes / len(idx) == 28, "short ASCII names: keys are read back from the headers"
+    long = str(tmp_path / "long.tar")
+    with wds.TarWriter(long) as w:
+        for i in range(3): w.write({"__key__": f"{'k' * 120}_{i}", "cls": i})
+    lidx = sample_index([long], ("cls",))
+    assert lidx.keys is not None and lidx.key(2) == f"{'k' * 120}_2", "long names (pax headers): keys kept in memory"
+    (keys, cls), = list(create_random_loader([long], keys=("__key__", "cls"), batch_size=3, num_workers=0))
+    assert sorted(zip(keys, cls.tolist())) == [(f"{'k' * 120}_{i}", i) for i in range(3)]
+
+
 def test_missing_field_is_named(shards):
     with pytest.raises(RandomAccessError, match=r"has no \['depth.png'\]"):
         sample_index(shards, ("cls", "depth.png"))
