@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 import requests
-import torch
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from .cluster import shardkit_home
 from .loader import IMAGE_EXTS, collate, rank_and_world, sample_to_tuple, seed_for, train_transform
 from .shards import split_key
-from .store import AISStore, LocalStore, ShardkitError, UsageError, open_store
+from .store import AISStore, ShardkitError, UsageError, open_store
 
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'PICKLE_EXTS', 'RandomAccessError', 'scan_tar', 'group_members', 'index_cache_dir', 'index_tar',
