@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 import requests
 from fastcore.basics import patch
+from fastcore.script import store_true
 from torch.utils.data import DataLoader, Dataset
 from .cluster import shardkit_home
 from .loader import IMAGE_EXTS, collate, rank_and_world, sample_to_tuple, seed_for, train_transform
@@ -21,7 +22,8 @@ from .store import AISStore, ShardkitError, UsageError, open_store
 __all__ = ['ARCHIVE_EXTS', 'PICKLE_EXTS', 'RandomAccessError', 'scan_tar', 'group_members', 'index_cache_dir', 'index_tar',
            'SampleIndex', 'sample_index', 'LocalReader', 'epoch_batches', 'refuse_pickle', 'RandomAccessDataset',
            'RandomAccessLoader', 'create_random_loader', 'index_ais', 'AISReader', 'build_shard_index',
-           'synthetic_listing', 'index_scale', 'bench_random', 'bench_ais_index']
+           'synthetic_listing', 'index_scale', 'bench_random', 'bench_ais_index', 'format_bench_random',
+           'bench_random_cli']
 
 # %% ../nbs/11_random.ipynb
 class RandomAccessError(ShardkitError):
@@ -463,3 +465,24 @@ def bench_ais_index(store, **kw) -> dict:
     without = both()
     t0 = time.perf_counter(); build_shard_index(store); build_s = time.perf_counter() - t0
     return {"without index": without, "with index": both(), "build_s": build_s}
+
+# %% ../nbs/11_random.ipynb
+def format_bench_random(rows: dict) -> str:
+    "Rows of `bench_random` results (name -> result) as a text table."
+    w = max(len(k) for k in rows)
+    lines = [f"{'random-access loader':<{w}}  {'samples/s':>9}  {'CPU ms/sample':>13}  {'samples':>7}"]
+    return "\n".join(lines + [f"{k:<{w}}  {r['rate']:9.0f}  {r['cpu_ms']:13.2f}  {r['samples']:7d}" for k, r in rows.items()])
+
+def bench_random_cli(src: str,                  # Shards: a directory, a brace template of tars, or ais://bucket
+                     workers: int = 2,          # DataLoader workers
+                     samples: int = 2000,       # Samples per timed run (whole epochs)
+                     batch_size: int = 64,      # Samples per batch
+                     shard_index: store_true = False):  # On AIStore: measure, build the cluster's shard index, measure again
+    "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."
+    kw = dict(num_workers=workers, samples=samples, batch_size=batch_size)
+    if shard_index:
+        if not str(src).startswith("ais://"): raise UsageError(f"--shard_index is for ais:// buckets, not {src}")
+        res = bench_ais_index(src, **kw)
+        rows = {f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()}
+    else: rows = {"read": bench_random(src, read_only=True, **kw), "decode": bench_random(src, **kw)}
+    print(format_bench_random(rows))
