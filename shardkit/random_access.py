@@ -89,10 +89,14 @@ def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}
     g = group_members(*scan_tar(path), shard=str(path))
     if cfile is not None:
-        cfile.parent.mkdir(parents=True, exist_ok=True)
         tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmpf, **g)
-        os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
+        try:
+            cfile.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(tmpf, **g)
+            os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
+        except OSError as e:
+            warnings.warn(f"cannot cache the index of {path} in {cfile.parent} ({e.strerror}); it is rebuilt every run. "
+                          "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
     return g
 
 # %% ../nbs/11_random.ipynb

@@ -189,6 +189,13 @@ def test_keys_from_tar_headers_or_memory(shards, tmp_path):
     assert sorted(zip(keys, cls.tolist())) == [(f"{'k' * 120}_{i}", i) for i in range(3)]
 
 
+def test_unwritable_cache_warns_and_still_indexes(shards, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("SHARDKIT_HOME", str(tmp_path / "file"))
+    with pytest.warns(UserWarning, match="cannot cache the index"):
+        assert len(sample_index(shards[:1], ("cls",))) == SIZES[0]
+
+
 def test_missing_field_is_named(shards):
     with pytest.raises(RandomAccessError, match=r"has no \['depth.png'\]"):
         sample_index(shards, ("cls", "depth.png"))
