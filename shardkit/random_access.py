@@ -485,7 +485,7 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
     "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."
     kw = dict(num_workers=workers, samples=samples, batch_size=batch_size)
     if shard_index:
-        if not str(src).startswith("ais://"): raise UsageError(f"--shard_index is for ais:// buckets, not {src}")
+        if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")
         res = bench_ais_index(src, **kw)
         rows = {f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()}
     else: rows = {"read": bench_random(src, read_only=True, **kw), "decode": bench_random(src, **kw)}

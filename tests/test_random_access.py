@@ -196,6 +196,17 @@ def test_unwritable_cache_warns_and_still_indexes(shards, tmp_path, monkeypatch)
         assert len(sample_index(shards[:1], ("cls",))) == SIZES[0]
 
 
+def test_bench_cli_is_a_thin_layer(shards, monkeypatch, capsys):
+    from shardkit import cli
+    monkeypatch.setitem(cli.COMMANDS, ("bench", "random"), ("shardkit.random_access:bench_random_cli", "Benchmark the random-access loader"))
+    src = os.path.dirname(shards[0])
+    assert cli.main(["bench", "random", src, "--workers", "0", "--samples", "24", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "read" in out and "decode" in out and "samples/s" in out
+    assert cli.main(["bench", "random", src, "--shard-index"]) == 2
+    assert "--shard-index is for ais:// buckets" in capsys.readouterr().err
+
+
 def test_missing_field_is_named(shards):
     with pytest.raises(RandomAccessError, match=r"has no \['depth.png'\]"):
         sample_index(shards, ("cls", "depth.png"))
