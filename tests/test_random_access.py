@@ -1,0 +1,237 @@
+"""The random-access loader: exact and equal epochs over ranks and workers, resume in a fresh process, AIStore GetBatch, pickle refusal."""
+import os, pickle, subprocess, sys, uuid
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from shardkit.loader import create_dataset, train_transform
+from shardkit.random_access import (RandomAccessError, build_shard_index, create_random_loader, epoch_batches,
+                                    index_cache_dir, sample_index)
+from shardkit.store import UsageError, open_store
+from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+
+SIZES = (7, 3, 5, 9)  # uneven shards, 24 samples
+ALL = sorted(f"s{s}_{i:02d}" for s, n in enumerate(SIZES) for i in range(n))
+
+
+def _write_shards(folder, sizes=SIZES, extra=None, seed=0):
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s, n in enumerate(sizes):
+        paths.append(str(folder / f"pets-{s:05d}.tar"))
+        with wds.TarWriter(paths[-1]) as w:
+            for i in range(n):
+                cls = int(rng.integers(0, 37))
+                img, tri = draw_animal(cls, rng, size=(32, 24))
+                w.write({"__key__": f"s{s}_{i:02d}", "image.jpg": jpeg_bytes(img), "cls": cls, "trimap.png": png_bytes(tri),
+                         **(extra or {})})
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path_factory, monkeypatch):
+    "Index caches go to a temp SHARDKIT_HOME, never to the user's."
+    monkeypatch.setenv("SHARDKIT_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return _write_shards(tmp_path_factory.mktemp("random") / "shards")
+
+
+def _keys(loader):
+    return [list(b[0]) for b in loader]
+
+
+def _loader(src, **kw):
+    kw.setdefault("keys", ("__key__", "cls", "image.jpg"))
+    kw.setdefault("transform", train_transform(16))
+    return create_random_loader(src, **kw)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_every_sample_exactly_once_equal_batches(shards, world, workers):
+    dls = [_loader(shards, batch_size=3, num_workers=workers, seed=1, rank=r, world_size=world) for r in range(world)]
+    epochs = []
+    for _ in range(2):
+        per_rank = [_keys(dl) for dl in dls]
+        assert len({len(p) for p in per_rank}) == 1, "every rank gets the same number of batches"
+        assert all(len(b) == 3 for p in per_rank for b in p), "every batch is full"
+        keys = [k for p in per_rank for b in p for k in b]
+        assert sorted(keys) == ALL, "each sample exactly once per epoch"
+        epochs.append([k for step in zip(*per_rank) for b in step for k in b])
+    assert epochs[0] != epochs[1], "a new order every epoch"
+    again = [_loader(shards, batch_size=3, num_workers=0, seed=1, rank=r, world_size=world) for r in range(world)]
+    assert [k for step in zip(*[_keys(dl) for dl in again]) for b in step for k in b] == epochs[0], "same seed, same order"
+
+
+def test_order_is_the_same_for_any_number_of_workers_and_ranks(shards):
+    one = [k for b in _keys(_loader(shards, batch_size=6, num_workers=0, seed=5)) for k in b]
+    two = [_keys(_loader(shards, batch_size=3, num_workers=2, seed=5, rank=r, world_size=2)) for r in (0, 1)]
+    assert [k for step in zip(*two) for b in step for k in b] == one, "a global batch does not depend on the world size"
+
+
+def test_remainder_is_dropped_or_padded(shards):
+    drop = [_keys(_loader(shards, batch_size=5, num_workers=0, rank=r, world_size=2)) for r in (0, 1)]
+    assert [len(p) for p in drop] == [2, 2]
+    flat = [k for p in drop for b in p for k in b]
+    assert len(flat) == len(set(flat)) == 20, "4 samples left out of this epoch, none twice"
+    pad = [_keys(_loader(shards, batch_size=5, num_workers=0, rank=r, world_size=2, pad=True)) for r in (0, 1)]
+    assert [len(p) for p in pad] == [3, 3]
+    flat = [k for p in pad for b in p for k in b]
+    assert sorted(set(flat)) == ALL and len(flat) == 30, "every sample, 6 of them twice"
+    perm = epoch_batches(24, 30, 0, 0, pad=True)[0]
+    idx = sample_index(shards, ("__key__",))
+    assert [k for step in zip(*pad) for b in step for k in b][24:] == [idx.key(i) for i in perm[:6]], "padding repeats the permutation's start"
+    with pytest.raises(UsageError, match="pad=True"):
+        _loader(shards, batch_size=20, world_size=2, rank=0)
+
+
+def test_same_crop_as_the_streaming_loader(shards):
+    tf = train_transform(16)
+    stream = {k: img for k, img in create_dataset(shards, keys=("__key__", "image.jpg"), transform=tf, seed=3, batch_size=None)}
+    ours = {k: img for b in _loader(shards, keys=("__key__", "image.jpg"), batch_size=4, num_workers=2, seed=3) for k, img in zip(*b)}
+    assert sorted(ours) == sorted(stream)
+    assert all(torch.equal(ours[k], stream[k]) for k in ours), "same seed, epoch and key: same augmentation"
+
+
+RESUME = r'''
+import pickle, sys
+from shardkit.loader import train_transform
+from shardkit.random_access import create_random_loader
+src, state, n = pickle.loads(sys.stdin.buffer.read())
+dl = create_random_loader(src, keys=("__key__", "image.jpg"), transform=train_transform(16), batch_size=5, num_workers=1, seed=7)
+dl.load_state_dict(state)
+out = []
+while len(out) < n:
+    for b in dl:
+        out.append(b)
+        if len(out) == n: break
+sys.stdout.buffer.write(pickle.dumps(out))
+'''
+
+
+def _take(dl, n):
+    out = []
+    while len(out) < n:
+        for b in dl:
+            out.append(b)
+            if len(out) == n: break
+    return out
+
+
+TOTAL = 10  # 4 batches of 5 per epoch (4 samples dropped): 2.5 epochs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shards):
+    return _take(_loader(shards, keys=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7), TOTAL)
+
+
+@pytest.mark.parametrize("stop", [1, 2, 4, 6], ids=["first-batch", "middle", "last-batch-of-epoch", "next-epoch"])
+def test_resume_in_a_fresh_process(shards, uninterrupted, stop):
+    dl = _loader(shards, keys=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7)
+    head = _take(dl, stop)
+    state = dl.state_dict()
+    r = subprocess.run([sys.executable, "-c", RESUME], input=pickle.dumps((os.path.dirname(shards[0]), state, TOTAL - stop)),
+                       capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    resumed = head + pickle.loads(r.stdout)
+    assert len(resumed) == TOTAL
+    for a, b in zip(uninterrupted, resumed):
+        assert a[0] == b[0], "same keys"
+        assert torch.equal(a[1], b[1]), "same pixels, same augmentation"
+
+
+def test_resume_refuses_other_settings(shards):
+    dl = _loader(shards, batch_size=5, num_workers=0, seed=7)
+    with pytest.raises(UsageError, match="batch_size"):
+        _loader(shards, batch_size=4, num_workers=0, seed=7).load_state_dict(dl.state_dict())
+
+
+def test_set_epoch(shards):
+    dl = _loader(shards, batch_size=4, num_workers=0)
+    e0, e1 = _keys(dl), _keys(dl)
+    dl.set_epoch(1)
+    assert _keys(dl) == e1
+    dl.set_epoch(0)
+    assert _keys(dl) == e0
+
+
+def test_pickle_refused_by_default(tmp_path):
+    paths = _write_shards(tmp_path / "p", sizes=(2,), extra={"meta.pyd": pickle.dumps({"x": 1})})
+    with pytest.raises(UsageError, match=r"'meta.pyd'.*allow_pickle=True"):
+        create_random_loader(paths, keys=("cls", "meta.pyd"), batch_size=2, num_workers=0)
+    (cls, meta), = list(create_random_loader(paths, keys=("cls", "meta.pyd"), batch_size=2, num_workers=0, allow_pickle=True))
+    assert meta == [{"x": 1}, {"x": 1}]
+
+
+def test_cache_is_keyed_by_path_size_and_mtime(tmp_path):
+    paths = _write_shards(tmp_path / "c", sizes=(3,))
+    assert len(sample_index(paths, ("cls",))) == 3
+    n = len(list(index_cache_dir().glob("*.npz")))
+    assert len(sample_index(paths, ("cls",))) == 3 and len(list(index_cache_dir().glob("*.npz"))) == n, "second time from the cache"
+    _write_shards(tmp_path / "c", sizes=(5,), seed=1)  # rewritten in place: new size and mtime
+    assert len(sample_index(paths, ("cls",))) == 5
+
+
+def test_keys_from_tar_headers_or_memory(shards, tmp_path):
+    idx = sample_index(shards, ("cls", "image.jpg"))
+    assert idx.keys is None and idx.nbytes / len(idx) == 28, "short ASCII names: keys are read back from the headers"
+    long = str(tmp_path / "long.tar")
+    with wds.TarWriter(long) as w:
+        for i in range(3): w.write({"__key__": f"{'k' * 120}_{i}", "cls": i})
+    lidx = sample_index([long], ("cls",))
+    assert lidx.keys is not None and lidx.key(2) == f"{'k' * 120}_2", "long names (pax headers): keys kept in memory"
+    (keys, cls), = list(create_random_loader([long], keys=("__key__", "cls"), batch_size=3, num_workers=0))
+    assert sorted(zip(keys, cls.tolist())) == [(f"{'k' * 120}_{i}", i) for i in range(3)]
+
+
+def test_unwritable_cache_warns_and_still_indexes(shards, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("SHARDKIT_HOME", str(tmp_path / "file"))
+    with pytest.warns(UserWarning, match="cannot cache the index"):
+        assert len(sample_index(shards[:1], ("cls",))) == SIZES[0]
+
+
+def test_bench_cli_is_a_thin_layer(shards, monkeypatch, capsys):
+    from shardkit import cli
+    monkeypatch.setitem(cli.COMMANDS, ("bench", "random"), ("shardkit.random_access:bench_random_cli", "Benchmark the random-access loader"))
+    src = os.path.dirname(shards[0])
+    assert cli.main(["bench", "random", src, "--workers", "0", "--samples", "24", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "read" in out and "decode" in out and "samples/s" in out
+    assert cli.main(["bench", "random", src, "--shard-index"]) == 2
+    assert "--shard-index is for ais:// buckets" in capsys.readouterr().err
+
+
+def test_missing_field_is_named(shards):
+    with pytest.raises(RandomAccessError, match=r"has no \['depth.png'\]"):
+        sample_index(shards, ("cls", "depth.png"))
+
+
+def test_on_aistore_getbatch_with_and_without_shard_index(shards, ais_endpoint, tmp_path):
+    name = f"shardkit-random-{uuid.uuid4().hex[:8]}"
+    store = open_store(f"ais://{name}", create=True)
+    try:
+        for p in shards: store.put_file(p)
+        local = _take(_loader(shards, keys=("__key__", "image.jpg"), batch_size=5, num_workers=0, seed=7), 8)
+        dl = _loader(f"ais://{name}", keys=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7)
+        assert len(dl.dataset.index) == 24
+        for a, b in zip(local[:4], list(dl)):
+            assert a[0] == b[0] and torch.equal(a[1], b[1]), "GetBatch gives the bytes of the local files"
+        job = build_shard_index(store)
+        assert job
+        for a, b in zip(local[4:], list(dl)):
+            assert a[0] == b[0] and torch.equal(a[1], b[1]), "the same with the cluster's shard index"
+        # a shard replaced after indexing: the read names bucket, shard and key
+        other = _write_shards(tmp_path / "other", sizes=(3,), seed=9)
+        store.put_file(other[0], "pets-00003.tar")
+        victim = next(i for i in range(24) if dl.dataset.index.key(i).startswith("s3_0"))
+        with pytest.raises(RandomAccessError, match=rf"ais://{name}/pets-00003.tar") as e:
+            dl.dataset[(0, [victim])]
+        assert dl.dataset.index.key(victim) in str(e.value)
+    finally:
+        store.bucket.delete()
