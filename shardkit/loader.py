@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_loader.ipynb 3
 from __future__ import annotations
-import contextlib, hashlib, os, random, secrets, warnings
+import contextlib, hashlib, os, random, secrets, sys, warnings
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -17,14 +17,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
-from .store import ShardkitError, open_store
-from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, decode_field, is_mask_key, url_samples
+from .store import ShardkitError, UsageError, open_store
+from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_mask_key, url_samples
 
 # %% auto 0
 __all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'EpochShards', 'split_count', 'take_share',
            'buffer_shuffle', 'shuffle_samples', 'decode_rgb', 'decode_value', 'train_transform', 'eval_transform',
-           'normalize_batch', 'sample_to_tuple', 'collate', 'ShardDataset', 'create_dataset', 'ShardLoader',
-           'create_dataloader']
+           'normalize_batch', 'sample_to_tuple', 'collate', 'SkipAndCount', 'ShardDataset', 'create_dataset',
+           'ShardLoader', 'create_dataloader']
 
 # %% ../nbs/11_loader.ipynb
 class LoaderError(ShardkitError, ValueError):
@@ -139,15 +139,16 @@ def decode_rgb(data: bytes) -> torch.Tensor:
     "Image bytes (JPEG, PNG, ... whatever the name says) as a uint8 3 x H x W tensor, channels-last in memory."
     return _channels_last(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
 
-def decode_value(key: str, data):
+def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = MAX_PIXELS):
     "Field `key` of a sample, decoded: images to uint8 tv_tensors, labels to int, other known types by WebDataset."
     if key.startswith("__") or not isinstance(data, (bytes, bytearray)): return data
     ext = key.rsplit(".", 1)[-1].lower()
     if ext in IMAGE_EXTS:
+        image_size(data, max_pixels)  # a decompression bomb is refused before its pixels are allocated
         if is_mask_key(key):
             return tv_tensors.Mask(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.GRAY))
         return tv_tensors.Image(decode_rgb(data))
-    value = decode_field(key, data)  # webdataset's basic decoders, pickles refused
+    value = decode_field(key, data, allow_pickle)  # webdataset's basic decoders, pickles refused unless allowed
     return data if value is None else value
 
 # %% ../nbs/11_loader.ipynb
@@ -189,14 +190,17 @@ def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
     if isinstance(transform, dict): return tuple(transform[k](v) if k in transform else v for k, v in zip(keys, values))
     return tuple(transform(values))
 
-def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None) -> tuple:
+def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None,
+                    allow_pickle: bool = False) -> tuple:
     "Decode `keys` of a raw sample (and nothing else), apply `transform` to the tuple, return plain tensors and values."
     missing = [k for k in keys if k not in sample]
     if missing:
         have = sorted(k for k in sample if not k.startswith("__"))
         raise KeyError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; it has {have}. "
                        f"Pass keys= with fields the shards hold")
-    values = tuple(decode_value(k, sample[k]) for k in keys)
+    try: values = tuple(decode_value(k, sample[k], allow_pickle) for k in keys)
+    except (ShardkitError, RuntimeError, ValueError) as e:  # a bad image, a bomb, a pickle: say which sample
+        raise LoaderError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: {e}") from None
     if transform is not None:
         if shards is not None and shards.ctx is not None:
             with _seeded(seed_for(shards.seed, shards.ctx["epoch"], "augment", sample.get("__key__"))):
@@ -223,11 +227,42 @@ def collate(samples: Sequence[tuple]) -> tuple:
     return tuple(_stack(col, i) for i, col in enumerate(zip(*samples)))
 
 # %% ../nbs/11_loader.ipynb
+class SkipAndCount:
+    "A webdataset handler that skips a failing sample and counts it by reason; `report()` says what was skipped."
+    def __init__(self): self.counts, self.example = {}, {}
+    def __call__(self, exn: Exception) -> bool:
+        reason = type(exn).__name__
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.example.setdefault(reason, str(exn)[:200])
+        return True
+    def report(self, epoch: int | None = None) -> str | None:
+        "One line on what was skipped since the last report (None: nothing), then start counting afresh."
+        if not self.counts: return None
+        w = get_worker_info()
+        line = (f"shardkit loader: skipped {sum(self.counts.values())} bad samples" + (f" in epoch {epoch}" if epoch is not None else "")
+                + (f" (worker {w.id})" if w else "") + ": " + "; ".join(f"{n} x {r}, e.g. {self.example[r]}" for r, n in self.counts.items()))
+        self.counts, self.example = {}, {}
+        return line
+
+def _handler(handler) -> Callable:
+    "The webdataset handler for `handler`: 'raise' (the default), 'skip' (SkipAndCount) or a function."
+    if callable(handler): return handler
+    if handler == "raise": return wds.reraise_exception
+    if handler == "skip": return SkipAndCount()
+    raise UsageError(f"handler must be 'raise', 'skip' or a function, not {handler!r}")
+
+# %% ../nbs/11_loader.ipynb
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
-    def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None, epoch_samples: int | None):
+    def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None, epoch_samples: int | None,
+                 handler: Callable = wds.reraise_exception):
         super().__init__(*stages)
-        self.shards, self.keys, self.batch_size, self.epoch_samples = shards, tuple(keys), batch_size, epoch_samples
+        self.shards, self.keys, self.batch_size, self.epoch_samples, self.handler = shards, tuple(keys), batch_size, epoch_samples, handler
+
+    def __iter__(self):
+        yield from super().__iter__()
+        report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
+        if report: print(report, file=sys.stderr, flush=True)
 
     def set_epoch(self, epoch: int):
         "Make the next iteration epoch number `epoch` (for example when resuming a run)."
@@ -240,14 +275,26 @@ class ShardDataset(wds.DataPipeline):
                 f"seed={self.shards.seed}, resampled={self.shards.resampled}, epoch={self.shards.epoch})")
 
 # %% ../nbs/11_loader.ipynb
+def _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize, allow_pickle):
+    "create_dataset(access='random'): the random-access loader of `shardkit.random_access` (a global shuffle, exact resume)."
+    if resampled or epoch_samples: raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
+    from shardkit.random_access import create_random_loader
+    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform(normalize=normalize)
+    return create_random_loader(sources, keys=keys, transform=transform, batch_size=batch_size or 64, num_workers=0,
+                                seed=0 if seed is None else seed, rank=rank, world_size=world_size, allow_pickle=allow_pickle)
+
+# %% ../nbs/11_loader.ipynb
 def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.png"), transform=None,
                    shuffle: int = 1000, batch_size: int | None = 16, seed: int | None = None,
                    resampled: bool = False, epoch_samples: int | None = None,
                    rank: int | None = None, world_size: int | None = None,
                    normalize: bool = False, shuffle_shards: bool = True,
-                   handler: Callable = wds.reraise_exception) -> ShardDataset:
-    "A WebDataset pipeline from shards to batches of `keys` tuples, with exact, seeded epochs."
-    urls = shard_urls(sources)
+                   handler: str | Callable = "raise", allow_pickle: bool = False, access: str = "stream"):
+    "A WebDataset pipeline from shards to batches of `keys` tuples, with exact, seeded epochs; `access='random'`: a global shuffle."
+    if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
+    if access == "random": return _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank,
+                                                 world_size, normalize, allow_pickle)
+    urls, handler = shard_urls(sources), _handler(handler)
     if resampled and not epoch_samples:
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch for the whole job")
     if epoch_samples and not resampled:
@@ -260,9 +307,10 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
     stages = [shards, partial(url_samples, handler=handler)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
-    stages.append(wds.map(partial(sample_to_tuple, keys=tuple(keys), transform=transform, shards=shards), handler=handler))
+    stages.append(wds.map(partial(sample_to_tuple, keys=tuple(keys), transform=transform, shards=shards, allow_pickle=allow_pickle),
+                          handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collate, partial=True))
-    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples)
+    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples, handler=handler)
 
 # %% ../nbs/11_loader.ipynb
 class ShardLoader(wds.WebLoader):
@@ -294,6 +342,10 @@ class ShardLoader(wds.WebLoader):
 # %% ../nbs/11_loader.ipynb
 def create_dataloader(dataset: ShardDataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 1000, **kw) -> ShardLoader:
     "A `webdataset.WebLoader` over `dataset`: workers batch, then unbatch, shuffle across workers and rebatch to `batch_size`."
+    from shardkit.random_access import RandomAccessLoader
+    if isinstance(dataset, RandomAccessLoader):  # create_dataset(access="random") made the loader already
+        dataset.num_workers, dataset.batch_size = num_workers, batch_size or dataset.batch_size
+        return dataset
     if not isinstance(dataset, ShardDataset):
         raise TypeError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
     if not dataset.batch_size: raise LoaderError("the dataset must batch (batch_size > 0) for the loader to unbatch and rebatch")
