@@ -31,6 +31,8 @@ COMMANDS = {
     ("etl", "run"):        ("shardkit.etl:etl_run_cli",            "Transform every shard of a store into another store"),
     ("bench", "convert"):  ("shardkit.bench:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
     ("bench", "etl"):      ("shardkit.bench:bench_etl_cli",        "Benchmark client-side against offloaded (sidecar) transforms"),
+    ("bench", "dask-etl"): ("shardkit.dask_etl:bench_dask_etl_cli", "Benchmark the Dask ETL engine against the local one"),
+    ("bench", "random"):   ("shardkit.random_access:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
     ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loader against the seed, map-style and ceiling"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),

@@ -4,17 +4,17 @@
 
 # %% ../nbs/10_dask.ipynb 3
 from __future__ import annotations
-import hashlib, json, logging, os, resource, shutil, tempfile, time, uuid, warnings
+import hashlib, logging, os, resource, shutil, tempfile, time, uuid, warnings
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 from tqdm.auto import tqdm
-from .store import ShardkitError, StoreError, UsageError, open_store
-from .etl import ShardTransform, resolve_fn, run_etl
+from .store import ShardkitError, UsageError, open_store
+from .etl import MANIFEST, ShardTransform, _done_shards, _settings, _write_manifest, read_etl_manifest, resolve_fn, run_etl
 
 # %% auto 0
-__all__ = ['MANIFEST', 'DaskUnavailable', 'SchedulerUnreachable', 'local_cluster', 'transform_shard', 'read_etl_manifest',
-           'run_etl_dask', 'bench_dask_etl', 'format_dask_bench', 'bench_dask_etl_cli']
+__all__ = ['DaskUnavailable', 'SchedulerUnreachable', 'local_cluster', 'transform_shard', 'run_etl_dask', 'bench_dask_etl',
+           'format_dask_bench', 'bench_dask_etl_cli']
 
 # %% ../nbs/10_dask.ipynb
 class DaskUnavailable(ShardkitError):
@@ -81,36 +81,6 @@ def transform_shard(shards: ShardTransform,  # The transform (pickled to the wor
                 counts=dict(c), reasons=dict(shards.reasons - r0), cpu_s=round(time.process_time() - t0, 4))
 
 # %% ../nbs/10_dask.ipynb
-MANIFEST = "etl-manifest.json"
-
-def read_etl_manifest(dest) -> dict | None:
-    "The manifest the Dask ETL engine wrote in store `dest`, or None."
-    store = open_store(dest)
-    return json.loads(store.read_bytes(MANIFEST)) if store.exists(MANIFEST) else None
-
-def _settings(fn, src, decode, seed) -> dict:
-    "What determines the output bytes, as recorded in the manifest."
-    f = resolve_fn(fn)
-    name = fn if isinstance(fn, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__name__', type(f).__name__)}"
-    return dict(kind="shardkit-etl", src=src.spec, transform=name, decode=decode, seed=seed)
-
-def _done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
-    "Manifest entries of shards a previous run with the same settings wrote, still present at their size."
-    if old is None: return {}
-    diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-    if diff:
-        raise StoreError(f"{store.spec} holds the output of another ETL run ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
-                         f"write to another destination, or delete {MANIFEST} and its shards to start over")
-    return {sh["name"]: sh for sh in old.get("shards", []) if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
-
-def _write_manifest(store, settings: dict, names: list[str], done: dict[str, dict], failed: dict[str, str]) -> dict:
-    missing = {n: failed.get(n, "not run") for n in names if n not in done}
-    m = dict(settings, engine="dask", complete=not missing, missing=missing, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             shards=[{k: sh[k] for k in ("name", "samples", "bytes", "sha256")} for _, sh in sorted(done.items())])
-    store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), MANIFEST)
-    return m
-
-# %% ../nbs/10_dask.ipynb
 def _endpoint(store) -> str | None: return getattr(store, "endpoint", None)
 
 def _why(fut, attempts: int) -> str:
@@ -168,7 +138,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
         results, failed = _run_tasks(client, shards, src_store, dest_store, todo, retries, bar)
     finally:
         bar.close(); close()
-        _write_manifest(dest_store, settings, names, {**done, **results}, failed)
+        _write_manifest(dest_store, settings, names, {**done, **results}, failed, engine="dask")
     return _summary(src_store, dest_store, names, done, results, failed, t0, where)
 
 # %% ../nbs/10_dask.ipynb

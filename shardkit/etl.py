@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_etl.ipynb 3
 from __future__ import annotations
-import importlib, importlib.util, io, os, random, sys, time, warnings, zlib
+import hashlib, importlib, importlib.util, io, json, os, random, sys, time, warnings, zlib
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -14,14 +14,14 @@ from fastcore.basics import patch
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
-from .store import AISStore, ShardkitError, ais_client, open_store
+from .store import AISStore, ShardkitError, StoreError, UsageError, ais_client, open_store
 from .shards import IMAGENET_MEAN, IMAGENET_STD, ShardError, field_decoder, read_samples
 
 # %% auto 0
-__all__ = ['imagenet_train_npy', 'imagenet_val_npy', 'imagenet_train_uint8', 'imagenet_train_jpg', 'to_tensor', 'seed_sample',
-           'ETLError', 'SampleError', 'skip_and_count', 'strict', 'resolve_fn', 'SampleTransform', 'etl_stage',
-           'ShardTransform', 'ShardETLServer', 'etl_server_class', 'ETLUnavailable', 'etl_unavailable', 'init_etl',
-           'run_etl', 'etl_run_cli']
+__all__ = ['MANIFEST', 'imagenet_train_npy', 'imagenet_val_npy', 'imagenet_train_uint8', 'imagenet_train_jpg', 'to_tensor',
+           'seed_sample', 'ETLError', 'SampleError', 'skip_and_count', 'strict', 'resolve_fn', 'SampleTransform',
+           'etl_stage', 'ShardTransform', 'ShardETLServer', 'etl_server_class', 'ETLUnavailable', 'etl_unavailable',
+           'init_etl', 'read_etl_manifest', 'run_etl', 'etl_run_cli']
 
 # %% ../nbs/08_etl.ipynb
 _TV = {}
@@ -317,7 +317,7 @@ def _worker_run(name: str) -> dict:
     try:
         out = st(data, name)
         w["dest"].put_bytes(out, name)
-        res["bytes_out"] = len(out)
+        res.update(bytes_out=len(out), sha256=hashlib.sha256(out).hexdigest())
     except (ETLError, ShardError) as e:
         if st.samples.handler is strict and isinstance(e, SampleError): raise
         res["error"] = str(e)
@@ -325,21 +325,22 @@ def _worker_run(name: str) -> dict:
     return res
 
 # %% ../nbs/08_etl.ipynb
-def _run_locally(shards: ShardTransform, src, dest, names: list[str], workers: int, progress: bool) -> list[dict]:
-    "Run `shards` on every shard `names` of store `src` into store `dest` with `workers` processes; their results."
+def _run_locally(shards: ShardTransform, src, dest, names: list[str], workers: int, progress: bool, done=None) -> list[dict]:
+    "Run `shards` on every shard `names` of store `src` into store `dest` with `workers` processes; their results (each also to `done`)."
+    done = done or (lambda r: None)
     import cloudpickle
     payload, results = cloudpickle.dumps(shards), []
     bar = tqdm(total=len(names), desc=f"etl {src.spec} -> {dest.spec}", unit="shard", disable=not progress)
     if workers <= 1:
         _worker_init(payload, src.spec, dest.spec)
-        for n in names: results.append(_worker_run(n)); bar.update()
+        for n in names: results.append(_worker_run(n)); done(results[-1]); bar.update()
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
         from shardkit.etl import _worker_init as init, _worker_run as run  # by name: spawned workers import them
         with ProcessPoolExecutor(min(workers, len(names)), mp_context=mp.get_context("spawn"), initializer=init,
                                  initargs=(payload, src.spec, dest.spec)) as pool:
-            for r in pool.map(run, names): results.append(r); bar.update()
+            for r in pool.map(run, names): results.append(r); done(r); bar.update()
     bar.close()
     return results
 
@@ -367,6 +368,53 @@ def _run_in_cluster(fn, src, dest, names, decode, strict, seed, etl_name, t0) ->
                 seconds=round(time.perf_counter() - t0, 2))
 
 # %% ../nbs/08_etl.ipynb
+MANIFEST = "etl-manifest.json"
+
+def read_etl_manifest(dest) -> dict | None:
+    "The manifest an ETL run (either engine) wrote in store `dest`, or None."
+    store = open_store(dest)
+    return json.loads(store.read_bytes(MANIFEST)) if store.exists(MANIFEST) else None
+
+def _settings(fn, src, decode, seed) -> dict:
+    "What determines the output bytes, as recorded in the manifest."
+    f = resolve_fn(fn)
+    name = fn if isinstance(fn, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__name__', type(f).__name__)}"
+    return dict(kind="shardkit-etl", src=src.spec, transform=name, decode=decode, seed=seed)
+
+def _done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
+    "Manifest entries of shards a previous run with the same settings wrote, still present at their size."
+    if old is None: return {}
+    diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+    if diff:
+        raise StoreError(f"{store.spec} holds the output of another ETL run ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
+                         f"write to another destination, or delete {MANIFEST} and its shards to start over")
+    return {sh["name"]: sh for sh in old.get("shards", []) if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
+
+def _write_manifest(store, settings: dict, names: list[str], done: dict[str, dict], failed: dict[str, str],
+                    engine: str = "local") -> dict:
+    "Write the ETL manifest (done shards, missing ones and why, complete or not) into `store`; the manifest."
+    missing = {n: failed.get(n, "not run") for n in names if n not in done}
+    m = dict(settings, engine=engine, complete=not missing, missing=missing, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             shards=[{k: sh[k] for k in ("name", "samples", "bytes", "sha256")} for _, sh in sorted(done.items())])
+    store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), MANIFEST)
+    return m
+
+# %% ../nbs/08_etl.ipynb
+def _run_resumably(fn, src, dest, names, workers, decode, strict, seed, progress, t0, note) -> dict:
+    "The local engine: skip shards the manifest records as done, record each new one as it is stored, `complete` last."
+    settings = _settings(fn, src, decode, seed)
+    done = _done_shards(dest, read_etl_manifest(dest), settings)
+    todo, failed = [n for n in names if n not in done], {}
+    _write_manifest(dest, settings, names, done, {})  # an interrupted run leaves complete=false, never a silent half
+    def record(r):
+        if r["error"]: failed[r["name"]] = r["error"]
+        else: done[r["name"]] = dict(name=r["name"], samples=r["counts"].get("out", 0), bytes=r["bytes_out"], sha256=r["sha256"])
+        _write_manifest(dest, settings, names, done, failed)
+    shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
+    s = _summary(_run_locally(shards, src, dest, todo, workers, progress, record) if todo else [], src, dest, t0, note)
+    return dict(s, shards=len(names), resumed=len(names) - len(todo), manifest=MANIFEST)
+
+# %% ../nbs/08_etl.ipynb
 def run_etl(fn: str | Callable,             # Sample function or 'module:function'
             src, dest,                      # Source and destination stores (directories or ais://bucket[/prefix])
             pattern: str = "*.tar",         # Which shards: a glob, brace template or prefix
@@ -375,8 +423,15 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
             strict: bool = False,           # Stop at the first failing sample
             seed: int | None = None,        # Per-sample seeds for random transforms
             etl_name: str | None = None,    # AIStore ETL name when the cluster runs ETL (default: from fn's name)
-            progress: bool = True) -> dict:
-    "Way 5: transform every shard of `src` matching `pattern` into `dest` (same names); a summary dict."
+            progress: bool = True,          # Show a progress bar
+            engine: str = "local",          # 'local': worker processes here; 'dask': one Dask task per shard (shardkit[dask])
+            scheduler=None) -> dict:        # With engine='dask': tcp://HOST:8786, a Client or a cluster (None: a LocalCluster)
+    "Way 5: transform every shard of `src` matching `pattern` into `dest` (same names), resumably; a summary dict."
+    if engine not in ("local", "dask"): raise UsageError(f"engine must be 'local' or 'dask', got {engine!r}")
+    if engine == "dask":
+        from shardkit.dask_etl import run_etl_dask  # an optional extra, imported only when asked for
+        return run_etl_dask(fn, src, dest, pattern, decode, strict, seed, scheduler=scheduler, workers=workers, progress=progress)
+    if scheduler is not None: raise UsageError("scheduler= needs engine='dask'")
     src_store, dest_store = open_store(src), open_store(dest, create=True)
     if src_store.spec == dest_store.spec: raise ETLError(f"source and destination are the same store ({src_store.spec}); pick another destination")
     names = src_store.list(pattern)
@@ -385,8 +440,7 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
     if isinstance(src_store, AISStore) and isinstance(dest_store, AISStore) and src_store.endpoint == dest_store.endpoint:
         why_local = etl_unavailable(src_store.client)
         if why_local is None: return _run_in_cluster(fn, src_store, dest_store, names, decode, strict, seed, etl_name, t0)
-    shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
-    return _summary(_run_locally(shards, src_store, dest_store, names, workers, progress), src_store, dest_store, t0, why_local)
+    return _run_resumably(fn, src_store, dest_store, names, workers, decode, strict, seed, progress, t0, why_local)
 
 # %% ../nbs/08_etl.ipynb
 def etl_run_cli(fn: str,                      # The sample function, MODULE:FUNCTION (e.g. shardkit.etl:imagenet_val_npy)
@@ -396,14 +450,17 @@ def etl_run_cli(fn: str,                      # The sample function, MODULE:FUNC
                 workers: int = 2,             # Local worker processes
                 seed: int = None,             # Seed random transforms per sample (reproducible output)
                 strict: store_true = False,   # Stop at the first failing sample
-                raw: store_true = False):     # Hand the function raw bytes instead of decoded fields
-    "Transform every shard of a store into another store (AIStore's bucket transform where the cluster runs ETL)."
-    s = run_etl(fn, src, dest, pattern, workers, None if raw else "pil", strict, seed)
+                raw: store_true = False,      # Hand the function raw bytes instead of decoded fields
+                engine: str = "local",        # local (worker processes here) or dask (one Dask task per shard)
+                scheduler: str = None):       # With --engine dask: tcp://HOST:8786 (default: a LocalCluster of --workers)
+    "Transform every shard of a store into another store, resumably (AIStore's bucket transform where the cluster runs ETL)."
+    s = run_etl(fn, src, dest, pattern, workers, None if raw else "pil", strict, seed, engine=engine, scheduler=scheduler)
     line = f"{s['written']} of {s['shards']} shards written to {s['dest']} ({s['way']}, {s['seconds']} s)"
     if "samples_in" in s:
         why = ", ".join(f"{n} {r}" for r, n in s["reasons"].items())
         line += (f"; samples: {s['samples_in']} in, {s['samples_out']} out, {s['skipped']} skipped" + (f" ({why})" if why else "")
                  + f"; {s['bytes_in'] / 1e6:.1f} MB -> {s['bytes_out'] / 1e6:.1f} MB")
+    if s.get("resumed"): line += f"; {s['resumed']} shards already done ({s.get('manifest', 'manifest')})"
     if s.get("note"): print(s["note"])
     print(line)
     for n, why in s["failed"].items(): print(f"FAILED {n}: {why}", file=sys.stderr)

@@ -34,6 +34,12 @@ def _sample_members(key, seed=0):
             (f"{key}.trimap.png", "file", png_bytes(tri))]
 
 
+def _imagenet_members(key, seed=0):
+    "An ImageNet-style sample (NAME.jpg + NAME.cls), what the ETL transforms expect."
+    img, _ = draw_animal(seed % 37, np.random.default_rng(seed), size=(48, 36))
+    return [(f"{key}.jpg", "file", jpeg_bytes(img)), (f"{key}.cls", "file", str(seed % 37).encode())]
+
+
 @pytest.mark.parametrize("evil", [("../escape.cls", "file", b"1"), ("/abs/x.cls", "file", b"1"),
                                   ("link.jpg", "sym", b""), ("hard.jpg", "hard", b"")], ids=["dotdot", "absolute", "symlink", "hardlink"])
 def test_reader_refuses_dangerous_members(evil):
@@ -190,3 +196,114 @@ def test_bit_rot_is_found_by_verify(pets, tmp_path, capsys):
     assert cli_main(["verify", str(tmp_path / "out")]) == 2
     out = capsys.readouterr()
     assert f"{m['shards'][1]['name']}: SHA-256 differs" in out.out and "1 problem(s)" in out.err
+
+
+# --- the ETL sidecar, a real server on 127.0.0.1 -------------------------------------------------------------
+
+class _Marker:
+    "Unpickling this creates a file: what a hostile shard's pickle would do (here, harmlessly)."
+    def __init__(self, path): self.path = path
+    def __reduce__(self): return (Path.touch, (Path(self.path),))
+
+
+@pytest.fixture
+def etl_src(tmp_path):
+    src = open_store(tmp_path / "src", create=True)
+    src.put_bytes(_tar(_imagenet_members("a", 1) + _imagenet_members("b", 2)), "good-0.tar")
+    return src
+
+
+@pytest.fixture
+def sidecar(etl_src):
+    from shardkit.etl import imagenet_val_npy
+    from shardkit.sidecar import Sidecar
+    with Sidecar(imagenet_val_npy, etl_src) as sc: yield sc
+
+
+def test_sidecar_put_of_a_pickle_runs_no_code(sidecar, tmp_path):
+    import pickle, requests
+    marker = tmp_path / "pwned"
+    for ext in ("pyd", "pickle", "pth"):
+        data = _tar(_imagenet_members("a", 1) + [(f"a.meta.{ext}", "file", pickle.dumps(_Marker(marker)))])
+        r = requests.put(f"{sidecar.url}/x.tar", data=data, timeout=120)
+        assert r.status_code >= 400 or b"meta" not in r.content, (ext, r.status_code)
+    assert not marker.exists(), "a pickle from the request body was unpickled in the sidecar"
+
+
+def test_sidecar_reads_nothing_outside_its_source(sidecar, tmp_path):
+    import requests
+    secret = tmp_path / "secret.tar"
+    secret.write_bytes(_tar(_sample_members("s", 9)))
+    r = requests.get(f"{sidecar.url}/good-0.tar", params={"etl_fqn": str(secret)}, timeout=60)
+    assert r.status_code == 403 and "etl_fqn" in r.text
+    r = requests.get(f"{sidecar.url}/{'..%2F' * 6}etc%2Fpasswd", timeout=60)
+    assert r.status_code != 200 and "root:" not in r.text
+    assert requests.get(f"{sidecar.url}/good-0.tar", timeout=120).status_code == 200  # what it is for still works
+
+
+def test_sidecar_makes_no_call_outs(sidecar):
+    import http.server, threading, requests
+    hits = []
+    class Listener(http.server.BaseHTTPRequestHandler):
+        def do_GET(self): hits.append(self.path); self.send_response(200); self.end_headers()
+        do_PUT = do_POST = do_GET
+        def log_message(self, *a): pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Listener)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}/stolen"
+        r = requests.get(f"{sidecar.url}/good-0.tar", headers={"Ais-Node-Url": url}, timeout=60)
+        r2 = requests.put(f"{sidecar.url}/good-0.tar", data=b"x", headers={"Ais-Node-Url": url}, timeout=60)
+        time.sleep(1)
+        assert r.status_code == 403 and r2.status_code == 403 and hits == []
+    finally: srv.shutdown()
+
+
+def test_sidecar_port_is_checked_fast(etl_src):
+    t0 = time.monotonic()
+    assert cli_main(["etl", "serve", "shardkit.etl:imagenet_val_npy", "--source", str(etl_src.root), "--port", "99999"]) == 2
+    assert time.monotonic() - t0 < 30
+
+
+def test_loader_and_etl_refuse_pickles(tmp_path):
+    import pickle
+    from shardkit.loader import create_dataset
+    from shardkit.etl import ShardTransform, ETLError
+    marker = tmp_path / "pwned"
+    (tmp_path / "p.tar").write_bytes(_tar(_sample_members("a", 1) + [("a.meta.pyd", "file", pickle.dumps(_Marker(marker)))]))
+    with pytest.raises(Exception, match="allow_pickle=True"):
+        list(create_dataset([str(tmp_path / "p.tar")], keys=("cls", "meta.pyd"), batch_size=None, shuffle=0, seed=0))
+    with pytest.raises(Exception, match="pickle"):
+        ShardTransform(lambda s: s, handler="strict")((tmp_path / "p.tar").read_bytes(), "p.tar")
+    assert not marker.exists()
+
+
+KILL_ETL = textwrap.dedent("""
+    import os, signal, sys
+    from shardkit import etl
+    real = etl._write_manifest
+    def save(store, settings, names, done, failed, engine="local"):
+        m = real(store, settings, names, done, failed, engine)
+        if len(done) == 2: os.kill(os.getpid(), signal.SIGKILL)
+        return m
+    etl._write_manifest = save
+    etl.run_etl("shardkit.etl:imagenet_val_npy", sys.argv[1], sys.argv[2], workers=1, progress=False)
+""")
+
+
+def test_etl_run_killed_midway_resumes(tmp_path):
+    from shardkit.etl import read_etl_manifest, run_etl
+    src = open_store(tmp_path / "src", create=True)
+    for s in range(4): src.put_bytes(_tar([m for i in range(3) for m in _imagenet_members(f"k{s}_{i}", s * 3 + i)]), f"in-{s}.tar")
+    full = run_etl("shardkit.etl:imagenet_val_npy", src, tmp_path / "full", workers=1, progress=False)
+    assert full["written"] == 4 and full["samples_out"] == 12 and read_etl_manifest(tmp_path / "full")["complete"]
+    r = subprocess.run([sys.executable, "-c", KILL_ETL, str(tmp_path / "src"), str(tmp_path / "part")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr
+    assert read_etl_manifest(tmp_path / "part")["complete"] is False
+    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
+    assert "did not finish" in r.stderr
+    again = run_etl("shardkit.etl:imagenet_val_npy", src, tmp_path / "part", workers=1, progress=False)
+    assert (again["resumed"], again["written"]) == (2, 2)
+    for n in src.list("*.tar"): assert (tmp_path / "part" / n).read_bytes() == (tmp_path / "full" / n).read_bytes()
+    assert read_etl_manifest(tmp_path / "part")["complete"]
