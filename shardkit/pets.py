@@ -348,7 +348,7 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                  dest,                      # Store: a local directory or ais://bucket[/prefix]
                  split: str = "all",        # 'all', 'trainval' or 'test'
                  prefix: str = "pets-",     # Shard names PREFIX00000.tar, ...
-                 maxcount: int = 400,       # Most samples per shard (the seed post's 400)
+                 maxcount: int = 400,       # Most samples per shard (the AIStore post's 400)
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB
                  workers: int = 2,          # Processes validating and normalising images
                  extras: bool = False,      # Add species.cls and pet.json to each sample

@@ -29,7 +29,7 @@ def test_bench_loader_cli(shards, cli, tmp_path):
     png = tmp_path / "bench.png"
     r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--cold", "--samples", "40", "--out", png, timeout=120)
     assert r.returncode == 0, r.stderr
-    for row in ("seed post", "shardkit default", "map-style ImageFolder", "decode+augment ceiling", "goal: default >= 2.0x seed"):
+    for row in ("AIStore post", "shardkit default", "map-style ImageFolder", "decode+augment ceiling", "goal: default >= 2.0x seed"):
         assert row in r.stdout, (row, r.stdout)
     assert "page cache" in r.stdout
     assert png.stat().st_size > 10_000
