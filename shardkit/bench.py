@@ -304,7 +304,7 @@ def decode_augment_rate(urls: Sequence[str], seconds: float = 3.0, keys=("cls", 
 # %% ../nbs/14_bench.ipynb
 LOADER_ROWS = {"seed": "AIStore post (torchrgb + classic)", "default": "shardkit default (uint8, normalise on device)",
                "cpu_normalised": "shardkit, normalised on this CPU", "map": "map-style ImageFolder (PIL + classic)",
-               "ceiling": "decode+augment ceiling"}
+               "random": "random access (global shuffle, pread)", "ceiling": "decode+augment ceiling"}
 LOADER_GOALS = {"seed": 2.0, "map": 1.0, "ceiling": 0.8}
 
 def _loader_runs(urls: list[str], folder, num_workers: int, passes: int) -> dict:
@@ -314,7 +314,13 @@ def _loader_runs(urls: list[str], folder, num_workers: int, passes: int) -> dict
             L["default"]: lambda: (create_dataloader(create_dataset(urls, keys=keys), num_workers=num_workers), None),
             L["cpu_normalised"]: lambda: (create_dataloader(create_dataset(urls, keys=keys), num_workers=num_workers),
                                           lambda b: normalize_batch(b[1], "cpu")),
-            L["map"]: lambda: (map_style_loader(folder, num_workers, passes), None)}
+            L["map"]: lambda: (map_style_loader(folder, num_workers, passes), None),
+            L["random"]: lambda: (_random_loader(urls, keys, num_workers), None)}
+
+def _random_loader(urls: list[str], keys, num_workers: int):
+    "The random-access loader over the distinct shards of `urls` (its index cached after the first run), batches of 64."
+    from shardkit.random_access import create_random_loader
+    return create_random_loader(list(dict.fromkeys(urls)), keys=keys, num_workers=num_workers, batch_size=64, pad=True)
 
 def _time_runs(runs: dict, repeats: int, cold: bool, progress: bool) -> tuple[dict, dict, str | None]:
     "Samples/s and CPU ms per sample of every run, `repeats` times interleaved; and why the cache was not dropped."
