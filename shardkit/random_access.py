@@ -241,7 +241,7 @@ class RandomAccessDataset(Dataset):
     def __init__(self, index: SampleIndex, keys: Sequence[str], transform=None, seed: int = 0,
                  allow_pickle: bool = False, reader=None):
         refuse_pickle(keys, allow_pickle)
-        self.index, self.keys, self.transform, self.seed = index, tuple(keys), transform, seed
+        self.index, self.keys, self.transform, self.seed, self.allow_pickle = index, tuple(keys), transform, seed, allow_pickle
         self.reader = reader or (AISReader(index) if index.source.startswith("ais://") else LocalReader())
         self._field = {k: index.fields.index(k.lower()) for k in self.keys if not k.startswith("__")}
 
@@ -256,7 +256,7 @@ class RandomAccessDataset(Dataset):
     def __getitem__(self, item) -> tuple:
         epoch, ids = item
         ctx = _seed_context(self.seed, epoch)
-        return collate([sample_to_tuple(s, self.keys, self.transform, ctx) for s in self.samples(list(ids))])
+        return collate([sample_to_tuple(s, self.keys, self.transform, ctx, self.allow_pickle) for s in self.samples(list(ids))])
 
 # %% ../nbs/12_random.ipynb
 def _identity(x): return x
