@@ -1,5 +1,5 @@
-"""Shared fixtures: a real local AIStore cluster for the session, and a way to run the CLI."""
-import os, socket, subprocess, sys
+"""Shared fixtures: a real local AIStore cluster for the session, a way to run the CLI, headless Chromium."""
+import contextlib, os, shutil, socket, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
@@ -57,3 +57,28 @@ def cli():
 def out_dir():
     OUT.mkdir(parents=True, exist_ok=True)
     return OUT
+
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@contextlib.contextmanager
+def headless_chromium(page_load_timeout: float = 60, extra_args=()):
+    "Debian's headless Chromium through Debian's chromedriver (selenium never downloads a driver), flags that keep it off the network."
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    os.environ.setdefault("SE_OFFLINE", "true")
+    profile = tempfile.mkdtemp(prefix="shardkit-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+              "--window-size=1400,1000", *extra_args]:
+        opts.add_argument(a)
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    drv = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    drv.set_page_load_timeout(page_load_timeout)
+    try: yield drv
+    finally:
+        drv.quit()
+        shutil.rmtree(profile, ignore_errors=True)

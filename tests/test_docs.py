@@ -1,6 +1,6 @@
 """The docs site: `shardkit docs` builds it offline, and headless Chromium finds a page for every notebook,
 every image loaded, and nothing fetched from another host. Also `python -m shardkit.docs execute`."""
-import base64, functools, http.server, io, json, os, re, shutil, subprocess, sys, tempfile, threading
+import base64, functools, http.server, io, json, os, re, shutil, subprocess, sys, threading
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from shardkit import docs
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / "nbs"
 OUT = ROOT / "tests" / "_out"
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+from conftest import CHROMEDRIVER, CHROMIUM, headless_chromium
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +46,7 @@ def browser():
     if missing:
         pytest.fail(f"the docs test needs headless Chromium, but {' and '.join(missing)} is missing: "
                     "install it with `apt-get install -y chromium chromium-driver`")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium-manager must never try to download a driver
-    profile = tempfile.mkdtemp(prefix="shardkit-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for a in ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-              "--window-size=1400,1000", "--hide-scrollbars"]:
-        opts.add_argument(a)
-    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    drv = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
-    drv.set_page_load_timeout(30)
-    try: yield drv
-    finally:
-        drv.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    with headless_chromium(page_load_timeout=30, extra_args=["--hide-scrollbars"]) as drv: yield drv
 
 
 def _open(browser, url):

@@ -7,7 +7,7 @@ come from this run. JupyterLab gets its own settings, workspace and runtime fold
 check are off (nothing leaves 127.0.0.1; the browser's requests are checked), and notebook windowing is off so
 every cell is in the page. Everything started is stopped at the end, kernels first.
 Skips when Chromium, chromedriver or JupyterLab is missing, unless SHARDKIT_REQUIRE_BROWSER=1."""
-import json, os, shutil, signal, socket, subprocess, sys, tempfile, time, urllib.error, urllib.request
+import json, os, signal, socket, subprocess, sys, time, urllib.error, urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "_out"
 # 04 is the quickest tutorial that draws figures (~20 s under nbconvert here); SHARDKIT_LAB_TUTORIAL picks another
 TUTORIAL = ROOT / "nbs" / "tutorials" / os.environ.get("SHARDKIT_LAB_TUTORIAL", "04_webdataset_fundamentals.ipynb")
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+from conftest import CHROMEDRIVER, CHROMIUM, headless_chromium
 RUN_LIMIT_S = 900  # the tutorial takes about a minute on a quiet 2-core machine; several times that under load
 
 
@@ -99,23 +99,7 @@ def browser():
     "Debian's headless Chromium through Debian's chromedriver (selenium never downloads a driver)."
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     _need(not missing, f"{' and '.join(missing)} missing: apt-get install -y chromium chromium-driver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    os.environ.setdefault("SE_OFFLINE", "true")
-    profile = tempfile.mkdtemp(prefix="shardkit-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for a in ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-              "--window-size=1400,1000"]:
-        opts.add_argument(a)
-    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    drv = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
-    drv.set_page_load_timeout(120)
-    try: yield drv
-    finally:
-        drv.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    with headless_chromium(page_load_timeout=120) as drv: yield drv
 
 
 def _wait(what: str, fn, limit: float, every: float = 1.0):
