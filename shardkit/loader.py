@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_loader.ipynb 3
 from __future__ import annotations
-import contextlib, hashlib, os, random, secrets, sys, warnings
+import contextlib, copy, hashlib, math, os, random, secrets, sys, warnings
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -17,14 +17,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 from .store import ShardkitError, UsageError, open_store
 from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_mask_key, url_samples
 
 # %% auto 0
 __all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'EpochShards', 'split_count', 'take_share',
-           'buffer_shuffle', 'shuffle_samples', 'decode_rgb', 'decode_value', 'train_transform', 'eval_transform',
-           'normalize_batch', 'sample_to_tuple', 'collate', 'SkipAndCount', 'ShardDataset', 'create_dataset',
-           'ShardLoader', 'create_dataloader']
+           'buffer_shuffle', 'shuffle_samples', 'decode_rgb', 'decode_value', 'TrainTransform', 'train_transform',
+           'eval_transform', 'normalize_batch', 'sample_to_tuple', 'collate', 'SkipAndCount', 'ShardDataset',
+           'create_dataset', 'ShardLoader', 'create_dataloader']
 
 # %% ../nbs/11_loader.ipynb
 class LoaderError(ShardkitError, ValueError):
@@ -133,11 +134,9 @@ def _chain1(first, rest):
     yield from rest
 
 # %% ../nbs/11_loader.ipynb
-def _channels_last(t: torch.Tensor) -> torch.Tensor: return t.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-
 def decode_rgb(data: bytes) -> torch.Tensor:
-    "Image bytes (JPEG, PNG, ... whatever the name says) as a uint8 3 x H x W tensor, channels-last in memory."
-    return _channels_last(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
+    "Image bytes (JPEG, PNG, ... whatever the name says) as a uint8 3 x H x W tensor."
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = MAX_PIXELS):
     "Field `key` of a sample, decoded: images to uint8 tv_tensors, labels to int, other known types by WebDataset."
@@ -152,11 +151,66 @@ def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = M
     return data if value is None else value
 
 # %% ../nbs/11_loader.ipynb
-def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), normalize: bool = False):
+class TrainTransform(v2.Compose):
+    "RandomResizedCrop, flip and optional normalisation as a v2 pipeline, with a direct path for Image/Mask tuples: same draws, same pixels."
+    def __init__(self, size: int = 224, scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                 normalize: bool = False):
+        tfs = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True), v2.RandomHorizontalFlip()]
+        if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        super().__init__(tfs)
+        self.normalize, self.log_ratio = normalize, torch.log(torch.tensor(ratio)).tolist()
+
+    def forward(self, *inputs):
+        values = inputs if len(inputs) > 1 else inputs[0]
+        one = isinstance(values, torch.Tensor)
+        out = _crop_flip(self, (values,) if one else tuple(values)) if one or isinstance(values, (tuple, list)) else None
+        if out is None: return super().forward(*inputs)  # anything else (boxes, plain tensors, dicts): v2's own path
+        return out[0] if one else list(out) if isinstance(values, list) else out
+
+def _crop_box(rrc: v2.RandomResizedCrop, log_ratio: list, height: int, width: int) -> tuple[int, int, int, int]:
+    "`rrc.make_params`: the same draws from torch's generator in the same order, so the same (top, left, h, w)."
+    area = height * width
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(rrc.scale[0], rrc.scale[1]).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w, h = int(round(math.sqrt(target_area * aspect_ratio))), int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = torch.randint(0, height - h + 1, size=(1,)).item()
+            return top, torch.randint(0, width - w + 1, size=(1,)).item(), h, w
+    return _center_box(rrc, height, width)
+
+def _center_box(rrc, height: int, width: int) -> tuple[int, int, int, int]:
+    "make_params's fallback after ten misses: the central crop within the ratio range."
+    ratio = width / height
+    if ratio < min(rrc.ratio): w, h = width, int(round(width / min(rrc.ratio)))
+    elif ratio > max(rrc.ratio): w, h = int(round(height * max(rrc.ratio))), height
+    else: w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
+    "TrainTransform's direct path; None unless the tensors are all C x H x W Images and Masks of one size."
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors or any(type(t) not in (tv_tensors.Image, tv_tensors.Mask) or t.ndim != 3 or t.shape[-2:] != tensors[0].shape[-2:]
+                          for t in tensors): return None
+    rrc, flip = tf.transforms[0], tf.transforms[1]
+    top, left, h, w = _crop_box(rrc, tf.log_ratio, *tensors[0].shape[-2:])
+    flipped = not torch.rand(1) >= flip.p  # RandomHorizontalFlip's draw
+    out = []
+    for v in values:
+        if type(v) is tv_tensors.Image:
+            x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size, interpolation=rrc.interpolation, antialias=rrc.antialias)
+            if flipped: x = F.horizontal_flip_image(x)
+            if tf.normalize: x = F.normalize_image(F.to_dtype_image(x, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
+            v = x.as_subclass(tv_tensors.Image)
+        elif type(v) is tv_tensors.Mask:
+            x = F.resized_crop_mask(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size)
+            v = (F.horizontal_flip_mask(x) if flipped else x).as_subclass(tv_tensors.Mask)
+        out.append(v)
+    return tuple(out)
+
+def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), normalize: bool = False) -> TrainTransform:
     "The post's training augmentation for an (image, trimap, ...) tuple: one crop and flip for all, optional ImageNet normalisation."
-    tfs = [v2.RandomResizedCrop(size, scale=scale, antialias=True), v2.RandomHorizontalFlip()]
-    if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    return v2.Compose(tfs)
+    return TrainTransform(size, scale, normalize=normalize)
 
 def eval_transform(size: int = 224, normalize: bool = False):
     "The evaluation counterpart: resize the short side to size*256/224, then center-crop `size`."
@@ -212,9 +266,14 @@ def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: E
 def _stack(col: tuple, i: int):
     x = col[0]
     if isinstance(x, torch.Tensor):
-        # numpy's stack is one plain copy; torch.stack of large tensors wakes the OpenMP thread pool, whose
-        # spinning threads in the main process take CPU away from the loader's workers on small machines
-        try: return torch.from_numpy(np.stack([t.numpy() for t in col])) if x.device.type == "cpu" and not x.requires_grad else torch.stack(col)
+        try:
+            if x.device.type != "cpu" or x.requires_grad: return torch.stack(col)
+            if get_worker_info() is not None:  # in a worker: straight into shared memory, which the batch travels in anyway
+                out = x.new(x._typed_storage()._new_shared(len(col) * x.numel(), device=x.device)).resize_(len(col), *x.shape)
+                return torch.stack(col, out=out)
+            # numpy's stack is one plain copy; torch.stack of large tensors wakes the OpenMP thread pool, whose
+            # spinning threads in the main process take CPU away from the loader's workers on small machines
+            return torch.from_numpy(np.stack([t.numpy() for t in col]))
         except (RuntimeError, ValueError):
             raise LoaderError(f"cannot batch field {i}: tensors of shapes {sorted({tuple(t.shape) for t in col})}; "
                              "give a transform that makes them one size (e.g. train_transform(size))") from None
@@ -268,6 +327,14 @@ class ShardDataset(wds.DataPipeline):
         "Make the next iteration epoch number `epoch` (for example when resuming a run)."
         self.shards.set_epoch(epoch)
 
+    def rebatched(self, batch_size: int) -> ShardDataset:
+        "This pipeline with its workers making batches of `batch_size` (the same shards, epochs, seed and counters)."
+        ds = copy.copy(self)
+        ds.pipeline = (self.pipeline[:-1] if self.batch_size else list(self.pipeline)) + [
+            wds.batched(batch_size, collation_fn=collate, partial=True)]
+        ds.batch_size = batch_size
+        return ds
+
     @property
     def urls(self) -> list[str]: return self.shards.urls
     def __repr__(self):
@@ -314,23 +381,29 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
 
 # %% ../nbs/11_loader.ipynb
 class ShardLoader(wds.WebLoader):
-    "A WebLoader that unbatches, shuffles (seeded) and rebatches, and starts a new epoch on each pass."
-    def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 1000, **kw):
+    "A WebLoader over a ShardDataset: its workers make the training batches (with `shuffle`, the post's unbatch/shuffle/rebatch); each pass is a new epoch."
+    def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw):
+        if not shuffle and batch_size and batch_size != dataset.batch_size: dataset = dataset.rebatched(batch_size)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kw)
-        self.dataset, self.num_workers, self.bufsize, self.epoch = dataset, num_workers, shuffle, 0
-        self.append(wds.unbatched())
-        if shuffle: self.append(self._shuffle)
-        if batch_size: self.append(wds.batched(batch_size, collation_fn=collate, partial=True))
+        self.dataset, self.num_workers, self.bufsize, self.epoch, self._workers_next = dataset, num_workers, shuffle, 0, None
+        if shuffle:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
+            self.append(wds.unbatched())
+            self.append(self._shuffle)
+            if batch_size: self.append(wds.batched(batch_size, collation_fn=collate, partial=True))
 
     def set_epoch(self, epoch: int):
         "Make the next pass epoch number `epoch`."
         self.dataset.set_epoch(epoch)
 
     def iterator1(self):
-        shards = self.dataset.shards
+        shards, loader = self.dataset.shards, self.pipeline[0]
         self.epoch = shards.epoch
-        source = iter(self.pipeline[0])  # starts the workers, which copy the dataset at this epoch
+        if getattr(loader, "_iterator", None) is not None and self._workers_next != self.epoch:
+            loader._iterator._shutdown_workers()  # persistent workers about to run another epoch (set_epoch): start afresh
+            loader._iterator = None
+        source = iter(loader)  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
         if self.num_workers > 0: shards.epoch = self.epoch + 1
+        self._workers_next = self.epoch + 1
         for step in self.pipeline[1:]: source = self.invoke(step, source)
         return source
 
@@ -340,19 +413,20 @@ class ShardLoader(wds.WebLoader):
         return buffer_shuffle(src, self.bufsize, _rng(shards.seed, self.epoch, "loader", rank))
 
 # %% ../nbs/11_loader.ipynb
-def create_dataloader(dataset: ShardDataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 1000, **kw) -> ShardLoader:
-    "A `webdataset.WebLoader` over `dataset`: workers batch, then unbatch, shuffle across workers and rebatch to `batch_size`."
+def create_dataloader(dataset: ShardDataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw) -> ShardLoader:
+    "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`; `shuffle=N`: the post's unbatch, shuffle across workers, rebatch."
     from shardkit.random_access import RandomAccessLoader
     if isinstance(dataset, RandomAccessLoader):  # create_dataset(access="random") made the loader already
         dataset.num_workers, dataset.batch_size = num_workers, batch_size or dataset.batch_size
         return dataset
     if not isinstance(dataset, ShardDataset):
         raise TypeError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
-    if not dataset.batch_size: raise LoaderError("the dataset must batch (batch_size > 0) for the loader to unbatch and rebatch")
+    if shuffle and not dataset.batch_size: raise LoaderError("shuffle=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
     sh = dataset.shards
     _, world = rank_and_world(sh.rank, sh.world_size)
     if not sh.resampled and max(num_workers, 1) * world > len(sh.urls):
         warnings.warn(f"{max(num_workers, 1)} workers x {world} ranks read {len(sh.urls)} shards: "
                       f"{max(num_workers, 1) * world - len(sh.urls)} of them get no shard and stay idle (every sample is still read once). "
                       f"Use at most {max(len(sh.urls) // world, 1)} workers, or write more, smaller shards.", stacklevel=2)
+    kw.setdefault("persistent_workers", num_workers > 0)  # no worker start-up at every epoch
     return ShardLoader(dataset, num_workers=num_workers, batch_size=batch_size, shuffle=shuffle, **kw)

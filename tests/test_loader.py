@@ -142,3 +142,27 @@ def test_reads_from_aistore_exactly_once(shards, ais_endpoint):
         assert sorted(_keys(create_dataloader(ds, num_workers=2, batch_size=8))) == ALL
     finally:
         for name in store.list(): store.delete(name)
+
+
+def test_workers_persist_and_epochs_stay_exact(shards):
+    "Persistent workers: an epoch left half-read, then whole epochs: each sample once; set_epoch still replays."
+    dl = create_dataloader(_dataset(shards, seed=8), num_workers=2, batch_size=4)
+    assert dl.pipeline[0].persistent_workers
+    it = iter(dl)
+    next(it)  # read one batch of epoch 0, then leave it
+    first_pids = {w.pid for w in dl.pipeline[0]._iterator._workers}
+    e1, e2 = _keys(dl), _keys(dl)
+    assert sorted(e1) == sorted(e2) == ALL and e1 != e2
+    assert {w.pid for w in dl.pipeline[0]._iterator._workers} == first_pids, "the same workers served every epoch"
+    dl.set_epoch(1)
+    assert _keys(dl) == e1, "set_epoch restarts the workers at that epoch"
+
+
+def test_workers_batch_at_the_loader_batch_size_and_the_post_way_still_works(shards):
+    ds = _dataset(shards, seed=3)
+    sizes = [len(b[0]) for b in create_dataloader(ds, num_workers=2, batch_size=4)]
+    assert sum(sizes) == len(ALL) and max(sizes) == 4
+    assert ds.batch_size == 16, "the dataset handed in is left as it was"
+    post = create_dataloader(ds, num_workers=2, batch_size=7, shuffle=100)  # unbatch, shuffle across workers, rebatch
+    assert [len(b[0]) for b in post] == [7, 7, 7, 7, 2]
+    assert sorted(_keys(post)) == ALL
