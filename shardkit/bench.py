@@ -744,9 +744,10 @@ def plot_bench(result: dict, path: str | Path | None = None):
     colors = ["#2a7ab9" if k in mine else "#999999" if k == ceiling else "#c9822b" for k in names][::-1]
     panels = [("samples / s (higher is better)", [result["rates"][k] for k in names], "{:.0f}"),
               ("CPU ms per sample (lower is better)", [result["cpu_ms"][k] for k in names], "{:.2f}")]
+    shown = [k + (" (not exactly once)" if result.get("rows", {}).get(k, {}).get("exact") is False else "") for k in names]
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.32 * len(names)), squeeze=False)
     for i, (ax, (label, vals, fmt)) in enumerate(zip(axes[0], panels)):
-        ax.barh(names[::-1], vals[::-1], color=colors)
+        ax.barh(shown[::-1], vals[::-1], color=colors)
         for y, v in enumerate(vals[::-1]): ax.text(v, y, " " + fmt.format(v), va="center", fontsize=8)
         ax.set_xlabel(label); ax.set_xlim(0, max(vals) * 1.25)
         if i: ax.set_yticklabels([])
