@@ -18,7 +18,8 @@ requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 # optional extras: settings.ini key `<extra>_requirements` -> pip install "shardkit[<extra>]"
 extras = {'dev': dev_requirements, 'lab': shlex.split(cfg.get('lab_requirements', '')),
-          'dask': shlex.split(cfg.get('dask_requirements', ''))}
+          'dask': shlex.split(cfg.get('dask_requirements', '')),
+          'peers': shlex.split(cfg.get('peers_requirements', ''))}
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']
 

@@ -33,7 +33,7 @@ COMMANDS = {
     ("bench", "etl"):      ("shardkit.bench:bench_etl_cli",        "Benchmark client-side against offloaded (sidecar) transforms"),
     ("bench", "dask-etl"): ("shardkit.dask_etl:bench_dask_etl_cli", "Benchmark the Dask ETL engine against the local one"),
     ("bench", "random"):   ("shardkit.random_access:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
-    ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loader against the seed, map-style and ceiling"),
+    ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loaders against their peers on the same work"),
     ("bench", "gpu"):      ("shardkit.gpu:bench_gpu_cli",          "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),

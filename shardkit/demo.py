@@ -173,7 +173,7 @@ def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, wor
     out = Path(out)
     if (r := state.done("bench", settings)) and (out / "bench-loader.png").exists():
         _say("bench: reusing the loader benchmark", quiet); return r
-    res = bench_loader(open_store(shuffled_spec), num_workers=workers, samples=samples, progress=not quiet)
+    res = bench_loader(open_store(shuffled_spec), num_workers=workers, samples=samples, repeats=1, progress=not quiet, cache=out / "bench-cache")
     table = loader_table(res)
     (out / "bench-loader.txt").write_text(table + "\n")
     fig = plot_bench(res, out / "bench-loader.png"); plt.close(fig)

@@ -1,9 +1,19 @@
-"""Benchmarks: the loader benchmark end to end through the command line (the converter's and the ETL's run in
-their notebooks, the ETL's flagged slow)."""
+"""Benchmarks: the loader benchmark end to end through the command line, and one peer row where that peer is
+installed (the converter's and the ETL's benchmarks run in their notebook, the ETL's flagged slow)."""
+import importlib.util
 import numpy as np
 import pytest
 import webdataset as wds
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+
+BASE_ROWS = ("shardkit default", "shardkit random access", "AIStore post's pipeline", "webdataset, done well",
+             "torchvision ImageFolder (same decoder)", "ceiling: decode+augment")
+PEERS = {"LitData": "litdata", "MosaicML Streaming": "streaming", "DALI (CPU)": "nvidia.dali", "FFCV": "ffcv"}
+
+
+def importable(module: str) -> bool:
+    try: return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError): return False
 
 
 @pytest.fixture(scope="module")
@@ -21,15 +31,38 @@ def shards(tmp_path_factory):
     return paths
 
 
+def row_of(stdout: str, label: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith(label))
+
+
 def test_bench_loader_cli(shards, cli, tmp_path):
     r = cli("bench", "loader", "--help")
-    assert r.returncode == 0 and "--workers" in r.stdout and "--cold" in r.stdout
+    assert r.returncode == 0, r.stderr
+    for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--out", "shardkit[peers]"):
+        assert opt in r.stdout, (opt, r.stdout)
     r = cli("bench", "loader", tmp_path / "nowhere")
     assert r.returncode == 2 and "nowhere" in r.stderr
     png = tmp_path / "bench.png"
-    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--cold", "--samples", "40", "--out", png, timeout=120)
+    # --peers on this interpreter: a peer that is not installed is a row saying so, and the command still succeeds
+    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--samples", "40",
+            "--repeats", "1", "--peers", "--cache", tmp_path / "cache", "--out", png, timeout=400)
     assert r.returncode == 0, r.stderr
-    for row in ("AIStore post", "shardkit default", "map-style ImageFolder", "decode+augment ceiling", "goal: default >= 2.0x seed"):
+    for row in BASE_ROWS + ("goal: default >=", "goal: default CPU/sample", "goal: default first batch", "page cache warm"):
         assert row in r.stdout, (row, r.stdout)
-    assert "page cache" in r.stdout
+    for row in ("shardkit default", "shardkit random access", "webdataset, done well", "torchvision ImageFolder (same decoder)"):
+        assert row_of(r.stdout, row).rstrip().endswith("yes"), (row, r.stdout)
+    for label, module in PEERS.items():
+        if not importable(module): assert row_of(r.stdout, label).rstrip().endswith("not installed"), (label, r.stdout)
+    if not all(importable(m) for m in PEERS.values()): assert 'pip install "shardkit[peers]"' in r.stdout
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not importable("litdata"), reason="litdata is not installed (pip install \"shardkit[peers]\")")
+def test_bench_loader_litdata_row(shards, tmp_path):
+    from shardkit.bench import LOADER_ROWS, bench_loader, loader_table
+    res = bench_loader(shards, num_workers=1, samples=30, repeats=1, peers=True, only=("default", "litdata"),
+                       cache=tmp_path / "cache", progress=False, ceiling_seconds=0.5)
+    row = res["rows"][LOADER_ROWS["litdata"]]
+    assert row["status"] == "ok" and row["exact"], loader_table(res)
+    assert row["rate"] > 0 and row["cpu_ms"] > 0
+    assert any((tmp_path / "cache").glob("*/litdata-x2"))  # converted once into the cache, for the next run

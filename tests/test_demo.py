@@ -16,7 +16,7 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     summary = (out / "summary.txt").read_text()
     for line in ("shardkit demo: done", "74 synthetic Oxford-IIIT Pet images", "37 train samples", "37 test samples",
                  "by local", "sidecar running shardkit.demo:shrink_pets", "test accuracy", "learning check >= 3x",
-                 "AIStore post (torchrgb + classic)", "goal: default >= 1.0x map"):
+                 "AIStore post's pipeline", "webdataset, done well", "goal: default >= 1.10x the fastest exactly-once peer"):
         assert line in summary, (line, summary)
     assert summary.strip() in r.stdout
     state = json.loads((out / "demo-state.json").read_text())
