@@ -167,6 +167,12 @@ class TrainTransform(v2.Compose):
         if out is None: return super().forward(*inputs)  # anything else (boxes, plain tensors, dicts): v2's own path
         return out[0] if one else list(out) if isinstance(values, list) else out
 
+def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), normalize: bool = False) -> TrainTransform:
+    "The post's training augmentation for an (image, trimap, ...) tuple: one crop and flip for all, optional ImageNet normalisation."
+    return TrainTransform(size, scale, normalize=normalize)
+
+
+# %% ../nbs/11_loader.ipynb
 def _crop_box(rrc: v2.RandomResizedCrop, log_ratio: list, height: int, width: int) -> tuple[int, int, int, int]:
     "`rrc.make_params`: the same draws from torch's generator in the same order, so the same (top, left, h, w)."
     area = height * width
@@ -187,6 +193,8 @@ def _center_box(rrc, height: int, width: int) -> tuple[int, int, int, int]:
     else: w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
 
+
+# %% ../nbs/11_loader.ipynb
 def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
     "TrainTransform's direct path; None unless the tensors are all C x H x W Images and Masks of one size."
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
@@ -208,10 +216,8 @@ def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
         out.append(v)
     return tuple(out)
 
-def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), normalize: bool = False) -> TrainTransform:
-    "The post's training augmentation for an (image, trimap, ...) tuple: one crop and flip for all, optional ImageNet normalisation."
-    return TrainTransform(size, scale, normalize=normalize)
 
+# %% ../nbs/11_loader.ipynb
 def eval_transform(size: int = 224, normalize: bool = False):
     "The evaluation counterpart: resize the short side to size*256/224, then center-crop `size`."
     tfs = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
@@ -225,6 +231,7 @@ def normalize_batch(images: torch.Tensor, device=None, mean=IMAGENET_MEAN, std=I
     m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255
     s = torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255
     return x.sub_(m).div_(s)
+
 
 # %% ../nbs/11_loader.ipynb
 @contextlib.contextmanager

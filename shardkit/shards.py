@@ -181,6 +181,8 @@ class _Rewound:
         out, self.head = self.head[:n], self.head[n:]
         return out + _read(self.stream, n - len(out)) if len(out) < n else out
 
+
+# %% ../nbs/01_shards.ipynb
 def _pax_path(data: bytes) -> bytes | None:
     "The `path` record of a pax extended header (`LEN path=VALUE\\n` records), if it has one."
     path, i = None, 0
@@ -198,6 +200,8 @@ def _header_ok(head: bytes) -> bool:
     rest = head[:148] + b" " * 8 + head[156:]
     return want == sum(rest) or want == sum(b - 256 if b > 127 else b for b in rest)
 
+
+# %% ../nbs/01_shards.ipynb
 def tar_members(stream, name: str = "shard") -> Iterator[dict]:
     "The `{fname, data}` records of the files in tar `stream`, parsed directly; ShardError for a broken tar or an unsafe member."
     try: head = _read(stream, 512)
@@ -233,6 +237,7 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
     except (tarfile.TarError, ValueError, OSError, EOFError, AssertionError) as e:
         raise ShardError(f"shard {name} is not a readable tar of samples ({_tar_reason(e)}); "
                          "check the object (tar tvf) or rewrite it") from None
+
 
 # %% ../nbs/01_shards.ipynb
 def _open_shards(src: Iterable[dict], handler: Callable):
