@@ -300,6 +300,7 @@ def _fingerprint(urls: Sequence[str], fields: dict) -> str:
         parts.append([u, st.st_size if st else None, st.st_mtime_ns if st else None])
     return hashlib.sha1(json.dumps([parts, fields]).encode()).hexdigest()[:16]
 
+# %% ../nbs/14_bench.ipynb
 def prepare_bench_data(urls: Sequence[str], samples: int = 2000, cache: str | Path | None = None) -> BenchData:
     "Read the shards once: their fields, label histogram and an ImageFolder copy, in the cache (reused while the shards are unchanged)."
     urls = list(dict.fromkeys(urls))
@@ -331,6 +332,7 @@ def _importable(module: str) -> bool:
     try: return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError): return False
 
+# %% ../nbs/14_bench.ipynb
 def _lit_item(item: tuple) -> dict:
     "litdata.optimize's function: one image file as its JPEG bytes and its label."
     path, label = item
@@ -357,6 +359,7 @@ def _write_ffcv(path: Path, items: list, workers: int):
     DatasetWriter(str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()},
                   num_workers=max(1, workers)).from_indexed_dataset(Items())
 
+# %% ../nbs/14_bench.ipynb
 def _convert(spec: dict) -> dict:
     "Write peer format `spec['format']` of the benchmark data into `spec['dest']` (a fresh folder)."
     fmt, dest, items = spec["format"], Path(spec["dest"]), _folder_items(Path(spec["root"])) * spec["passes"]
@@ -393,6 +396,7 @@ def seed_post_loader(urls: Sequence[str], num_workers: int = 4, image: str = "im
                .to_tuple(*fields).map_tuple(*tfs).batched(16))
     return wds.WebLoader(dataset, num_workers=num_workers, batch_size=None).unbatched().shuffle(1000).batched(64)
 
+# %% ../nbs/14_bench.ipynb
 class _RandomEpochs:
     "The random-access loader's dataset in its seeded global order, every sample `passes` times an epoch, the last batch partial."
     def __init__(self, spec: dict):
@@ -408,6 +412,7 @@ class _RandomEpochs:
         return iter(torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_identity,
                                                 num_workers=min(self.workers, len(batches))))
 
+# %% ../nbs/14_bench.ipynb
 def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes"]
 
 def _make_default(spec):
@@ -417,6 +422,7 @@ def _make_default(spec):
 
 def _make_random(spec): return lambda: (_RandomEpochs(spec), None)
 
+# %% ../nbs/14_bench.ipynb
 def _make_seed(spec):
     f = spec["fields"]
     return lambda: (seed_post_loader(_repeated(spec), spec["workers"], f["image"], f["trimap"]), lambda b: (b[1], b[0]))
@@ -439,6 +445,7 @@ def _make_imagefolder(spec):
         return dl, lambda b: (b[0], cls[b[1]])
     return make
 
+# %% ../nbs/14_bench.ipynb
 def _lit_transform(item: dict): return decode_augment(item["image"]), item["label"]
 
 def _make_litdata(spec):
@@ -461,6 +468,7 @@ def _make_mds(spec):
         return StreamingDataLoader(ds, batch_size=64, num_workers=spec["workers"]), None
     return make
 
+# %% ../nbs/14_bench.ipynb
 def _dali_batch(b):
     "DALI's batch as (images, labels): the .cls bytes arrive as zero-padded ASCII digits."
     return b[0]["images"], [int(bytes(r[r > 0])) for r in b[0]["labels"].numpy()]
@@ -486,6 +494,7 @@ def _make_dali(spec):
                                    auto_reset=True), _dali_batch
     return make
 
+# %% ../nbs/14_bench.ipynb
 def _make_ffcv(spec):
     from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
@@ -497,6 +506,7 @@ def _make_ffcv(spec):
                                  "label": [IntDecoder(), ToTensor(), Squeeze()]}), None
     return make
 
+# %% ../nbs/14_bench.ipynb
 LOADER_ROWS = {"default": "shardkit default", "random": "shardkit random access", "seed": "AIStore post's pipeline",
                "wds": "webdataset, done well", "imagefolder": "torchvision ImageFolder (same decoder)",
                "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV",
@@ -517,6 +527,7 @@ def _cpu_all() -> float:
         except psutil.Error: pass  # it ended just now: its time is in RUSAGE_CHILDREN of its parent
     return total
 
+# %% ../nbs/14_bench.ipynb
 def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
     "The labels of a batch as ints, and what is wrong with the batch (None: a (B, 3, 224, 224) batch of `dtype`, B <= 64)."
     labels = np.asarray(labels).reshape(-1).astype(np.int64)
@@ -525,6 +536,7 @@ def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
         return labels, f"a batch of shape {shape}, {images.dtype}, {len(labels)} labels (want (<=64, 3, 224, 224) {dtype})"
     return labels, None
 
+# %% ../nbs/14_bench.ipynb
 def _measure_epochs(spec: dict) -> dict:
     "One run of loader `spec['name']`: build it, iterate `epochs` epochs, check each; times, CPU and the checks."
     make = _MAKERS[spec["name"]](spec)  # imports here, before the clock starts, as at the top of a training script
@@ -552,6 +564,7 @@ def _measure_epochs(spec: dict) -> dict:
                                   exact=n == n_expected and off == 0, repeated=off // 2 if n == n_expected else None))
     return out
 
+# %% ../nbs/14_bench.ipynb
 def _ceiling(spec: dict) -> dict:
     "Samples/s on one core, by CPU time, of `decode_augment` over up to 400 of the benchmark's JPEGs in memory."
     torch.set_num_threads(1)  # as in a loader's worker
@@ -562,6 +575,7 @@ def _ceiling(spec: dict) -> dict:
         decode_augment(blobs[n % len(blobs)]); n += 1
     return dict(per_core=n / (time.process_time() - c0))
 
+# %% ../nbs/14_bench.ipynb
 _TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": _convert}
 
 def _child():
@@ -588,6 +602,7 @@ def _run_child(spec: dict, timeout: float = 600) -> dict:
     tail = [l for l in p.stderr.strip().splitlines() if l.strip()][-2:]
     return dict(error=f"exit {p.returncode}: " + " | ".join(tail))
 
+# %% ../nbs/14_bench.ipynb
 def drop_page_cache() -> str | None:
     "Drop the OS page cache so the next read comes from storage; None if done, else why it was not permitted."
     try:
@@ -615,6 +630,7 @@ def _summary(runs: list[dict]) -> dict:
                 build=statistics.median(r["build"] for r in ok), exact=not inexact, inexact=len(inexact), epochs=len(epochs),
                 repeated=max((e["repeated"] or 0 for e in inexact), default=0), counts=sorted({e["n"] for e in inexact}))
 
+# %% ../nbs/14_bench.ipynb
 def _warm(paths: Iterable[Path]):
     "Read every file under `paths` once, so the runs find it in the page cache."
     for p in paths:
@@ -623,6 +639,7 @@ def _warm(paths: Iterable[Path]):
                 with open(f, "rb") as fh:
                     while fh.read(1 << 22): pass
 
+# %% ../nbs/14_bench.ipynb
 def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int = 3, max_shards: int | None = None,
                  samples: int = 2000, peers: bool = False, progress: bool = True, cache: str | Path | None = None,
                  only: Sequence[str] | None = None, timeout: float = 600, ceiling_seconds: float = 3.0) -> dict:
@@ -696,12 +713,14 @@ def bench_ratios(result: dict) -> dict:
     met = {"peer": lambda v, g: v >= g, "ceiling": lambda v, g: v >= g, "cpu": lambda v, g: v <= g, "first_batch": lambda v, g: v < g}
     return {k: (v, LOADER_GOALS[k], v is not None and met[k](v, LOADER_GOALS[k])) for k, v in vals.items()}
 
+# %% ../nbs/14_bench.ipynb
 def _once(r: dict) -> str:
     if r["status"] != "ok": return r["status"].upper() if r["status"] == "failed" else r["status"]
     if r["exact"]: return "yes"
     what = f"{r['repeated']} repeated" if r["repeated"] else f"{'/'.join(map(str, r['counts']))} delivered"
     return f"no ({r['inexact']}/{r['epochs']} epochs, {what})"
 
+# %% ../nbs/14_bench.ipynb
 def loader_table(result: dict) -> str:
     "`bench_loader`'s result as a table: samples/s, x shardkit, CPU ms/sample, first batches, exactly once; the ceiling; the goals."
     rows, default = result["rows"], result["rows"].get(LOADER_ROWS["default"], {})
@@ -736,6 +755,7 @@ def loader_table(result: dict) -> str:
         notes.append('peers: pip install "shardkit[peers]" installs them all; FFCV needs apt-get install libturbojpeg0-dev libopencv-dev pkg-config first')
     return format_bench(out, cols, title, notes + row_notes)
 
+# %% ../nbs/14_bench.ipynb
 def plot_bench(result: dict, path: str | Path | None = None):
     "Bar charts of the benchmark: samples/s, and CPU ms per sample; saved as PNG when `path` is given."
     import matplotlib.pyplot as plt
