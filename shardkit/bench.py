@@ -782,7 +782,7 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
                      workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
                      repeats: int = 3,              # Runs per loader, interleaved, each in a fresh process; medians shown
                      samples: int = 2000,           # Samples per epoch at least (a small set is read several times over)
-                     peers: store_true = False,     # Add LitData, MosaicML Streaming, DALI (CPU), FFCV where installed: pip install "shardkit[peers]" (FFCV first: apt-get install libturbojpeg0-dev libopencv-dev pkg-config)
+                     peers: store_true = False,     # Add LitData, MosaicML Streaming, DALI (CPU), FFCV where installed: pip install "shardkit[peers]"; FFCV: apt-get install libturbojpeg0-dev libopencv-dev pkg-config, then pip install ffcv
                      cold: store_true = False,      # Drop the page cache before each run (where permitted)
                      max_shards: int = None,        # Use only the first N shards
                      cache: str = "",               # Folder for the converted copies (ImageFolder, peers' formats); default ~/.cache/shardkit/bench
