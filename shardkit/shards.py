@@ -229,6 +229,8 @@ def tar_members(stream, name: str = "shard") -> Iterator[dict]:
                 yield dict(fname=fname, data=data, __url__=name)
         head = _read(stream, 512)
     if 0 < len(head) < 512: raise ShardError(f"shard {name} is not a readable tar of samples (it ends inside a header)")
+    for _ in range(16):  # read the padding after the end marker (tar pads to 10 KB records): a `curl` writing
+        if not stream.read(1 << 16): break  # into a pipe that was closed on it would fail the shard
 
 def read_samples(stream, name: str = "shard") -> Iterator[dict]:
     "The raw samples (bytes per field) of tar `stream`, grouped as webdataset groups them; ShardError if unreadable or unsafe."
