@@ -1,6 +1,8 @@
 """The notebooks are the other half of the suite: each one runs from a fresh kernel, as `nbdev_test` does
 (directives honoured, `slow` cells included). A notebook that mentions AIS_ENDPOINT runs twice: on the
-embedded default, and against the session's real local AIStore cluster."""
+embedded default, and against the session's real local AIStore cluster. The tutorials' embedded-default run is
+tests/test_jupyter.py's: it executes them from a fresh kernel in stock Jupyter (nbconvert), every cell, `slow`
+ones too, which proves what a run here would and more, so they are not run a third time here."""
 import os, subprocess, sys
 from pathlib import Path
 import pytest
@@ -19,7 +21,10 @@ def _run_nb(nb: Path, env: dict) -> None:
     assert r.returncode == 0, f"{nb.relative_to(ROOT)} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("nb", NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in NBS])
+LOCAL_NBS = [p for p in NBS if "tutorials" not in p.relative_to(ROOT / "nbs").parts]
+
+
+@pytest.mark.parametrize("nb", LOCAL_NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in LOCAL_NBS])
 def test_notebook_local(nb):
     env = {k: v for k, v in os.environ.items() if k != "AIS_ENDPOINT"}
     _run_nb(nb, env)
