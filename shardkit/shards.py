@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 import webdataset as wds
-from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
+from webdataset.tariterators import base_plus_ext, group_by_keys
 from fastcore.basics import patch
 from .store import LocalStore, ShardkitError, StoreError, UsageError, open_store, parse_size
 
