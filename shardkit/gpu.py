@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_gpu.ipynb 3
 from __future__ import annotations
-import functools, io, math, random, secrets, sys, time
+import functools, io, random, secrets, sys, time
 from functools import partial
 from itertools import islice
 from typing import Sequence
@@ -17,12 +17,12 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 from .store import ShardkitError
 from .shards import IMAGE_EXTS, MAX_PIXELS, image_size, url_samples
-from .loader import EpochShards, LoaderError, buffer_shuffle, decode_value, rank_and_world, seed_for, shard_urls, shuffle_samples
+from .loader import EpochShards, crop_box, LoaderError, buffer_shuffle, decode_value, rank_and_world, seed_for, shard_urls, shuffle_samples
 from .loader import create_dataloader, create_dataset, normalize_batch, train_transform
 from .bench import format_bench
 
 # %% auto 0
-__all__ = ['gpu_available', 'crop_box', 'augment_batch', 'decode_batch', 'jpeg_sample', 'pack_jpegs', 'unpack_jpegs', 'GpuLoader',
+__all__ = ['gpu_available', 'augment_batch', 'decode_batch', 'jpeg_sample', 'pack_jpegs', 'unpack_jpegs', 'GpuLoader',
            'create_gpu_loader', 'bench_gpu_decode', 'gpu_table', 'bench_gpu_cli']
 
 # %% ../nbs/17_gpu.ipynb
@@ -42,27 +42,15 @@ def gpu_available(device: str = "cuda") -> str | None:
     return None
 
 # %% ../nbs/17_gpu.ipynb
-def crop_box(height: int, width: int, rng: random.Random, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
-    "RandomResizedCrop's (top, left, height, width) for a `height` x `width` image, drawn from `rng`."
-    area, log_ratio = height * width, (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target, aspect = area * rng.uniform(*scale), math.exp(rng.uniform(*log_ratio))
-        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height: return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-    r = width / height  # no try fitted: the largest centred crop whose aspect ratio is within `ratio`
-    h, w = (round(width / ratio[0]), width) if r < ratio[0] else (height, round(height * ratio[1])) if r > ratio[1] else (height, width)
-    return (height - h) // 2, (width - w) // 2, h, w
-
-# %% ../nbs/17_gpu.ipynb
 def augment_batch(images: Sequence[torch.Tensor], keys: Sequence[str], seed: int, epoch: int, size: int = 224,
                   scale=(0.08, 1.0)) -> torch.Tensor:
     "Random-resized-crop and flip each uint8 3 x H x W image on its device, seeded by (seed, epoch, key); one B x 3 x size x size batch."
     out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=images[0].device)
     for i, (img, key) in enumerate(zip(images, keys)):
-        rng = random.Random(seed_for(seed, epoch, "augment", key))
-        top, left, h, w = crop_box(img.shape[-2], img.shape[-1], rng, scale)
+        g = torch.Generator().manual_seed(seed_for(seed, epoch, "augment", key))
+        top, left, h, w = crop_box(img.shape[-2], img.shape[-1], scale, generator=g)
         x = F.resized_crop(img, top, left, h, w, [size, size], antialias=True)
-        out[i] = F.horizontal_flip(x) if rng.random() < 0.5 else x
+        out[i] = F.horizontal_flip(x) if torch.rand(1, generator=g) < 0.5 else x  # RandomHorizontalFlip's draw
     return out
 
 # %% ../nbs/17_gpu.ipynb

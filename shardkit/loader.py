@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_loader.ipynb 3
 from __future__ import annotations
-import contextlib, copy, hashlib, math, os, random, secrets, sys, warnings
+import contextlib, copy, functools, hashlib, math, os, random, secrets, sys, warnings
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -24,8 +24,8 @@ from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_
 # %% auto 0
 __all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'EpochShards', 'split_count', 'take_share',
            'buffer_shuffle', 'shuffle_samples', 'decode_rgb', 'decode_value', 'TrainTransform', 'train_transform',
-           'eval_transform', 'normalize_batch', 'sample_to_tuple', 'collate', 'SkipAndCount', 'ShardDataset',
-           'create_dataset', 'ShardLoader', 'create_dataloader']
+           'crop_box', 'eval_transform', 'normalize_batch', 'sample_to_tuple', 'collate', 'SkipAndCount',
+           'ShardDataset', 'create_dataset', 'ShardLoader', 'create_dataloader']
 
 # %% ../nbs/11_loader.ipynb
 class LoaderError(ShardkitError, ValueError):
@@ -158,7 +158,7 @@ class TrainTransform(v2.Compose):
         tfs = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True), v2.RandomHorizontalFlip()]
         if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         super().__init__(tfs)
-        self.normalize, self.log_ratio = normalize, torch.log(torch.tensor(ratio)).tolist()
+        self.normalize = normalize
 
     def forward(self, *inputs):
         values = inputs if len(inputs) > 1 else inputs[0]
@@ -173,26 +173,22 @@ def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), n
 
 
 # %% ../nbs/11_loader.ipynb
-def _crop_box(rrc: v2.RandomResizedCrop, log_ratio: list, height: int, width: int) -> tuple[int, int, int, int]:
-    "`rrc.make_params`: the same draws from torch's generator in the same order, so the same (top, left, h, w)."
-    area = height * width
+@functools.lru_cache(maxsize=None)
+def _log_ratio(ratio: tuple[float, float]) -> list[float]: return torch.log(torch.tensor(ratio)).tolist()
+
+def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
+    "RandomResizedCrop's (top, left, height, width): `make_params`'s draws, in its order, from torch's generator or `generator`."
+    area, (r0, r1) = height * width, _log_ratio(tuple(ratio))
     for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(rrc.scale[0], rrc.scale[1]).item()
-        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(r0, r1, generator=generator)).item()
         w, h = int(round(math.sqrt(target_area * aspect_ratio))), int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < w <= width and 0 < h <= height:
-            top = torch.randint(0, height - h + 1, size=(1,)).item()
-            return top, torch.randint(0, width - w + 1, size=(1,)).item(), h, w
-    return _center_box(rrc, height, width)
-
-def _center_box(rrc, height: int, width: int) -> tuple[int, int, int, int]:
-    "make_params's fallback after ten misses: the central crop within the ratio range."
-    ratio = width / height
-    if ratio < min(rrc.ratio): w, h = width, int(round(width / min(rrc.ratio)))
-    elif ratio > max(rrc.ratio): w, h = int(round(height * max(rrc.ratio))), height
-    else: w, h = width, height
+            top = torch.randint(0, height - h + 1, size=(1,), generator=generator).item()
+            return top, torch.randint(0, width - w + 1, size=(1,), generator=generator).item(), h, w
+    r = width / height  # ten misses: the central crop within the ratio range
+    h, w = (int(round(width / min(ratio))), width) if r < min(ratio) else (height, int(round(height * max(ratio)))) if r > max(ratio) else (height, width)
     return (height - h) // 2, (width - w) // 2, h, w
-
 
 # %% ../nbs/11_loader.ipynb
 def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
@@ -201,7 +197,7 @@ def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
     if not tensors or any(type(t) not in (tv_tensors.Image, tv_tensors.Mask) or t.ndim != 3 or t.shape[-2:] != tensors[0].shape[-2:]
                           for t in tensors): return None
     rrc, flip = tf.transforms[0], tf.transforms[1]
-    top, left, h, w = _crop_box(rrc, tf.log_ratio, *tensors[0].shape[-2:])
+    top, left, h, w = crop_box(*tensors[0].shape[-2:], rrc.scale, rrc.ratio)
     flipped = not torch.rand(1) >= flip.p  # RandomHorizontalFlip's draw
     out = []
     for v in values:
