@@ -516,10 +516,9 @@ _MAKERS = {"default": _make_default, "random": _make_random, "seed": _make_seed,
 
 # %% ../nbs/14_bench.ipynb
 def _cpu_all() -> float:
-    "CPU seconds of this process (all threads), its reaped children and, with psutil, its live descendants."
+    "CPU seconds of this process (all threads), its reaped children and its live descendants (persistent workers)."
+    import psutil
     total = _cpu_seconds()
-    try: import psutil
-    except ImportError: return total  # live workers are counted once they are joined
     for p in psutil.Process().children(recursive=True):
         try:
             t = p.cpu_times()
