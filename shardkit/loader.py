@@ -19,6 +19,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 from .store import ShardkitError, UsageError, open_store
+from .jpeg import EncodedJpeg, JpegError, window_decoding
 from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_mask_key, url_samples
 
 # %% auto 0
@@ -154,22 +155,32 @@ def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = M
 class TrainTransform(v2.Compose):
     "RandomResizedCrop, flip and optional normalisation as a v2 pipeline, with a direct path for Image/Mask tuples: same draws, same pixels."
     def __init__(self, size: int = 224, scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 normalize: bool = False):
+                 normalize: bool = False,
+                 window: bool = True):  # JPEGs handed over encoded: decode only the crop (the same pixels)
         tfs = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True), v2.RandomHorizontalFlip()]
         if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         super().__init__(tfs)
-        self.normalize = normalize
+        self.normalize, self.window = normalize, window
+
+    def takes_encoded(self) -> bool:
+        "Whether to hand this transform JPEGs undecoded, as `EncodedJpeg`: `window` is on and this machine decodes windows."
+        return self.window and window_decoding() is None
 
     def forward(self, *inputs):
         values = inputs if len(inputs) > 1 else inputs[0]
-        one = isinstance(values, torch.Tensor)
+        one = isinstance(values, (torch.Tensor, EncodedJpeg))
         out = _crop_flip(self, (values,) if one else tuple(values)) if one or isinstance(values, (tuple, list)) else None
-        if out is None: return super().forward(*inputs)  # anything else (boxes, plain tensors, dicts): v2's own path
+        if out is None: return super().forward(*_decoded(inputs))  # anything else (boxes, plain tensors, dicts): v2's own path
         return out[0] if one else list(out) if isinstance(values, list) else out
 
-def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), normalize: bool = False) -> TrainTransform:
+def _decoded(values):
+    "`values` with every EncodedJpeg (at the top level or in one tuple or list) decoded to an Image, for v2's own path."
+    one = lambda v: tv_tensors.Image(v.decode()) if isinstance(v, EncodedJpeg) else v
+    return type(values)(type(v)(map(one, v)) if isinstance(v, (tuple, list)) else one(v) for v in values)
+
+def train_transform(size: int = 224, scale: tuple[float, float] = (0.08, 1.0), normalize: bool = False, window: bool = True) -> TrainTransform:
     "The post's training augmentation for an (image, trimap, ...) tuple: one crop and flip for all, optional ImageNet normalisation."
-    return TrainTransform(size, scale, normalize=normalize)
+    return TrainTransform(size, scale, normalize=normalize, window=window)
 
 
 # %% ../nbs/11_loader.ipynb
@@ -192,17 +203,21 @@ def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), g
 
 # %% ../nbs/11_loader.ipynb
 def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
-    "TrainTransform's direct path; None unless the tensors are all C x H x W Images and Masks of one size."
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors or any(type(t) not in (tv_tensors.Image, tv_tensors.Mask) or t.ndim != 3 or t.shape[-2:] != tensors[0].shape[-2:]
-                          for t in tensors): return None
+    "TrainTransform's direct path; None unless the images are all C x H x W Images, Masks and EncodedJpegs of one size."
+    images = [v for v in values if isinstance(v, (torch.Tensor, EncodedJpeg))]
+    if not images or any(type(t) not in (tv_tensors.Image, tv_tensors.Mask, EncodedJpeg) or t.ndim != 3 or t.shape[-2:] != images[0].shape[-2:]
+                         for t in images): return None
     rrc, flip = tf.transforms[0], tf.transforms[1]
-    top, left, h, w = crop_box(*tensors[0].shape[-2:], rrc.scale, rrc.ratio)
+    top, left, h, w = crop_box(*images[0].shape[-2:], rrc.scale, rrc.ratio)
     flipped = not torch.rand(1) >= flip.p  # RandomHorizontalFlip's draw
     out = []
     for v in values:
-        if type(v) is tv_tensors.Image:
-            x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size, interpolation=rrc.interpolation, antialias=rrc.antialias)
+        if type(v) in (tv_tensors.Image, EncodedJpeg):
+            if type(v) is EncodedJpeg:  # only the box is decoded; resizing it is what resized_crop_image does after cropping
+                x = F.resize_image(v.window(top, left, h, w), rrc.size, interpolation=rrc.interpolation, antialias=rrc.antialias)
+            else:
+                x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size, interpolation=rrc.interpolation,
+                                         antialias=rrc.antialias)
             if flipped: x = F.horizontal_flip_image(x)
             if tf.normalize: x = F.normalize_image(F.to_dtype_image(x, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
             v = x.as_subclass(tv_tensors.Image)
@@ -247,6 +262,13 @@ def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
     if isinstance(transform, dict): return tuple(transform[k](v) if k in transform else v for k, v in zip(keys, values))
     return tuple(transform(values))
 
+def _field(key: str, data, allow_pickle: bool, encoded: bool):
+    "decode_value, except a JPEG for a transform that takes it encoded: its header read (and a bomb refused), not its pixels."
+    if encoded and isinstance(data, (bytes, bytearray)) and key.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg") and \
+            not is_mask_key(key) and data[:2] == b"\xff\xd8":
+        return EncodedJpeg(data, *image_size(data))
+    return decode_value(key, data, allow_pickle)
+
 def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None,
                     allow_pickle: bool = False) -> tuple:
     "Decode `keys` of a raw sample (and nothing else), apply `transform` to the tuple, return plain tensors and values."
@@ -255,15 +277,19 @@ def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: E
         have = sorted(k for k in sample if not k.startswith("__"))
         raise KeyError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; it has {have}. "
                        f"Pass keys= with fields the shards hold")
-    try: values = tuple(decode_value(k, sample[k], allow_pickle) for k in keys)
-    except (ShardkitError, RuntimeError, ValueError) as e:  # a bad image, a bomb, a pickle: say which sample
-        raise LoaderError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: {e}") from None
+    encoded = isinstance(transform, TrainTransform) and transform.takes_encoded()
+    bad = lambda e: LoaderError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: {e}")
+    try: values = tuple(_field(k, sample[k], allow_pickle, encoded) for k in keys)
+    except (ShardkitError, RuntimeError, ValueError) as e: raise bad(e) from None  # a bad image, a bomb, a pickle: say which sample
     if transform is not None:
-        if shards is not None and shards.ctx is not None:
-            with _seeded(seed_for(shards.seed, shards.ctx["epoch"], "augment", sample.get("__key__"))):
-                values = _apply(transform, values, keys)
-        else: values = _apply(transform, values, keys)
+        try:
+            if shards is not None and shards.ctx is not None:
+                with _seeded(seed_for(shards.seed, shards.ctx["epoch"], "augment", sample.get("__key__"))):
+                    values = _apply(transform, values, keys)
+            else: values = _apply(transform, values, keys)
+        except JpegError as e: raise bad(e) from None  # an encoded JPEG, found bad when its window was decoded
     return tuple(_plain(v) for v in values)
+
 
 # %% ../nbs/11_loader.ipynb
 def _stack(col: tuple, i: int):
@@ -373,6 +399,7 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
         transform = train_transform(normalize=normalize)
+    if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
     shards = EpochShards(urls, seed, shuffle=shuffle_shards, resampled=resampled, rank=rank, world_size=world_size)
     stages = [shards, partial(url_samples, handler=handler)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from fastcore.script import store_true
 from torch.utils.data import DataLoader, Dataset
 from .cluster import shardkit_home
-from .loader import IMAGE_EXTS, collate, rank_and_world, sample_to_tuple, seed_for, train_transform
+from .loader import IMAGE_EXTS, TrainTransform, collate, rank_and_world, sample_to_tuple, seed_for, train_transform
 from .shards import split_key
 from .store import AISStore, ShardkitError, UsageError, open_store
 
@@ -320,6 +320,7 @@ def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), tra
     "A resumable loader reading `keys` of the samples of `source` (directory, tar paths, `ais://bucket`) in a seeded global order."
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform()
+    if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
     ds = RandomAccessDataset(sample_index(source, keys, cache), keys, transform, seed, allow_pickle)
     return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, **kw)
 
