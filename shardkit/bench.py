@@ -20,7 +20,8 @@ from .shards import IMAGENET_MEAN, IMAGENET_STD
 from .pets import CHECKS, convert_pets
 from .etl import _rgb, _tv, to_tensor
 from .sidecar import Sidecar
-from .loader import create_dataloader, create_dataset, shard_urls
+from .jpeg import window_decoding
+from .loader import create_dataloader, create_dataset, shard_urls, train_transform
 
 # %% auto 0
 __all__ = ['OFFLOADS', 'PEER_LOADERS', 'LOADER_ROWS', 'SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'BenchError', 'format_bench',
@@ -415,10 +416,12 @@ class _RandomEpochs:
 # %% ../nbs/14_bench.ipynb
 def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes"]
 
-def _make_default(spec):
+def _make_default(spec, window: bool = True):
     keys = (spec["fields"]["image"], spec["fields"]["label"])
-    return lambda: (create_dataloader(create_dataset(_repeated(spec), keys=keys, seed=spec["seed"]),
+    return lambda: (create_dataloader(create_dataset(_repeated(spec), keys=keys, seed=spec["seed"], transform=train_transform(window=window)),
                                       num_workers=spec["workers"], batch_size=64), None)
+
+def _make_whole(spec): return _make_default(spec, window=False)
 
 def _make_random(spec): return lambda: (_RandomEpochs(spec), None)
 
@@ -507,11 +510,11 @@ def _make_ffcv(spec):
     return make
 
 # %% ../nbs/14_bench.ipynb
-LOADER_ROWS = {"default": "shardkit default", "random": "shardkit random access", "seed": "AIStore post's pipeline",
+LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-image decode", "random": "shardkit random access", "seed": "AIStore post's pipeline",
                "wds": "webdataset, done well", "imagefolder": "torchvision ImageFolder (same decoder)",
                "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV",
                "ceiling": "ceiling: decode+augment, 1 core x workers"}
-_MAKERS = {"default": _make_default, "random": _make_random, "seed": _make_seed, "wds": _make_wds, "imagefolder": _make_imagefolder,
+_MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "seed": _make_seed, "wds": _make_wds, "imagefolder": _make_imagefolder,
            "litdata": _make_litdata, "mds": _make_mds, "dali": _make_dali, "ffcv": _make_ffcv}
 
 # %% ../nbs/14_bench.ipynb
@@ -612,8 +615,8 @@ def drop_page_cache() -> str | None:
         return f"cannot drop the page cache here ({e.strerror}: /proc/sys/vm/drop_caches needs root outside a container)"
 
 # %% ../nbs/14_bench.ipynb
-SHARDKIT_ROWS = ("default", "random")
-BASE_ROWS = ("default", "random", "seed", "wds", "imagefolder")
+SHARDKIT_ROWS = ("default", "whole", "random")
+BASE_ROWS = ("default", "whole", "random", "seed", "wds", "imagefolder")
 
 def _summary(runs: list[dict]) -> dict:
     "A row from its runs: medians over the runs whose every epoch passed the checks, and why the others failed."
@@ -688,7 +691,7 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
     return dict(rows={LOADER_ROWS[n]: r for n, r in rows.items()}, rates=rates, cpu_ms=cpu_ms, per_core=per_core,
                 ceiling_workers=ceiling_workers, samples=data.n, passes=data.passes, shards=len(data.urls), fields=data.fields,
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
-                load_start=load_start[0], load_end=load_end[0], load=load_end[0],
+                load_start=load_start[0], load_end=load_end[0], load=load_end[0], window=window_decoding(),
                 cache_note=(note or "page cache dropped before each run") if cold else "page cache warm")
 
 # %% ../nbs/14_bench.ipynb
@@ -748,6 +751,10 @@ def loader_table(result: dict) -> str:
              f"goal: default >= {g['ceiling'][1]:.2f}x the ceiling: {num(g['ceiling'][0], '{:.2f}x')} {verdict('ceiling')}",
              f"goal: default CPU/sample <= that peer's: {num(g['cpu'][0], '{:.2f}x')} {verdict('cpu')}",
              f"goal: default first batch of epoch 2 < {g['first_batch'][1]} s: {num(g['first_batch'][0], '{:.2f} s')} {verdict('first_batch')}"]
+    why = result.get("window", "not recorded")
+    notes.append("shardkit's default decodes only the window of each JPEG that its random crop keeps (the same pixels; nbs/18_jpeg); "
+                 "every other row, and the ceiling, decodes whole images" if why is None else
+                 f"shardkit's default decodes whole images here, like every other row: {why}")
     if rows.get(LOADER_ROWS["dali"], {}).get("status") == "ok" and not rows[LOADER_ROWS["dali"]]["exact"]:
         notes.append("DALI's reader carries its shuffle buffer across the epoch boundary (by design): later epochs repeat some samples and miss as many")
     if any(r["status"] == "not installed" for r in rows.values()):

@@ -4,16 +4,16 @@
 
 # %% ../nbs/11_loader.ipynb 3
 from __future__ import annotations
-import contextlib, copy, functools, hashlib, math, os, random, secrets, sys, warnings
+import collections, contextlib, copy, functools, hashlib, math, os, random, secrets, sys, warnings
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 import webdataset as wds
 from braceexpand import braceexpand
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_convert, get_worker_info
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
@@ -292,14 +292,13 @@ def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: E
 
 
 # %% ../nbs/11_loader.ipynb
-def _stack(col: tuple, i: int):
+def _stack(col: tuple, i: int, buffers: dict | None = None):
     x = col[0]
     if isinstance(x, torch.Tensor):
         try:
             if x.device.type != "cpu" or x.requires_grad: return torch.stack(col)
             if get_worker_info() is not None:  # in a worker: straight into shared memory, which the batch travels in anyway
-                out = x.new(x._typed_storage()._new_shared(len(col) * x.numel(), device=x.device)).resize_(len(col), *x.shape)
-                return torch.stack(col, out=out)
+                return torch.stack(col, out=_shared_out(x, len(col), i, buffers))
             # numpy's stack is one plain copy; torch.stack of large tensors wakes the OpenMP thread pool, whose
             # spinning threads in the main process take CPU away from the loader's workers on small machines
             return torch.from_numpy(np.stack([t.numpy() for t in col]))
@@ -310,9 +309,77 @@ def _stack(col: tuple, i: int):
     if isinstance(x, np.ndarray): return torch.from_numpy(np.stack(col))
     return list(col)
 
+def _shared_out(x: torch.Tensor, n: int, i: int, buffers: dict | None) -> torch.Tensor:
+    "An n x x.shape tensor in shared memory: in `buffers` (a pool slot's, kept for its next batch) or fresh."
+    store, need = buffers.get(i) if buffers is not None else None, n * x.numel() * x.element_size()
+    if store is None or store.nbytes() < need:
+        store = torch.UntypedStorage._new_shared(need)
+        if buffers is not None: buffers[i] = store
+    return torch.empty(0, dtype=x.dtype).set_(store, 0, (n, *x.shape))
+
 def collate(samples: Sequence[tuple]) -> tuple:
     "A batch from sample tuples: tensors stacked, numbers as tensors, other values as lists."
-    return tuple(_stack(col, i) for i, col in enumerate(zip(*samples)))
+    pool = _worker_pool()
+    slot = pool.acquire() if pool is not None else None
+    if slot is None: return tuple(_stack(col, i) for i, col in enumerate(zip(*samples)))
+    return _PooledBatch([_stack(col, i, pool.buffers[slot]) for i, col in enumerate(zip(*samples))], pool.flags, slot)
+
+
+# %% ../nbs/11_loader.ipynb
+_SLOTS = 4  # batches of one worker on their way at once: DataLoader's prefetch_factor (2), one being read, one being made
+
+class _WorkerPool:
+    "One worker's reusable shared batch buffers; flags[slot] is 1 while that slot's batch is on its way to the main process."
+    def __init__(self, slots: int = _SLOTS):
+        self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
+        self.buffers = [{} for _ in range(slots)]  # per slot: field index -> shared storage
+
+    def acquire(self) -> int | None:
+        free = np.flatnonzero(self.flags.numpy() == 0)
+        if not len(free): return None
+        self.flags[int(free[0])] = 1
+        return int(free[0])
+
+_POOL: list = [None, None]  # (the worker's dataset, its pool): a worker process serves one dataset
+
+def _worker_pool() -> _WorkerPool | None:
+    "This worker's pool, if it works for a loader that hands batches back (`ShardLoader`); None in the main process."
+    info = get_worker_info()
+    if info is None or not getattr(info.dataset, "pool_batches", False): return None
+    if _POOL[0] is not info.dataset: _POOL[:] = [info.dataset, _WorkerPool()]
+    return _POOL[1]
+
+class _PooledBatch(tuple):
+    "A worker's batch in one of its pool's buffers: `unpool()` copies it out and hands the buffer back."
+    def __new__(cls, values, flags=None, slot: int | None = None):
+        batch = super().__new__(cls, values)
+        batch.flags, batch.slot = flags, slot
+        return batch
+    def __reduce__(self): return _PooledBatch, (tuple(self), self.flags, self.slot)
+
+    def unpool(self) -> list:
+        "The batch in ordinary memory (numpy copies: one thread), its buffer free for the worker's next batch; a list, as DataLoader's batches."
+        out = list(torch.from_numpy(v.numpy().copy()) if isinstance(v, torch.Tensor) and v.dtype != torch.bfloat16 else
+                    v.clone() if isinstance(v, torch.Tensor) else v for v in self)
+        if self.flags is not None:
+            self.flags[self.slot] = 0
+            _keep_mapped((self.flags.data_ptr(), self.slot), (self.flags, tuple(self)))
+        return out
+
+_MAPPED: collections.OrderedDict = collections.OrderedDict()
+
+def _keep_mapped(key, value, most: int = 64):
+    "Keep the main process's mapping of a pool buffer until its next batch arrives: torch then reuses it, no new mmap and page faults."
+    _MAPPED[key] = value
+    _MAPPED.move_to_end(key)
+    while len(_MAPPED) > most: _MAPPED.popitem(last=False)
+
+def _convert(batch):
+    "ShardLoader's collate_fn: DataLoader's default_convert, except that a pooled batch stays one (it would lose its flags)."
+    return batch if isinstance(batch, _PooledBatch) else default_convert(batch)
+
+def _unpooled(batches: Iterable) -> Iterator:
+    for b in batches: yield b.unpool() if isinstance(b, _PooledBatch) else b
 
 # %% ../nbs/11_loader.ipynb
 class SkipAndCount:
@@ -413,8 +480,9 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
 class ShardLoader(wds.WebLoader):
     "A WebLoader over a ShardDataset: its workers make the training batches (with `shuffle`, the post's unbatch/shuffle/rebatch); each pass is a new epoch."
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw):
-        if not shuffle and batch_size and batch_size != dataset.batch_size: dataset = dataset.rebatched(batch_size)
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, **kw)
+        dataset = dataset.rebatched(batch_size) if not shuffle and batch_size and batch_size != dataset.batch_size else copy.copy(dataset)
+        dataset.pool_batches = num_workers > 0  # workers reuse their batch buffers; iterator1 copies each batch out and frees it
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": _convert, **kw})
         self.dataset, self.num_workers, self.bufsize, self.epoch, self._workers_next = dataset, num_workers, shuffle, 0, None
         if shuffle:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
             self.append(wds.unbatched())
@@ -431,7 +499,7 @@ class ShardLoader(wds.WebLoader):
         if getattr(loader, "_iterator", None) is not None and self._workers_next != self.epoch:
             loader._iterator._shutdown_workers()  # persistent workers about to run another epoch (set_epoch): start afresh
             loader._iterator = None
-        source = iter(loader)  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
+        source = _unpooled(iter(loader))  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
         if self.num_workers > 0: shards.epoch = self.epoch + 1
         self._workers_next = self.epoch + 1
         for step in self.pipeline[1:]: source = self.invoke(step, source)

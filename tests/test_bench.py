@@ -6,7 +6,7 @@ import pytest
 import webdataset as wds
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
-BASE_ROWS = ("shardkit default", "shardkit random access", "AIStore post's pipeline", "webdataset, done well",
+BASE_ROWS = ("shardkit default", "shardkit default, whole-image decode", "shardkit random access", "AIStore post's pipeline", "webdataset, done well",
              "torchvision ImageFolder (same decoder)", "ceiling: decode+augment")
 PEERS = {"LitData": "litdata", "MosaicML Streaming": "streaming", "DALI (CPU)": "nvidia.dali", "FFCV": "ffcv"}
 
@@ -49,11 +49,12 @@ def test_bench_loader_cli(shards, cli, tmp_path):
     assert r.returncode == 0, r.stderr
     for row in BASE_ROWS + ("goal: default >=", "goal: default CPU/sample", "goal: default first batch", "page cache warm"):
         assert row in r.stdout, (row, r.stdout)
-    for row in ("shardkit default", "shardkit random access", "webdataset, done well", "torchvision ImageFolder (same decoder)"):
+    for row in ("shardkit default", "shardkit default, whole-image decode", "shardkit random access", "webdataset, done well", "torchvision ImageFolder (same decoder)"):
         assert row_of(r.stdout, row).rstrip().endswith("yes"), (row, r.stdout)
     for label, module in PEERS.items():
         if not importable(module): assert row_of(r.stdout, label).rstrip().endswith("not installed"), (label, r.stdout)
     if not all(importable(m) for m in PEERS.values()): assert 'pip install "shardkit[peers]"' in r.stdout
+    assert "decodes only the window of each JPEG" in r.stdout, r.stdout  # the README installs gcc and libjpeg-dev
     assert png.stat().st_size > 10_000
 
 
