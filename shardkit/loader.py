@@ -415,6 +415,9 @@ class ShardDataset(wds.DataPipeline):
         self.shards, self.keys, self.batch_size, self.epoch_samples, self.handler = shards, tuple(keys), batch_size, epoch_samples, handler
 
     def __iter__(self):
+        # A new epoch in a worker: DataLoader has dropped, unread, every batch of the last one still on its way (its
+        # reset drains them before the workers go on), so buffers whose batches were never handed back are free again
+        if (pool := _worker_pool()) is not None: pool.flags.zero_()
         yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
         if report: print(report, file=sys.stderr, flush=True)
