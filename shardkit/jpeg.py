@@ -66,7 +66,8 @@ EXPORT int sk_decode_rgb_window(const unsigned char *data, size_t size, int top,
   }
   cinfo.out_color_space = JCS_RGB;
   jpeg_start_decompress(&cinfo);
-  /* one MCU of margin on every side: upsampling at the window's edges then sees what it sees in a full decode */
+  /* one MCU of margin on every side: chroma upsampling at the window's edges then sees the neighbours it sees in
+     a full decode, and the cropped width never falls to the few pixels at which libjpeg stops upsampling smoothly */
   mcu_w = cinfo.max_h_samp_factor * DCTSIZE;
   mcu_h = cinfo.max_v_samp_factor * DCTSIZE;
   x0 = (JDIMENSION)left > mcu_w ? (JDIMENSION)left - mcu_w : 0;

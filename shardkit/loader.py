@@ -368,7 +368,7 @@ class _PooledBatch(tuple):
 
 _MAPPED: collections.OrderedDict = collections.OrderedDict()
 
-def _keep_mapped(key, value, most: int = 64):
+def _keep_mapped(key, value, most: int = 32):
     "Keep the main process's mapping of a pool buffer until its next batch arrives: torch then reuses it, no new mmap and page faults."
     _MAPPED[key] = value
     _MAPPED.move_to_end(key)
@@ -502,6 +502,7 @@ class ShardLoader(wds.WebLoader):
         if getattr(loader, "_iterator", None) is not None and self._workers_next != self.epoch:
             loader._iterator._shutdown_workers()  # persistent workers about to run another epoch (set_epoch): start afresh
             loader._iterator = None
+        if getattr(loader, "_iterator", None) is None: _MAPPED.clear()  # new workers, new buffers: unmap the old ones
         source = _unpooled(iter(loader))  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
         if self.num_workers > 0: shards.epoch = self.epoch + 1
         self._workers_next = self.epoch + 1
