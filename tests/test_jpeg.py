@@ -1,0 +1,294 @@
+"""The crop-window JPEG decoder (shardkit.jpeg): every window of every JPEG layout (4:4:4, 4:2:2, 4:2:0, progressive,
+greyscale, restart markers, odd sizes, smaller than one MCU) has the pixels of torchvision's full decode; bad input is a
+JpegError that says what libjpeg found; a JPEG cut short below the window still yields it; where the native decoder
+cannot be built or is turned off, `window_decoding()` says why and windows are cut from full decodes (run in
+subprocesses, as that state is per process); CMYK goes to the full decoder. Where this machine cannot build the native
+decoder, the pixel tests check the fallback and the tests that need the native path skip with the reason."""
+import io, json, os, pickle, subprocess, sys, textwrap
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode, decode_jpeg
+from shardkit.jpeg import EncodedJpeg, JpegError, decode_window, window_decoding
+from shardkit.loader import TrainTransform, crop_box
+from shardkit.store import ShardkitError
+
+
+def _jpeg(w, h, mode="RGB", seed=0, **save):
+    "A photo-like JPEG: gradients and a wave in different channels (so chroma subsampling matters) plus noise."
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), 128 + 100 * np.sin(x / 7 + y / 5)], -1)
+    rgb = rgb + rng.integers(-30, 30, (h, w, 3))
+    buf = io.BytesIO()
+    Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).convert(mode).save(buf, "JPEG", **{"quality": 85, **save})
+    return buf.getvalue()
+
+
+def _full(data):
+    "torchvision's decode of the whole image: the truth every window is compared with."
+    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+def _segments(data):
+    "(marker, offset, length) of each header segment, up to and including the first SOS."
+    i = 2
+    while i + 4 <= len(data):
+        marker, n = data[i + 1], int.from_bytes(data[i + 2:i + 4], "big")
+        yield marker, i, n
+        if marker == 0xDA: return
+        i += 2 + n
+
+
+def _frame(data):
+    "(SOF marker, [(h, v) sampling factors of each component]): which layout PIL really wrote."
+    for marker, i, _ in _segments(data):
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker, [(data[i + 11 + 3 * c] >> 4, data[i + 11 + 3 * c] & 15) for c in range(data[i + 9])]
+
+
+def _bogus_huffman(data):
+    "The first Huffman table's code counts set to 255 each: more codes than 16 bits hold."
+    i = next(i for m, i, _ in _segments(data) if m == 0xC4)
+    return data[:i + 5] + bytes([255] * 16) + data[i + 21:]
+
+
+def _marker_in_scan(data):
+    "An EOI marker written over the middle of the (single, baseline) scan."
+    i, n = next((i, n) for m, i, n in _segments(data) if m == 0xDA)
+    mid = (i + 2 + n + len(data) - 2) // 2
+    return data[:mid] + b"\xff\xd9" + data[mid + 2:]
+
+
+def _windows(h, w, gen, n=8):
+    "n RandomResizedCrop boxes, the whole image, its corners, strips 1 to 3 pixels wide along every edge, a thin cross."
+    boxes = [crop_box(h, w, generator=gen) for _ in range(n)]
+    boxes += [(0, 0, h, w), (0, 0, 1, 1), (0, w - 1, 1, 1), (h - 1, 0, 1, 1), (h - 1, w - 1, 1, 1),
+              (h // 2, w // 2, h - h // 2, 1), (h // 2, w // 2, 1, w - w // 2)]
+    for k in (1, 2, 3):
+        kw, kh = min(k, w), min(k, h)
+        boxes += [(0, 0, h, kw), (0, w - kw, h, kw), (0, 0, kh, w), (h - kh, 0, kh, w), (h - kh, w - kw, kh, kw)]
+    return list(dict.fromkeys(boxes))
+
+
+def _crop(x, top, left, h, w): return x[:, top:top + h, left:left + w]
+
+
+@pytest.fixture(scope="module")
+def native():
+    "The native decoder, built (once per machine) and checked as the loader does; a skip with the reason where it cannot be."
+    why = window_decoding()
+    if why: pytest.skip(f"the native window decoder is not available here: {why}")
+
+
+# (PIL save options, expected SOF marker, expected sampling factors)
+LAYOUTS = {
+    "4:4:4": (dict(subsampling=0), 0xC0, [(1, 1)] * 3),
+    "4:2:2": (dict(subsampling=1), 0xC0, [(2, 1), (1, 1), (1, 1)]),
+    "4:2:0": (dict(subsampling=2), 0xC0, [(2, 2), (1, 1), (1, 1)]),
+    "progressive": (dict(subsampling=2, progressive=True), 0xC2, [(2, 2), (1, 1), (1, 1)]),
+    "grey": (dict(mode="L"), 0xC0, [(1, 1)]),
+    "restarts": (dict(subsampling=2, restart_marker_rows=1), 0xC0, [(2, 2), (1, 1), (1, 1)]),
+}
+SIZES = [(160, 120), (33, 17), (7, 5)]  # photo-like, odd, smaller than one MCU
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_window_equals_the_full_decode(layout, size):
+    save, sof, sampling = LAYOUTS[layout]
+    (w, h), seed = size, list(LAYOUTS).index(layout) * 10 + SIZES.index(size)
+    data = _jpeg(w, h, seed=seed, **save)
+    assert _frame(data) == (sof, sampling), "PIL wrote the layout asked for"
+    assert layout != "restarts" or b"\xff\xdd" in data
+    whole, enc, here = _full(data), EncodedJpeg(data, w, h), window_decoding() is None
+    assert tuple(enc.shape) == (3, h, w)
+    boxes = _windows(h, w, torch.Generator().manual_seed(seed))
+    assert any(0 < bw < w for _, _, _, bw in boxes) and any(left + bw == w and bw <= 3 for _, left, _, bw in boxes)
+    for box in boxes:
+        want = _crop(whole, *box)
+        got = enc.window(*box)  # the native decoder where it is built here, else a cut from a full decode
+        assert got.dtype == torch.uint8 and tuple(got.shape) == (3, box[2], box[3]), box
+        assert torch.equal(got, want), f"window {box} of a {w}x{h} {layout} JPEG differs from the full decode's"
+        if here: assert torch.equal(decode_window(data, *box), want), f"decode_window {box}, {w}x{h} {layout}"
+    if layout == "grey": assert torch.equal(whole[0], whole[1]) and torch.equal(whole[1], whole[2])
+
+
+def test_train_transform_crops_an_encoded_jpeg_as_the_decoded_image():
+    data = _jpeg(160, 120, subsampling=2, seed=7)
+    tf = TrainTransform(32)
+    for seed in range(6):
+        torch.manual_seed(seed); a = tf(EncodedJpeg(data, 160, 120))
+        torch.manual_seed(seed); b = tf(tv_tensors.Image(_full(data)))
+        assert a.shape == (3, 32, 32) and torch.equal(a, b), seed
+
+
+def test_the_loader_hands_over_encoded_jpegs_when_windows_decode(native):
+    assert decode_window(_jpeg(61, 45), 7, 13, 20, 31).shape == (3, 20, 31)
+    assert TrainTransform(window=True).takes_encoded() is True
+    assert TrainTransform(window=False).takes_encoded() is False
+
+
+DATA = _jpeg(120, 90, subsampling=2, seed=3)  # baseline 4:2:0, one scan
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (_bogus_huffman(DATA), "Bogus Huffman table definition"),
+    (_marker_in_scan(DATA), "Corrupt JPEG data"),
+    (DATA[:len(DATA) // 2], "Premature end of JPEG file"),  # the cut is above the window (the bottom rows)
+    (b"not a jpeg at all", "Not a JPEG file"),
+    (b"", "Empty input file"),
+    (b"\xff\xd8", "Premature end of JPEG file"),
+], ids=["bogus-huffman", "marker-in-scan", "truncated", "not-a-jpeg", "empty", "only-soi"])
+def test_bad_jpegs_are_errors_that_say_what_libjpeg_found(native, bad, fragment):
+    with pytest.raises(JpegError, match=f"^cannot decode this JPEG: .*{fragment}") as e:
+        decode_window(bad, 82, 0, 8, 120)
+    assert isinstance(e.value, ShardkitError) and isinstance(e.value, ValueError)
+    with pytest.raises(JpegError, match=fragment): EncodedJpeg(bad, 120, 90).window(82, 0, 8, 120)
+
+
+@pytest.mark.parametrize("bad", [_bogus_huffman(DATA), DATA[:len(DATA) // 2], b"not a jpeg at all"],
+                         ids=["bogus-huffman", "truncated", "not-a-jpeg"])
+def test_bad_jpegs_are_jpeg_errors_on_either_path(bad):
+    with pytest.raises(JpegError, match="^cannot decode this JPEG: ."):
+        EncodedJpeg(bad, 120, 90).window(82, 0, 8, 120)
+    with pytest.raises(JpegError, match="^cannot decode this JPEG: ."):
+        EncodedJpeg(bad, 120, 90).decode()
+
+
+@pytest.mark.parametrize("box", [(50, 0, 41, 120), (0, 100, 5, 21), (-1, 0, 5, 5), (0, -1, 5, 5), (0, 0, 0, 5),
+                                 (0, 0, 5, 0), (90, 0, 1, 1), (0, 120, 1, 1)])
+def test_a_window_outside_the_image_is_refused(native, box):
+    top, left, h, w = box
+    with pytest.raises(JpegError, match=rf"window {w}x{h} at \({left}, {top}\) outside the 120x90 image"):
+        decode_window(DATA, *box)
+    with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(*box)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="BUG: _call builds torch.empty((height, width, 3)) before the C bounds check, so a negative "
+                          "height or width is torch's RuntimeError ('negative dimension'), not a JpegError")
+def test_a_window_of_negative_size_is_a_jpeg_error(native):
+    with pytest.raises(JpegError, match="outside"): decode_window(DATA, 0, 0, -1, 5)
+
+
+def test_a_jpeg_cut_below_the_window_still_yields_it(native):
+    data = _jpeg(120, 90, subsampling=0, seed=4)
+    cut = data[:int(len(data) * 0.6)]
+    with pytest.raises(JpegError, match="incomplete or truncated"): EncodedJpeg(cut, 120, 90).decode()
+    with pytest.raises(JpegError, match="Premature end"): decode_window(cut, 74, 0, 16, 120)  # the cut is above this one
+    for box in [(0, 0, 16, 120), (16, 40, 16, 40), (0, 119, 20, 1)]:
+        assert torch.equal(decode_window(cut, *box), _crop(_full(data), *box)), box
+        assert torch.equal(EncodedJpeg(cut, 120, 90).window(*box), _crop(_full(data), *box)), box
+
+
+def test_a_cut_progressive_jpeg_is_an_error_even_above_the_cut(native):
+    data = _jpeg(120, 90, subsampling=2, progressive=True, seed=5)  # its scans each cover the whole image
+    with pytest.raises(JpegError, match="Premature end of JPEG file"): decode_window(data[:int(len(data) * 0.9)], 0, 0, 8, 120)
+
+
+def _cmyk(w=40, h=30):
+    rgb = np.asarray(Image.open(io.BytesIO(_jpeg(w, h, seed=6))).convert("RGB"))
+    buf = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_cmyk_jpegs_are_cut_from_the_full_decode():
+    data = _cmyk()
+    assert len(_frame(data)[1]) == 4, "a four-component JPEG"
+    whole = _full(data)
+    assert whole.shape == (3, 30, 40) and whole.float().std() > 10, "torchvision decodes it to a picture"
+    for box in _windows(30, 40, torch.Generator().manual_seed(6), n=4):
+        assert torch.equal(EncodedJpeg(data, 40, 30).window(*box), _crop(whole, *box)), box
+
+
+def test_decode_window_leaves_cmyk_to_the_full_decoder(native):
+    assert decode_window(_cmyk(), 2, 3, 10, 12) is None
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
+                   reason="BUG: the full-decode path of EncodedJpeg.window slices without checking the box, so a window "
+                          "outside the image comes back smaller (or empty) instead of an error; CMYK takes that path always, "
+                          "every JPEG does where the native decoder is unavailable")
+def test_a_window_outside_a_cmyk_jpeg_is_refused_too():
+    with pytest.raises(JpegError, match="outside"): EncodedJpeg(_cmyk(), 40, 30).window(20, 0, 11, 40)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="BUG: EncodedJpeg.decode passes b'' to torch.frombuffer, whose ValueError is not turned into a "
+                          "JpegError (the native path says 'Empty input file')")
+def test_an_empty_jpeg_is_a_jpeg_error_on_the_full_decode_path():
+    with pytest.raises(JpegError, match="cannot decode this JPEG"): EncodedJpeg(b"", 1, 1).decode()
+
+
+ELSEWHERE = textwrap.dedent(r'''
+    import json, os, pickle, sys
+    from pathlib import Path
+    from shardkit import jpeg
+    from shardkit.jpeg import EncodedJpeg, decode_window, window_decoding
+    from shardkit.loader import TrainTransform
+    with open(sys.argv[1], "rb") as f: cases, bad = pickle.load(f)
+    native = Path(os.environ["SHARDKIT_HOME"]) / "native"
+    out = {"why": window_decoding(), "takes_encoded": TrainTransform(window=True).takes_encoded(), "errors": {}}
+    out["native_files"] = sorted(os.listdir(native)) if native.exists() else None
+    try: decode_window(cases[0][0], 0, 0, 1, 1); out["decode_window"] = "no error"
+    except Exception as e: out["decode_window"] = f"{type(e).__name__}: {e}"
+    for name, (data, box) in bad.items():
+        try: EncodedJpeg(data, 120, 90).window(*box); out["errors"][name] = "no error"
+        except Exception as e: out["errors"][name] = f"{type(e).__name__}: {e}"
+    windows = [[EncodedJpeg(d, w, h).window(*b) for b in boxes] for d, w, h, boxes in cases]
+    if sys.argv[3] == "no-compiler":  # a compiler that runs but cannot build: a second try, in this process only
+        del os.environ["CC"]; os.environ["CFLAGS"] = "-nostdinc"; jpeg._decoder.cache_clear()
+        out["failed_build"] = window_decoding()
+    with open(sys.argv[2], "wb") as f: pickle.dump(windows, f)
+    print(json.dumps(out))
+''')
+
+
+def _run_elsewhere(tmp_path, env, mode):
+    "ELSEWHERE in a fresh interpreter with `env`; its report, and the windows it cut, with the truth they must equal."
+    gen = torch.Generator().manual_seed(9)
+    cases = [(_jpeg(w, h, seed=9, **save), w, h) for (w, h), save in
+             [((160, 120), dict(subsampling=2)), ((33, 17), dict(subsampling=1)), ((7, 5), dict(mode="L"))]] + [(_cmyk(), 40, 30)]
+    cases = [(d, w, h, _windows(h, w, gen, n=3)) for d, w, h in cases]
+    bottom, top = (82, 0, 8, 120), (0, 0, 8, 120)
+    bad = {"truncated": (DATA[:len(DATA) // 2], bottom), "not-a-jpeg": (b"not a jpeg at all", bottom),
+           "bogus-huffman": (_bogus_huffman(DATA), bottom), "cut-below-the-window": (DATA[:len(DATA) // 2], top)}
+    (tmp_path / "in.pkl").write_bytes(pickle.dumps((cases, bad)))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SHARDKIT_JPEG_WINDOW", "CC", "CFLAGS", "LDFLAGS")},
+           "SHARDKIT_HOME": str(tmp_path / "home"), **env}
+    r = subprocess.run([sys.executable, "-c", ELSEWHERE, str(tmp_path / "in.pkl"), str(tmp_path / "out.pkl"), mode],
+                       capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    windows = pickle.loads((tmp_path / "out.pkl").read_bytes())
+    for (d, w, h, boxes), got in zip(cases, windows, strict=True):
+        for box, x in zip(boxes, got, strict=True):
+            assert torch.equal(x, _crop(_full(d), *box)), f"window {box} of a {w}x{h} JPEG cut in the subprocess"
+    assert set(out["errors"]) == set(bad)
+    for name, msg in out["errors"].items():  # cut below the window too: the full decoder needs all of it
+        assert msg.startswith("JpegError: cannot decode this JPEG: "), (name, msg)
+    assert out["takes_encoded"] is False, "the loader decodes whole images"
+    return out
+
+
+def test_without_a_compiler_windows_are_cut_from_full_decodes(tmp_path):
+    out = _run_elsewhere(tmp_path, {"CC": "/nonexistent/cc"}, "no-compiler")
+    why = out["why"]
+    assert why and "/nonexistent/cc" in why and "failed to run" in why, why
+    assert "install a C compiler" in why and "apt-get install gcc libjpeg-dev" in why, why
+    assert out["decode_window"] == f"ShardkitError: JPEG windows cannot be decoded here: {why}"
+    assert out["native_files"] == [], "no library and no half-built folder left in SHARDKIT_HOME"
+    failed = out["failed_build"]
+    assert failed and "install a C compiler" in failed, failed
+    assert "compiling the window decoder failed" in failed or "no C compiler found" in failed, failed
+
+
+def test_shardkit_jpeg_window_0_turns_window_decoding_off(tmp_path):
+    out = _run_elsewhere(tmp_path, {"SHARDKIT_JPEG_WINDOW": "0"}, "off")
+    assert out["why"] == "turned off by SHARDKIT_JPEG_WINDOW"
+    assert out["decode_window"] == "ShardkitError: JPEG windows cannot be decoded here: turned off by SHARDKIT_JPEG_WINDOW"
+    assert out["native_files"] is None, "nothing was compiled"
