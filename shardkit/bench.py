@@ -805,3 +805,4 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
     print(loader_table(res))
     plot_bench(res, out)
     print(f"plot: {out}")
+    return res

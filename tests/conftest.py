@@ -1,5 +1,7 @@
-"""Shared fixtures: a real local AIStore cluster for the session, a way to run the CLI, headless Chromium."""
-import contextlib, os, shutil, socket, subprocess, sys, tempfile
+"""Shared fixtures: a real local AIStore cluster for the session, a way to run the CLI, headless Chromium; and the
+two tiers. `slow` marks notebooks, AIStore, browsers, torchrun, the demo and benchmarks (pytest.ini); every test
+that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier."""
+import contextlib, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
@@ -13,6 +15,31 @@ def _free_base_port(start=28080, step=10, nodes=4):
     for p in range(start, start + 2000, step):
         if all(_port_free(q) for i in range(nodes) for q in _node_ports(p, i)): return p
     raise RuntimeError("no free ports for a local AIStore cluster")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    "Tests on the session's AIStore are slow, and share one worker under pytest-xdist (one cluster per session)."
+    for item in items:
+        if "ais_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("aistore"))
+
+
+class _OneRunPerNotebook:
+    "A notebook's light run is a subset of its full run: when both are selected, only the full one runs."
+    @pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected
+    def pytest_collection_modifyitems(self, config, items):
+        full = {item.callspec.params["nb"] for item in items
+                if item.originalname in ("test_notebook_full", "test_notebook_full_on_aistore")}
+        drop = [i for i in items if i.originalname == "test_notebook_light" and i.callspec.params["nb"] in full]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [i for i in items if i not in drop]
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_OneRunPerNotebook(), "shardkit-one-run-per-notebook")
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +78,19 @@ def run_cli(*args, env=None, timeout=300, check=False, cwd=None):
 def cli():
     "The `run_cli` helper as a fixture."
     return run_cli
+
+
+def main_cli(*args):
+    """`shardkit ARGS...` through the command's own entry point in this process: the same parsing, messages and exit
+    status as `run_cli` without a Python start-up (for --help and bad input; run_cli is for runs as a user makes them)."""
+    import io
+    from types import SimpleNamespace
+    from shardkit.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: rc = main([str(a) for a in args])
+        except SystemExit as e: rc = e.code if isinstance(e.code, int) else 0  # argparse after --help or a usage error
+    return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,11 @@
-"""Benchmarks: the loader benchmark end to end through the command line, and one peer row where that peer is
-installed (the converter's and the ETL's benchmarks run in their notebook, the ETL's flagged slow)."""
+"""Benchmarks: the loader benchmark's command line, and one peer row where that peer is installed. The full runs
+(every loader row, the converter's and the ETL's benchmarks) are nbs/14_bench's, flagged slow."""
 import importlib.util
 import numpy as np
 import pytest
 import webdataset as wds
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
-
-BASE_ROWS = ("shardkit default", "shardkit default, whole-image decode", "shardkit random access", "AIStore post's pipeline", "webdataset, done well",
-             "torchvision ImageFolder (same decoder)", "ceiling: decode+augment")
-PEERS = {"LitData": "litdata", "MosaicML Streaming": "streaming", "DALI (CPU)": "nvidia.dali", "FFCV": "ffcv"}
+from conftest import main_cli
 
 
 def importable(module: str) -> bool:
@@ -31,33 +28,19 @@ def shards(tmp_path_factory):
     return paths
 
 
-def row_of(stdout: str, label: str) -> str:
-    return next(line for line in stdout.splitlines() if line.startswith(label))
-
-
-def test_bench_loader_cli(shards, cli, tmp_path):
-    r = cli("bench", "loader", "--help")
+def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
+    "The command line around `bench_loader_cli`; a full run of it (every row, --peers, the chart) is nbs/14_bench's."
+    r = main_cli("bench", "loader", "--help")
     assert r.returncode == 0, r.stderr
     for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--out", "shardkit[peers]"):
         assert opt in r.stdout, (opt, r.stdout)
-    r = cli("bench", "loader", tmp_path / "nowhere")
-    assert r.returncode == 2 and "nowhere" in r.stderr
-    png = tmp_path / "bench.png"
-    # --peers on this interpreter: a peer that is not installed is a row saying so, and the command still succeeds
-    r = cli("bench", "loader", str(shards[0]).replace("00000", "{00000..00002}"), "--workers", "1", "--samples", "40",
-            "--repeats", "1", "--peers", "--cache", tmp_path / "cache", "--out", png, timeout=400)
-    assert r.returncode == 0, r.stderr
-    for row in BASE_ROWS + ("goal: default >=", "goal: default CPU/sample", "goal: default first batch", "page cache warm"):
-        assert row in r.stdout, (row, r.stdout)
-    for row in ("shardkit default", "shardkit default, whole-image decode", "shardkit random access", "webdataset, done well", "torchvision ImageFolder (same decoder)"):
-        assert row_of(r.stdout, row).rstrip().endswith("yes"), (row, r.stdout)
-    for label, module in PEERS.items():
-        if not importable(module): assert row_of(r.stdout, label).rstrip().endswith("not installed"), (label, r.stdout)
-    if not all(importable(m) for m in PEERS.values()): assert 'pip install "shardkit[peers]"' in r.stdout
-    assert "decodes only the window of each JPEG" in r.stdout, r.stdout  # the README installs gcc and libjpeg-dev
-    assert png.stat().st_size > 10_000
+    r = main_cli("bench", "loader", tmp_path / "nowhere")
+    assert r.returncode == 2 and "nowhere" in r.stderr and "do not exist" in r.stderr
+    r = main_cli("bench", "loader", tmp_path, "--repeats", "0")
+    assert r.returncode == 2 and "--repeats must be >= 1" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not importable("litdata"), reason="litdata is not installed (pip install \"shardkit[peers]\")")
 def test_bench_loader_litdata_row(shards, tmp_path):
     from shardkit.bench import LOADER_ROWS, bench_loader, loader_table

@@ -1,9 +1,9 @@
 """The local AIStore cluster's lifecycle through the command line, as a user runs it."""
-import json, os, sys
+import json
 from pathlib import Path
 import pytest
 import requests
-from conftest import _free_base_port, run_cli
+from conftest import _free_base_port, main_cli, run_cli
 
 
 def test_up_status_down_leaves_nothing_running(tmp_path, ais_cluster):
@@ -40,7 +40,9 @@ def test_missing_go_is_one_line(tmp_path):
 
 
 def test_help_reads_well():
-    r = run_cli("ais", "up", "--help", check=True)
+    r = main_cli("ais", "up", "--help")
+    assert r.returncode == 0, r.stderr
     for opt in ("--targets", "--root", "--port", "Number of storage targets"): assert opt in r.stdout
-    r = run_cli("--help", check=True)
+    r = main_cli("--help")
+    assert r.returncode == 0, r.stderr
     assert "ais up" in r.stdout and "convert pets" in r.stdout and "bench loader" in r.stdout

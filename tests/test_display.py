@@ -14,6 +14,7 @@ from shardkit.display import (class_name, display_loader_images, display_shard_i
 from shardkit.pets import CLASS_NAMES
 from shardkit.shards import IMAGENET_MEAN, IMAGENET_STD, count_samples, list_shards, read_samples, write_shards
 from shardkit.store import StoreError, open_store
+from conftest import main_cli
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
 
@@ -73,15 +74,15 @@ def test_ls_counts_and_uses_manifests(tmp_path, cli):
     conv = open_store(tmp_path / "conv")
     conv.put_bytes(conv.read_bytes("pets-00000.tar") + b"\0" * 10240, "pets-00000.tar")  # changed after conversion
     assert [(x["samples"], x["source"]) for x in list_shards(conv)][0] == (3, "counted")
-    r = cli("ls", tmp_path / "conv", "--pattern", "pets-0000{1,2}.tar")
+    r = main_cli("ls", tmp_path / "conv", "--pattern", "pets-0000{1,2}.tar")
     assert r.returncode == 0 and "total: 2 shards, 4 samples" in r.stdout
 
 
-def test_ls_errors(tmp_path, cli):
-    r = cli("ls", tmp_path / "missing")
+def test_ls_errors(tmp_path):
+    r = main_cli("ls", tmp_path / "missing")
     assert r.returncode == 2 and "does not exist" in r.stderr
     (tmp_path / "empty").mkdir()
-    r = cli("ls", tmp_path / "empty")
+    r = main_cli("ls", tmp_path / "empty")
     assert r.returncode == 2 and "no shards matching '*.tar'" in r.stderr
 
 
@@ -101,14 +102,14 @@ def test_show_cli_writes_a_readable_png(tmp_path, cli, out_dir):
     assert np.asarray(im.convert("L")).std() > 10  # not a blank canvas
 
 
-def test_show_cli_errors(tmp_path, cli):
-    r = cli("show", tmp_path / "nope.tar", "--out", tmp_path / "x.png")
+def test_show_cli_errors(tmp_path):
+    r = main_cli("show", tmp_path / "nope.tar", "--out", tmp_path / "x.png")
     assert r.returncode == 2 and "no shard file" in r.stderr
     (tmp_path / "junk.tar").write_text("not a tar at all")
-    r = cli("show", tmp_path / "junk.tar", "--out", tmp_path / "x.png")
+    r = main_cli("show", tmp_path / "junk.tar", "--out", tmp_path / "x.png")
     assert r.returncode == 2 and "junk.tar" in r.stderr and "not a readable tar" in r.stderr
     assert not (tmp_path / "x.png").exists()
-    r = cli("show", "ais://", "--out", tmp_path / "x.png")
+    r = main_cli("show", "ais://", "--out", tmp_path / "x.png")
     assert r.returncode == 2 and "names no object" in r.stderr
 
 

@@ -71,6 +71,7 @@ def _requests(browser):
     return urls
 
 
+@pytest.mark.slow
 def test_build_processes_every_notebook(built):
     "nbdev's processing worked on every notebook (a failure here would stop `nbdev_docs` too)."
     site, out, err = built
@@ -91,6 +92,7 @@ def visits(server, browser):
     return res
 
 
+@pytest.mark.slow
 def test_every_notebook_has_a_page(built, server, browser, visits):
     "A page per notebook, titled with the notebook's H1, and a link to each in the sidebar."
     site, rels = built[0], docs.find_notebooks(NBS)
@@ -105,6 +107,7 @@ def test_every_notebook_has_a_page(built, server, browser, visits):
         assert h1 == docs.notebook_title(NBS / rel).replace("`", "").replace("*", ""), f"{page}: title {h1!r}"
 
 
+@pytest.mark.slow
 def test_images_load(visits):
     "Every <img> on every page has loaded (naturalWidth > 0): on the index and on docs.html at least one."
     with_figures = []
@@ -119,6 +122,7 @@ def test_images_load(visits):
     assert sum(1 for _, w in display[2] if w) >= 3, f"'Looking at shards' shows {len(display[2])} pictures: commit nbs/07_display.ipynb executed"
 
 
+@pytest.mark.slow
 def test_nothing_loads_from_other_hosts(built, server, visits):
     assert docs.external_refs(built[0]) == []
     urls = [u for v in visits.values() for u in v[3]]
@@ -138,6 +142,7 @@ def page_weight(site: Path, page: Path) -> int:
     return page.stat().st_size + sum(f.stat().st_size for f in imgs if f.is_file())
 
 
+@pytest.mark.slow
 def test_no_page_over_budget(built):
     "No page is heavier than 2 MB: figures are stored at the size shown, photos as JPEG (tests/test_budget.py)."
     site = built[0]
@@ -147,11 +152,13 @@ def test_no_page_over_budget(built):
     assert not heavy, f"pages over {PAGE_MB} MB: {heavy}; shrink the notebooks' figures: python -m shardkit.docs shrink NOTEBOOK.ipynb"
 
 
+@pytest.mark.slow
 def test_no_broken_links(built):
     "Links between pages lead somewhere (the index links to every tutorial)."
     assert docs.broken_links(built[0]) == []
 
 
+@pytest.mark.slow
 def test_index_screenshot(server, browser):
     OUT.mkdir(parents=True, exist_ok=True)
     _open(browser, server)

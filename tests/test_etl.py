@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import requests
 import webdataset as wds
-from shardkit.etl import (ETLUnavailable, ShardTransform, SampleError, etl_stage, etl_unavailable,
-                          imagenet_val_npy, imagenet_train_npy, init_etl, run_etl)
+from shardkit.etl import (ShardTransform, SampleError, etl_stage, etl_unavailable,
+                          imagenet_val_npy, imagenet_train_npy, run_etl)
 from shardkit.shards import ShardError, read_samples
 from shardkit.sidecar import Sidecar, sidecar_server
 from shardkit.folder import convert_folder, synthesize_folder
@@ -202,15 +202,6 @@ def test_server_class_under_uvicorn_push_and_pull(src, ais_endpoint):
             runner.should_exit = True; th.join(10)
     finally:
         for n in ais.list(): ais.delete(n)
-
-
-def test_cluster_without_etl_says_why_in_one_line(ais_endpoint):
-    why = etl_unavailable(ais_endpoint)
-    assert why and "\n" not in why
-    assert "cannot run ETL" in why and "Kubernetes" in why and "shardkit etl serve" in why and ais_endpoint in why
-    with pytest.raises(ETLUnavailable) as e:
-        init_etl("shardkit-test", imagenet_val_npy)
-    assert str(e.value) == why
 
 
 def test_offline_between_buckets_falls_back_to_local_workers(src, ais_endpoint, capsys):

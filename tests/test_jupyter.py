@@ -1,5 +1,5 @@
 """Stock Jupyter runs every tutorial: `jupyter nbconvert --to notebook --execute` (nbclient, a fresh kernel, the
-tutorials folder as working directory, as nbdev's runner uses), and the executed notebook holds no error.
+notebook's own folder as working directory: a copy in a temporary folder), and the executed notebook holds no error.
 
 nbdev's runner is not the only way people run the tutorials: most open them in Jupyter and press Run All, which
 knows nothing of nbdev's directives. So this test runs them the stock way:
@@ -9,10 +9,11 @@ knows nothing of nbdev's directives. So this test runs them the stock way:
   `eval: false` away from code that should work, so the tutorials have none; `test_no_eval_false_in_tutorials`
   keeps it that way, and says what to do if a tutorial ever needs one (mark it `#| slow`, or teach this test to
   skip it), rather than letting nbconvert run a cell the tutorial meant never to run.
+- `SHARDKIT_QUICK=1`: each tutorial reads it in its first cell and runs test-sized (a reader gets the full size).
 - The kernel is `python3`, pointed at this interpreter with `shardkit.lab.write_kernel`, so a kernel spec that
   another tool registered on the machine cannot change what is tested.
 """
-import json, os, re, subprocess, sys, time
+import json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 import pytest
@@ -53,16 +54,21 @@ def _errors(nb: dict) -> list[str]:
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("nb", NBS, ids=[p.stem for p in NBS])
 def test_tutorial_runs_in_stock_jupyter(nb, kernels, tmp_path):
+    work = tmp_path / "work"  # a copy in a folder of its own: its data/ goes there, never shared with another run
+    work.mkdir()
+    shutil.copy(nb, work / nb.name)
     env = {**os.environ, "JUPYTER_PATH": os.pathsep.join(filter(None, [str(kernels), os.environ.get("JUPYTER_PATH")])),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "PYTHONWARNINGS": "ignore:pkg_resources is deprecated:UserWarning"}
+           "PYTHONWARNINGS": "ignore:pkg_resources is deprecated:UserWarning",
+           "SHARDKIT_QUICK": "1"}  # test-sized: fewer images, fewer epochs and rounds; every step and check still runs
     cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir", str(tmp_path),
-           "--ExecutePreprocessor.kernel_name=python3", "--ExecutePreprocessor.timeout=1200", str(nb)]
+           "--ExecutePreprocessor.kernel_name=python3", "--ExecutePreprocessor.timeout=1200", str(work / nb.name)]
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=TUTORIALS, env=env, capture_output=True, text=True, timeout=1700, stdin=subprocess.DEVNULL)
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1700, stdin=subprocess.DEVNULL)
     took = time.time() - t0
     print(f"{nb.name}: {took:.0f} s under nbconvert")
     assert r.returncode == 0, f"{nb.name} failed under nbconvert after {took:.0f} s:\n{r.stderr[-8000:]}"

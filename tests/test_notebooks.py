@@ -1,35 +1,96 @@
-"""The notebooks are the other half of the suite: each one runs from a fresh kernel, as `nbdev_test` does
-(directives honoured, `slow` cells included). A notebook that mentions AIS_ENDPOINT runs twice: on the
-embedded default, and against the session's real local AIStore cluster. The tutorials' embedded-default run is
-tests/test_jupyter.py's: it executes them from a fresh kernel in stock Jupyter (nbconvert), every cell, `slow`
-ones too, which proves what a run here would and more, so they are not run a third time here."""
-import os, subprocess, sys
+"""The notebooks are the other half of the suite: each runs from a fresh kernel, as `nbdev_test` does (directives
+honoured), and each runs once per suite.
+
+Two cell flags decide how (both listed in settings.ini `tst_flags`, so a plain `nbdev_test` skips them):
+- `#| slow`: heavy work (a benchmark, a training run, a cluster of workers);
+- `#| ais`: a cell that talks to AIStore. It is written to run anywhere (it guards on `AIS_ENDPOINT`, or starts what
+  it needs), and the suite runs it against the one local cluster it starts for the session.
+
+A library notebook has a *light* run (no `AIS_ENDPOINT`, flagged cells skipped): part of the fast tier. A notebook
+with flagged cells also has a *full* run (marked slow): every cell, on the session's AIStore when it has `ais`
+cells. Its light run is a subset of that, so when both are selected (the whole suite) only the full one runs
+(tests/conftest.py). Whether a notebook runs on AIStore is decided by its `ais` cells, never by a word in its text.
+
+The tutorials run in full twice, because each runs all of its steps on one backend or the other: on AIStore here,
+and on the embedded default in stock Jupyter (tests/test_jupyter.py). Each runs from a copy in a temporary folder,
+so the two never share a `data/` folder.
+
+Every run is test-sized with `SHARDKIT_QUICK=1`: the notebooks that do heavy work read it in their first cells and
+use fewer images, epochs or rounds (a reader gets the full size); every step and every check still runs."""
+import json, os, re, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NBS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb")
-             if not any(part.startswith((".", "_")) for part in p.relative_to(ROOT / "nbs").parts))
-AIS_NBS = [p for p in NBS if "AIS_ENDPOINT" in p.read_text()]
+NBS_DIR = ROOT / "nbs"
+NBS = sorted(p for p in NBS_DIR.rglob("*.ipynb")
+             if not any(part.startswith((".", "_")) or part == "data" for part in p.relative_to(NBS_DIR).parts))
+FLAG = re.compile(r"^#\|\s*(slow|ais)\s*$", re.M)
 
 
-def _run_nb(nb: Path, env: dict) -> None:
+def cell_flags(nb: Path) -> set[str]:
+    "The `slow`/`ais` flags used by the notebook's code cells."
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    return {m for c in cells if c["cell_type"] == "code" for m in FLAG.findall("".join(c["source"]))}
+
+
+def _id(p: Path) -> str: return p.relative_to(NBS_DIR).as_posix()
+
+
+LIBRARY = [p for p in NBS if "tutorials" not in p.relative_to(NBS_DIR).parts]
+TUTORIALS = [p for p in NBS if "tutorials" in p.relative_to(NBS_DIR).parts]
+FLAGS = {p: cell_flags(p) for p in NBS}
+FULL = [p for p in LIBRARY if FLAGS[p]]
+
+
+def run_notebook(nb: Path, env: dict, force: tuple[str, ...] = ()) -> None:
+    "Run `nb` the nbdev way in a fresh process, test-sized: flagged cells skipped unless their flag is in `force`."
     code = ("import sys; from pathlib import Path; from nbdev.test import test_nb; "
-            "ok, t = test_nb(Path(sys.argv[1]), force_flags=['slow'], do_print=False); sys.exit(0 if ok else 1)")
-    r = subprocess.run([sys.executable, "-c", code, str(nb)], capture_output=True, text=True, timeout=1500,
-                       cwd=nb.parent, env=env, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, f"{nb.relative_to(ROOT)} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+            "ok, t = test_nb(Path(sys.argv[1]), skip_flags=['slow', 'ais'], force_flags=sys.argv[2:], do_print=False); "
+            "sys.exit(0 if ok else 1)")
+    r = subprocess.run([sys.executable, "-c", code, str(nb), *force], capture_output=True, text=True, timeout=1500,
+                       cwd=nb.parent, env={**env, "SHARDKIT_QUICK": "1"}, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"{nb.name} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
-LOCAL_NBS = [p for p in NBS if "tutorials" not in p.relative_to(ROOT / "nbs").parts]
+def _local_env() -> dict: return {k: v for k, v in os.environ.items() if k != "AIS_ENDPOINT"}
 
 
-@pytest.mark.parametrize("nb", LOCAL_NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in LOCAL_NBS])
-def test_notebook_local(nb):
-    env = {k: v for k, v in os.environ.items() if k != "AIS_ENDPOINT"}
-    _run_nb(nb, env)
+@pytest.mark.parametrize("nb", LIBRARY, ids=_id)
+def test_notebook_light(nb):
+    "Every cell but the flagged ones, on the embedded default."
+    run_notebook(nb, _local_env())
 
 
-@pytest.mark.parametrize("nb", AIS_NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in AIS_NBS])
-def test_notebook_on_aistore(nb, ais_endpoint):
-    _run_nb(nb, {**os.environ, "AIS_ENDPOINT": ais_endpoint})
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", [p for p in FULL if "ais" not in FLAGS[p]], ids=_id)
+def test_notebook_full(nb):
+    "Every cell, `slow` ones too, on the embedded default (the notebook has no AIStore cells)."
+    run_notebook(nb, _local_env(), ("slow",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", [p for p in FULL if "ais" in FLAGS[p]], ids=_id)
+def test_notebook_full_on_aistore(nb, ais_endpoint):
+    "Every cell, `slow` and `ais` ones too, with AIS_ENDPOINT pointing at the session's cluster."
+    run_notebook(nb, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", TUTORIALS, ids=_id)
+def test_tutorial_on_aistore(nb, ais_endpoint, tmp_path):
+    "The tutorial's every step on AIStore, from a copy in a folder of its own (its data/ goes there too)."
+    shutil.copy(nb, tmp_path / nb.name)
+    run_notebook(tmp_path / nb.name, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"))
+
+
+def test_flags_are_explicit():
+    "A notebook's `ais` cells are flagged; an unflagged cell that reads AIS_ENDPOINT would run on AIStore only by chance."
+    loose = []
+    for nb in LIBRARY:
+        for i, c in enumerate(json.loads(nb.read_text(encoding="utf-8"))["cells"]):
+            s = "".join(c["source"])
+            if c["cell_type"] == "code" and "#| export" not in s and 'os.environ.get("AIS_ENDPOINT")' in s and "ais" not in FLAG.findall(s):
+                loose.append(f"{_id(nb)} cell {i}")
+    assert not loose, f"cells that read AIS_ENDPOINT without the `#| ais` flag: {loose}"
+    assert {_id(p) for p in FULL} >= {"02_cluster.ipynb", "15_demo.ipynb"}, sorted(_id(p) for p in FULL)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import webdataset as wds
 from shardkit.loader import create_dataset, train_transform
-from shardkit.random_access import (RandomAccessError, build_shard_index, create_random_loader, epoch_batches,
+from shardkit.random_access import (RandomAccessError, create_random_loader, epoch_batches,
                                     index_cache_dir, sample_index)
 from shardkit.store import UsageError, open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
@@ -212,21 +212,14 @@ def test_missing_field_is_named(shards):
         sample_index(shards, ("cls", "depth.png"))
 
 
-def test_on_aistore_getbatch_with_and_without_shard_index(shards, ais_endpoint, tmp_path):
+def test_on_aistore_a_shard_replaced_after_indexing_is_named(shards, ais_endpoint, tmp_path):
+    "GetBatch with and without AIStore's shard index is the notebook's (nbs/12_random); this guards the error path."
     name = f"shardkit-random-{uuid.uuid4().hex[:8]}"
     store = open_store(f"ais://{name}", create=True)
     try:
         for p in shards: store.put_file(p)
-        local = _take(_loader(shards, keys=("__key__", "image.jpg"), batch_size=5, num_workers=0, seed=7), 8)
-        dl = _loader(f"ais://{name}", keys=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7)
+        dl = _loader(f"ais://{name}", keys=("__key__", "image.jpg"), batch_size=5, num_workers=0, seed=7)
         assert len(dl.dataset.index) == 24
-        for a, b in zip(local[:4], list(dl)):
-            assert a[0] == b[0] and torch.equal(a[1], b[1]), "GetBatch gives the bytes of the local files"
-        job = build_shard_index(store)
-        assert job
-        for a, b in zip(local[4:], list(dl)):
-            assert a[0] == b[0] and torch.equal(a[1], b[1]), "the same with the cluster's shard index"
-        # a shard replaced after indexing: the read names bucket, shard and key
         other = _write_shards(tmp_path / "other", sizes=(3,), seed=9)
         store.put_file(other[0], "pets-00003.tar")
         victim = next(i for i in range(24) if dl.dataset.index.key(i).startswith("s3_0"))

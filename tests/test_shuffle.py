@@ -8,6 +8,7 @@ from shardkit.shuffle import Shuffled, parse_size, shuffle_cli, shuffle_shards
 from shardkit.shards import read_samples, sample_digests
 from shardkit.store import StoreError, open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+from conftest import main_cli
 
 
 def iter_samples(f):
@@ -177,15 +178,16 @@ def test_cli(tmp_path, pets, cli):
     assert r.returncode == 0, r.stderr
     assert "60 samples ->" in r.stdout and "(local," in r.stdout
     assert len(sample_digests(tmp_path / "out")) == 60
-    r = cli("shuffle", tmp_path / "src", tmp_path / "out")
+    # the rest through the same entry point in this process (no Python start-up per call)
+    r = main_cli("shuffle", tmp_path / "src", tmp_path / "out")
     assert r.returncode == 2 and "--overwrite" in r.stderr
-    r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--overwrite", "--shard-size", "1MB")
+    r = main_cli("shuffle", tmp_path / "src", tmp_path / "out", "--overwrite", "--shard-size", "1MB")
     assert r.returncode == 0 and open_store(tmp_path / "out").list("*.tar") == ["shuffled-00000.tar"]
-    r = cli("shuffle", tmp_path / "missing", tmp_path / "out2")
+    r = main_cli("shuffle", tmp_path / "missing", tmp_path / "out2")
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = cli("shuffle", tmp_path / "src", tmp_path / "out3", "--shard-size", "lots")
+    r = main_cli("shuffle", tmp_path / "src", tmp_path / "out3", "--shard-size", "lots")
     assert r.returncode == 2 and "cannot read size 'lots'" in r.stderr
-    assert "--shard-size" in cli("shuffle", "--help").stdout
+    assert "--shard-size" in main_cli("shuffle", "--help").stdout
 
 
 # ---- AIStore ----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ def torchrun(*args, nproc=2, timeout=120):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
 
+@pytest.mark.slow
 def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
     # uneven shards: rank 0 gets shards 0 and 2 (26 samples), rank 1 gets shard 1 (20 samples)
     shards = write_shards(tmp_path / "shards", [20, 20, 6])
@@ -50,6 +51,7 @@ def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
     assert "2 rank(s)" in r.stdout
 
 
+@pytest.mark.slow
 def test_ddp_folder_ranks_disjoint(tmp_path):
     for c in range(2):
         d = tmp_path / "tree" / "train" / f"c{c}"; d.mkdir(parents=True)
@@ -62,6 +64,7 @@ def test_ddp_folder_ranks_disjoint(tmp_path):
     assert not set(seen[0]) & set(seen[1])
 
 
+@pytest.mark.slow
 def test_ddp_too_few_shards_fails_fast(tmp_path):
     shards = write_shards(tmp_path / "shards", [10])
     t0 = time.time()
