@@ -10,6 +10,9 @@ knows nothing of nbdev's directives. So this test runs them the stock way:
   keeps it that way, and says what to do if a tutorial ever needs one (mark it `#| slow`, or teach this test to
   skip it), rather than letting nbconvert run a cell the tutorial meant never to run.
 - `SHARDKIT_QUICK=1`: each tutorial reads it in its first cell and runs test-sized (a reader gets the full size).
+- Backends: a tutorial that picks its backend in its first cells (`ON_AIS = ...`) takes the local path here, and
+  its AIStore run is tests/test_notebooks.py's. A tutorial with only a few `#| ais` cells runs once, here, with
+  the session's cluster: that run covers its local steps and its AIStore cells.
 - The kernel is `python3`, pointed at this interpreter with `shardkit.lab.write_kernel`, so a kernel spec that
   another tool registered on the machine cannot change what is tested.
 """
@@ -17,10 +20,13 @@ import json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 import pytest
+from test_notebooks import tutorial_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "nbs" / "tutorials"
 NBS = sorted(TUTORIALS.glob("*.ipynb"))
+ON_AIS = [p for p in NBS if tutorial_backends(p) == "ais cells"]  # run once, on AIStore: covers both paths
+LOCAL = [p for p in NBS if p not in ON_AIS]
 EVAL_FALSE = re.compile(r"^\s*#\|\s*eval\s*:\s*false\s*$", re.M | re.I)
 
 
@@ -54,17 +60,17 @@ def _errors(nb: dict) -> list[str]:
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("nb", NBS, ids=[p.stem for p in NBS])
-def test_tutorial_runs_in_stock_jupyter(nb, kernels, tmp_path):
+def _run_in_stock_jupyter(nb: Path, kernels: Path, tmp_path: Path, ais_endpoint: str | None = None):
+    "Execute a copy of `nb` with nbconvert in a folder of its own; check it ran every cell without an error output."
     work = tmp_path / "work"  # a copy in a folder of its own: its data/ goes there, never shared with another run
     work.mkdir()
     shutil.copy(nb, work / nb.name)
-    env = {**os.environ, "JUPYTER_PATH": os.pathsep.join(filter(None, [str(kernels), os.environ.get("JUPYTER_PATH")])),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "PYTHONWARNINGS": "ignore:pkg_resources is deprecated:UserWarning",
-           "SHARDKIT_QUICK": "1"}  # test-sized: fewer images, fewer epochs and rounds; every step and check still runs
+    env = {k: v for k, v in os.environ.items() if k != "AIS_ENDPOINT"}
+    env.update({"JUPYTER_PATH": os.pathsep.join(filter(None, [str(kernels), os.environ.get("JUPYTER_PATH")])),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                "PYTHONWARNINGS": "ignore:pkg_resources is deprecated:UserWarning",
+                "SHARDKIT_QUICK": "1"})  # test-sized: fewer images, fewer epochs and rounds; every step and check still runs
+    if ais_endpoint: env["AIS_ENDPOINT"] = ais_endpoint
     cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir", str(tmp_path),
            "--ExecutePreprocessor.kernel_name=python3", "--ExecutePreprocessor.timeout=1200", str(work / nb.name)]
     t0 = time.time()
@@ -78,3 +84,19 @@ def test_tutorial_runs_in_stock_jupyter(nb, kernels, tmp_path):
     assert not _errors(executed), f"{nb.name}: error outputs: {_errors(executed)}"
     code = [c for c in executed["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
     assert code and all(c.get("execution_count") for c in code), f"{nb.name}: cells left unexecuted"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("nb", LOCAL, ids=[p.stem for p in LOCAL])
+def test_tutorial_runs_in_stock_jupyter(nb, kernels, tmp_path):
+    "On the embedded default: each step of a per-backend tutorial takes the local path (its AIStore run is test_notebooks')."
+    _run_in_stock_jupyter(nb, kernels, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("nb", ON_AIS, ids=[p.stem for p in ON_AIS])
+def test_tutorial_runs_in_stock_jupyter_on_aistore(nb, kernels, tmp_path, ais_endpoint):
+    "A tutorial with a few AIStore cells runs once, with the cluster: its local steps and its AIStore cells."
+    _run_in_stock_jupyter(nb, kernels, tmp_path, ais_endpoint)

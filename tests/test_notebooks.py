@@ -76,10 +76,26 @@ def test_notebook_full_on_aistore(nb, ais_endpoint):
     run_notebook(nb, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"))
 
 
+PICKS_BACKEND = re.compile(r"^(ON_AIS|AIS) = bool\(os\.environ\.get\(\"AIS_ENDPOINT\"\)\)", re.M)
+
+
+def tutorial_backends(nb: Path) -> str:
+    """How a tutorial uses AIStore: "per backend" when its first cells pick the backend for every step (`ON_AIS =
+    bool(os.environ.get("AIS_ENDPOINT"))`), so each backend is a different run; "ais cells" when a few cells flagged
+    `#| ais` add AIStore to local steps, so one run with the cluster covers both; "local" when it has neither."""
+    cells = ["".join(c["source"]) for c in json.loads(nb.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+    if any(PICKS_BACKEND.search(s) for s in cells[:4]): return "per backend"
+    return "ais cells" if "ais" in cell_flags(nb) else "local"
+
+
+PER_BACKEND = [p for p in TUTORIALS if tutorial_backends(p) == "per backend"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nb", TUTORIALS, ids=_id)
+@pytest.mark.parametrize("nb", PER_BACKEND, ids=_id)
 def test_tutorial_on_aistore(nb, ais_endpoint, tmp_path):
-    "The tutorial's every step on AIStore, from a copy in a folder of its own (its data/ goes there too)."
+    """The tutorial's every step on AIStore, from a copy in a folder of its own (its data/ goes there too). Its local
+    run, and the one run of a tutorial with only a few `#| ais` cells, are tests/test_jupyter.py's (stock Jupyter)."""
     shutil.copy(nb, tmp_path / nb.name)
     run_notebook(tmp_path / nb.name, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"))
 
@@ -92,5 +108,16 @@ def test_flags_are_explicit():
             s = "".join(c["source"])
             if c["cell_type"] == "code" and "#| export" not in s and 'os.environ.get("AIS_ENDPOINT")' in s and "ais" not in FLAG.findall(s):
                 loose.append(f"{_id(nb)} cell {i}")
+    for nb in TUTORIALS:
+        if tutorial_backends(nb) == "per backend": continue
+        for i, c in enumerate(json.loads(nb.read_text(encoding="utf-8"))["cells"]):
+            s = "".join(c["source"])
+            if c["cell_type"] == "code" and "AIS_ENDPOINT" in s and "ais" not in FLAG.findall(s):
+                loose.append(f"{_id(nb)} cell {i}")
     assert not loose, f"cells that read AIS_ENDPOINT without the `#| ais` flag: {loose}"
+    test_eq = lambda a, b: (a == b) or pytest.fail(f"{a} != {b}")
+    test_eq({_id(p): tutorial_backends(p) for p in TUTORIALS},
+            {"tutorials/01_pets_shards.ipynb": "per backend", "tutorials/02_offload_etl.ipynb": "per backend",
+             "tutorials/03_training_loader.ipynb": "per backend", "tutorials/04_webdataset_fundamentals.ipynb": "ais cells",
+             "tutorials/05_imagenet_training.ipynb": "per backend"})
     assert {_id(p) for p in FULL} >= {"02_cluster.ipynb", "15_demo.ipynb"}, sorted(_id(p) for p in FULL)
