@@ -12,8 +12,8 @@ from braceexpand import braceexpand
 from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['ShardkitError', 'UsageError', 'StoreError', 'expand_names', 'parse_size', 'LocalStore', 'ais_endpoint', 'ais_client',
-           'AISStore', 'open_store']
+__all__ = ['ShardkitError', 'UsageError', 'StoreError', 'expand_names', 'parse_size', 'shown_path', 'LocalStore', 'ais_endpoint',
+           'ais_client', 'AISStore', 'open_store']
 
 # %% ../nbs/00_store.ipynb
 class ShardkitError(Exception):
@@ -61,16 +61,40 @@ def parse_size(size: str | int | None) -> int | None:
     return n
 
 # %% ../nbs/00_store.ipynb
+def _try(f):
+    "`f()`, or None when it fails: a deleted working directory, no home folder, a symlink loop."
+    try: return f()
+    except (OSError, RuntimeError, KeyError): return None
+
+def _inside(path: Path, base: Path | None) -> str | None:
+    "`path` relative to `base` (posix, '.' for `base` itself); None when it is not inside, or `base` is the filesystem root."
+    if base is None or base == Path(base.anchor) or not (path == base or base in path.parents): return None
+    return path.relative_to(base).as_posix()
+
+def shown_path(p: str | os.PathLike) -> str:
+    "`p` as people read it: relative to the working directory inside it, `~/...` inside the home folder, else as it is."
+    s = os.fspath(p) if isinstance(p, os.PathLike) else str(p)
+    if "://" in s or not os.path.isabs(s): return s  # URLs, ais:// specs, relative paths and plain text
+    path = Path(os.path.normpath(s))
+    forms = dict.fromkeys((path, _try(path.resolve) or path))  # as written, and with symlinks resolved (a store's root is)
+    cwd, home = _try(Path.cwd), _try(Path.home)
+    for q in forms:
+        if (rel := _inside(q, cwd)) is not None: return rel
+    for q in forms:
+        if (rel := _inside(q, home)) is not None: return "~" if rel == "." else f"~/{rel}"
+    return s
+
+# %% ../nbs/00_store.ipynb
 class LocalStore:
     "Objects as files under a local directory `root`."
     def __init__(self, root: str | Path): self.root = Path(root).expanduser().resolve()
     @property
     def spec(self) -> str: return str(self.root)
-    def __repr__(self): return f"LocalStore({self.spec!r})"
+    def __repr__(self): return f"LocalStore({shown_path(self.spec)!r})"
     def path(self, name: str) -> Path:
         "The local file of object `name`."
         p = (self.root / name).resolve()
-        if self.root not in p.parents: raise StoreError(f"object name {name!r} points outside the store {self.spec}")
+        if self.root not in p.parents: raise StoreError(f"object name {name!r} points outside the store {shown_path(self.spec)}")
         return p
 
 # %% ../nbs/00_store.ipynb
@@ -118,7 +142,7 @@ def size(self: LocalStore, name: str) -> int: return self._stat(name).st_size
 @patch
 def _stat(self: LocalStore, name):
     try: return self.path(name).stat()
-    except FileNotFoundError: raise StoreError(f"no object {name!r} in {self.spec}") from None
+    except FileNotFoundError: raise StoreError(f"no object {name!r} in {shown_path(self.spec)}") from None
 
 @patch
 def open(self: LocalStore, name: str) -> BinaryIO:
@@ -142,7 +166,7 @@ def urls(self: LocalStore, names: str | Iterable[str], etl=None) -> list[str]:
     "Paths that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
     names = _as_names(names)
     missing = [n for n in names if not self.exists(n)]
-    if missing: raise StoreError(f"{len(missing)} of {len(names)} objects are not in {self.spec}, e.g. {missing[:3]}")
+    if missing: raise StoreError(f"{len(missing)} of {len(names)} objects are not in {shown_path(self.spec)}, e.g. {missing[:3]}")
     return _etl_urls(self, names, etl) if etl is not None else [str(self.path(n)) for n in names]
 
 # %% ../nbs/00_store.ipynb
@@ -271,7 +295,7 @@ def _etl_urls(store, names: list[str], etl) -> list[str]:
     if hasattr(etl, "url_for"): return [etl.url_for(store, n) for n in names]
     if isinstance(etl, str):
         if not isinstance(store, AISStore):
-            raise StoreError(f"ETL {etl!r} by name runs inside AIStore, but {store.spec} is a local directory; "
+            raise StoreError(f"ETL {etl!r} by name runs inside AIStore, but {shown_path(store.spec)} is a local directory; "
                              "serve the transform as a sidecar (shardkit etl serve) and pass that instead")
         from aistore.sdk.etl.etl_config import ETLConfig
         return [store._obj(n).get_url(etl=ETLConfig(etl)) for n in names]
@@ -291,7 +315,7 @@ def open_store(spec: str | Path | LocalStore | AISStore, create: bool = False, e
         raise StoreError(f"unsupported store {spec!r}: use a local directory, file:///path, or ais://bucket[/prefix]")
     root = Path(spec).expanduser()
     if not root.is_dir():
-        if root.exists(): raise StoreError(f"{root} is a file, not a directory of shards")
-        if not create: raise StoreError(f"directory {root} does not exist; create it (mkdir -p {root}) or pass create=True")
+        if root.exists(): raise StoreError(f"{shown_path(root)} is a file, not a directory of shards")
+        if not create: raise StoreError(f"directory {shown_path(root)} does not exist; create it (mkdir -p {shown_path(root)}) or pass create=True")
         root.mkdir(parents=True, exist_ok=True)
     return LocalStore(root)
