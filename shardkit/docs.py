@@ -335,9 +335,10 @@ def render_quarto(nbs: str | Path, out: str | Path) -> Path:
 
 # %% ../nbs/98_docs.ipynb
 def _no_eval(cell) -> bool:
-    "Skip non-code cells and `#| eval: false` cells, as nbdev_test does."
+    "Skip non-code cells, `#| eval: false` cells (as nbdev_test does), and `#| ais` cells unless `AIS_ENDPOINT` is set."
     if cell.cell_type != "code": return True
-    return _directives(cell.source)[0].get("eval") == "false"
+    direc = _directives(cell.source)[0]
+    return direc.get("eval") == "false" or ("ais" in direc and not os.environ.get("AIS_ENDPOINT"))
 
 def execute_notebook(path: str | Path) -> bool:
     "Execute the notebook at `path` in place (in this process), keeping its outputs at 1x, shrunk; False if a cell failed."
@@ -345,6 +346,8 @@ def execute_notebook(path: str | Path) -> bool:
     from execnb.shell import CaptureShell
     path = Path(path).resolve()
     nb = read_nb(path)
+    for cell in nb.cells:
+        if not _no_eval(cell): cell.outputs = []  # execnb keeps a cell's old outputs when its new run shows nothing
     sh = CaptureShell(path, mpl_format="png")  # 1x: execnb's default, 'retina', stores twice the pixels shown
     with _cwd(path.parent):
         try: sh.run_all(nb, exc_stop=True, preproc=_no_eval)
