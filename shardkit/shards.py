@@ -15,7 +15,7 @@ from tqdm import tqdm
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext, group_by_keys
 from fastcore.basics import patch
-from .store import LocalStore, ShardkitError, StoreError, UsageError, open_store, parse_size
+from .store import LocalStore, ShardkitError, StoreError, UsageError, open_store, parse_size, shown_path
 
 # %% auto 0
 __all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError', 'SkipSample',
@@ -302,7 +302,7 @@ def count_samples(store, shard: str) -> int:
                 k, _ = split_key(ti.name)
                 if ti.isfile() and k and k != key: n += 1; key = k
     except (tarfile.TarError, EOFError) as e:
-        raise ShardError(f"shard {shard} in {store.spec} is not a readable tar ({_tar_reason(e)}); "
+        raise ShardError(f"shard {shard} in {shown_path(store.spec)} is not a readable tar ({_tar_reason(e)}); "
                          "check it with `tar tvf`, or list the good ones with a pattern") from None
     return n
 
@@ -391,14 +391,14 @@ def _save_manifest(store, m: dict):
     store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), manifest_name(m["prefix"]))
 
 def _resume_mismatch(store, prefix: str, what: str) -> StoreError:
-    return StoreError(f"cannot resume in {store.spec}: {what}; delete {manifest_name(prefix)} and its shards to start over")
+    return StoreError(f"cannot resume in {shown_path(store.spec)}: {what}; delete {manifest_name(prefix)} and its shards to start over")
 
 def _resume_point(store, old: dict | None, settings: dict) -> list[dict]:
     "The shards of a previous run to keep; raises when `store` holds a different conversion."
     if old is None: return []
     diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
     if diff:
-        raise StoreError(f"{store.spec} already holds a conversion with prefix {settings['prefix']!r} but other settings or input "
+        raise StoreError(f"{shown_path(store.spec)} already holds a conversion with prefix {settings['prefix']!r} but other settings or input "
                          f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
                          f"write to another destination or prefix, or delete {manifest_name(settings['prefix'])} and its shards")
     present = set(store.list(settings["prefix"]))
@@ -413,7 +413,7 @@ def summarize(m: dict) -> str:
     "One paragraph on what a conversion wrote and skipped."
     src = m.get("source") or {}
     sk = src.get("skipped") or {}
-    lines = [f"{m['samples']} samples in {len(m['shards'])} shards ({m['bytes'] / 1e6:.1f} MB) in {m['store']}"
+    lines = [f"{m['samples']} samples in {len(m['shards'])} shards ({m['bytes'] / 1e6:.1f} MB) in {shown_path(m['store'])}"
              + ("" if m.get("complete") else " (incomplete)")]
     if src: lines.append(f"listed {src.get('listed')}, kept {src.get('kept')}, skipped {sum(sk.values())}"
                          + (": " + ", ".join(f"{k} {v}" for k, v in sk.items()) if sk else ""))
@@ -537,7 +537,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
     old = read_manifest(store, prefix)
     shards = _resume_point(store, old, settings)
     if old and old.get("complete") and len(shards) == len(old["shards"]):
-        if progress: print(f"nothing to do: {store.spec} already holds this conversion\n" + summarize(old))
+        if progress: print(f"nothing to do: {shown_path(store.spec)} already holds this conversion\n" + summarize(old))
         return old
     m = dict(settings, store=store.spec, shards=shards, complete=False,
              samples=sum(s["samples"] for s in shards), bytes=sum(s["bytes"] for s in shards))
@@ -546,7 +546,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
     try: _feed(sink, samples, shards, maxcount, maxsize, bar, stats)
     except OSError as e:
         if e.errno != errno.ENOSPC: raise
-        raise StoreError(f"no space left on the device while writing {prefix}*.tar to {store.spec} (staging in {sink.tmpdir}): "
+        raise StoreError(f"no space left on the device while writing {prefix}*.tar to {shown_path(store.spec)} (staging in {shown_path(sink.tmpdir)}): "
                          f"{len(m['shards'])} shards ({m['bytes'] / 1e6:.1f} MB) are stored and recorded in {manifest_name(prefix)}; "
                          "free some space and run the same command again: it resumes after them") from None
     finally:
