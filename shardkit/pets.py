@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 from fastcore.script import store_true
-from .store import ShardkitError, UsageError
+from .store import ShardkitError, UsageError, shown_path
 from .shards import SkipSample, check_image, image_size, ordered_map, unsafe_name, write_shards
 from .synth import draw_animal, jpeg_bytes, png_bytes
 
@@ -149,7 +149,7 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
     old = json.loads((root / "synth.json").read_text()) if (root / "synth.json").is_file() else {}
     if (old.get("n"), old.get("seed"), bool(old.get("quirks"))) == (n, seed, quirks): return old
     if any(d.is_dir() and any(d.iterdir()) for d in (images, ann)):
-        raise PetsError(f"{root} already holds a data set (n={old.get('n', '?')}, seed={old.get('seed', '?')}); "
+        raise PetsError(f"{shown_path(root)} already holds a data set (n={old.get('n', '?')}, seed={old.get('seed', '?')}); "
                         f"remove it or choose another folder, since its files would mix with the new ones")
     for d in (images, ann / "trimaps", ann / "xmls"): d.mkdir(parents=True, exist_ok=True)
     names = [_pet_name(i) for i in range(n)]
@@ -188,8 +188,9 @@ def _reachable(host: str, port: int = 443, timeout: float = 4.0) -> bool:
     return bool(ok)
 
 def _manual_hint(root) -> str:
+    root = shown_path(root)
     return (f"download images.tar.gz and annotations.tar.gz from {PETS_URL} by hand and extract both into {root} "
-            f"(so that {Path(root) / 'images'} and {Path(root) / 'annotations'} exist), or put the two archives into "
+            f"(so that {root}/images and {root}/annotations exist), or put the two archives into "
             f"{root} and run this again; for an offline stand-in run `shardkit pets synth {root}`")
 
 # %% ../nbs/04_pets.ipynb
@@ -199,7 +200,7 @@ def download_pets(root: str | Path,        # Folder to download and extract into
     from torchvision.datasets.utils import check_integrity, download_url, extract_archive
     root = Path(root)
     if (root / "images").is_dir() and (root / "annotations" / "list.txt").is_file():
-        print(f"{root} already holds the Pet data set (images/ and annotations/list.txt)")
+        print(f"{shown_path(root)} already holds the Pet data set (images/ and annotations/list.txt)")
         return root
     root.mkdir(parents=True, exist_ok=True)
     todo = [(u, md5) for u, md5 in PETS_ARCHIVES if not check_integrity(str(root / u.rsplit("/", 1)[1]), md5)]
@@ -225,17 +226,18 @@ def pet_records(root: str | Path, split: str = "all") -> list[tuple[str, int, in
     if split not in PET_SPLITS: raise PetsError(f"unknown split {split!r}; use one of {', '.join(PET_SPLITS)}")
     path = Path(root) / "annotations" / PET_SPLITS[split]
     if not path.is_file():
-        raise PetsError(f"{path} not found: {root} is not an Oxford-IIIT Pet folder; run `shardkit pets synth {root}` "
+        root = shown_path(root)
+        raise PetsError(f"{shown_path(path)} not found: {root} is not an Oxford-IIIT Pet folder; run `shardkit pets synth {root}` "
                         f"or `shardkit pets download {root}`")
     recs, seen = [], set()
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"): continue
         f = line.split()
         if len(f) != 4 or not all(x.isdigit() for x in f[1:]):
-            raise PetsError(f"{path}:{i}: expected 'IMAGE CLASS-ID SPECIES BREED-ID', got {line!r}")
-        if f[0] in seen: raise PetsError(f"{path}:{i}: image {f[0]!r} is listed twice")
+            raise PetsError(f"{shown_path(path)}:{i}: expected 'IMAGE CLASS-ID SPECIES BREED-ID', got {line!r}")
+        if f[0] in seen: raise PetsError(f"{shown_path(path)}:{i}: image {f[0]!r} is listed twice")
         if "/" in f[0] or "\\" in f[0] or unsafe_name(f[0]):
-            raise PetsError(f"{path}:{i}: image name {f[0]!r} is a path, not a file name; list.txt names files in images/")
+            raise PetsError(f"{shown_path(path)}:{i}: image name {f[0]!r} is a path, not a file name; list.txt names files in images/")
         seen.add(f[0])
         recs.append((f[0], int(f[1]), int(f[2]), int(f[3])))
     return sorted(recs, key=lambda r: _natural(r[0]))
@@ -372,7 +374,7 @@ def pets_synth_cli(root: str,                # Folder to write the data set into
                    workers: int = 2):        # Processes drawing images
     "Write a synthetic data set in the Oxford-IIIT Pet layout."
     plan = synthesize_pets(root, n=n, seed=seed, quirks=quirks, workers=workers, progress=True)
-    print(f"wrote {plan['listed']} listed images of 37 breeds to {root} (seed {seed})"
+    print(f"wrote {plan['listed']} listed images of 37 breeds to {shown_path(root)} (seed {seed})"
           + (f"; planted quirks: {', '.join(plan['quirks'])}" if quirks else ""))
 
 def pets_download_cli(root: str):            # Folder to download and extract the data set into
