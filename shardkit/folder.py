@@ -12,7 +12,7 @@ from PIL import Image
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .synth import draw_animal, jpeg_bytes
-from .store import ShardkitError, UsageError, open_store, parse_size
+from .store import ShardkitError, UsageError, open_store, parse_size, shown_path
 from .shards import SkipSample, check_image, image_size, write_shards
 
 # %% auto 0
@@ -47,7 +47,7 @@ def synthesize_folder(root: str | Path,        # Folder to write train/ and val/
     jobs = [(split, c, k) for split, n in zip(FOLDER_SPLITS, (per_class, val_per_class)) for c in range(classes) for k in range(n)]
     for split in FOLDER_SPLITS:
         for name in names: (root / split / name).mkdir(parents=True, exist_ok=True)
-    for split, c, k in tqdm(jobs, desc=f"drawing {root}", unit="img", disable=not progress):
+    for split, c, k in tqdm(jobs, desc=f"drawing {shown_path(root)}", unit="img", disable=not progress):
         _draw_file(root / split / names[c] / f"{names[c]}_{k:05d}.jpg", split, c, k, seed, quality)
     return root
 
@@ -60,10 +60,10 @@ def folder_samples(src: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
     from torchvision.datasets.folder import find_classes, make_dataset, IMG_EXTENSIONS
     src = Path(src)
     if not src.is_dir():
-        raise FolderError(f"ImageFolder tree {src} does not exist; expected {src}/<class>/<image>.jpg "
+        raise FolderError(f"ImageFolder tree {shown_path(src)} does not exist; expected {shown_path(src)}/<class>/<image>.jpg "
                                 "(make one with `shardkit synth folder ROOT`, then use ROOT/train)")
     try: classes, class_to_idx = find_classes(str(src))
-    except FileNotFoundError: raise FolderError(f"{src} has no class subfolders; expected {src}/<class>/<image>.jpg") from None
+    except FileNotFoundError: raise FolderError(f"{shown_path(src)} has no class subfolders; expected {shown_path(src)}/<class>/<image>.jpg") from None
     return make_dataset(str(src), class_to_idx, extensions=IMG_EXTENSIONS), classes
 
 # %% ../nbs/05_folder.ipynb
@@ -110,7 +110,7 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
     if maxcount < 1: raise UsageError(f"maxcount must be positive, got {maxcount}")
     maxsize = parse_size(maxsize) or 10**15
     pairs, classes = folder_samples(src)
-    if not pairs: raise FolderError(f"{src} holds no images in its class folders {classes[:3]}...")
+    if not pairs: raise FolderError(f"{shown_path(src)} holds no images in its class folders {classes[:3]}...")
     skipped = Counter()
     m = write_shards(folder_shard_samples(src, shuffle, seed, skipped), dest, prefix=prefix, maxcount=maxcount,
                      maxsize=maxsize, digits=6, total=len(pairs), progress=progress,
@@ -126,7 +126,7 @@ def synth_folder_cli(root: str,               # Folder to write train/ and val/ 
                      seed: int = 0):           # Seed (the same seed gives the same files)
     "Write a synthetic ImageNet-style ImageFolder tree (train/ and val/) of learnable animals."
     synthesize_folder(root, classes, per_class, val_per_class, seed)
-    print(f"wrote {classes} classes x ({per_class} train + {val_per_class} val) images to {root}/train and {root}/val")
+    print(f"wrote {classes} classes x ({per_class} train + {val_per_class} val) images to {shown_path(root)}/train and {shown_path(root)}/val")
 
 # %% ../nbs/05_folder.ipynb
 def convert_folder_cli(src: str,                         # ImageFolder tree, e.g. ROOT/train
@@ -140,4 +140,4 @@ def convert_folder_cli(src: str,                         # ImageFolder tree, e.g
     s = convert_folder(src, dest, prefix, maxcount, maxsize, not no_shuffle, seed)
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     print(f"{s['samples']} samples of {s['classes']} classes -> {len(s['shards'])} shards "
-          f"({s['bytes'] / 1e6:.1f} MB) in {s['dest']}: {s['shards'][0]} .. {s['shards'][-1]}; skipped: {skipped}")
+          f"({s['bytes'] / 1e6:.1f} MB) in {shown_path(s['dest'])}: {s['shards'][0]} .. {s['shards'][-1]}; skipped: {skipped}")
