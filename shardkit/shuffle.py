@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.script import store_true
 from tqdm.auto import tqdm
-from .store import AISStore, LocalStore, StoreError, UsageError, open_store, parse_size
+from .store import AISStore, LocalStore, StoreError, UsageError, open_store, parse_size, shown_path
 from .shards import ShardError, _resume_point, _save_manifest, read_manifest, sha256_file, split_key, staging_dir, unsafe_name
 
 # %% auto 0
@@ -80,7 +80,7 @@ class Shuffled:
     skipped: int = 0
     def __repr__(self):
         return (f"Shuffled({len(self.names)} shards, {'?' if self.samples is None else self.samples} samples, {self.bytes / 1e6:.1f} MB "
-                f"in {self.dest} by {self.backend} in {self.seconds:.1f} s)")
+                f"in {shown_path(self.dest)} by {self.backend} in {self.seconds:.1f} s)")
 
 # %% ../nbs/06_shuffle.ipynb
 class _OutputShards:
@@ -272,20 +272,20 @@ def shuffle_shards(src,                            # Input store or spec: a dire
     src, dest = open_store(src), open_store(dest, create=True)
     names = src.list(input_template or "*.tar")
     if src.spec == dest.spec: names = [n for n in names if not n.startswith(output_prefix)]
-    if not names: raise StoreError(f"no input shards {input_template or '*.tar'!r} in {src.spec}; check the source and --input-template")
+    if not names: raise StoreError(f"no input shards {input_template or '*.tar'!r} in {shown_path(src.spec)}; check the source and --input-template")
     if backend == "dsort" and not _same_cluster(src, dest):
-        raise StoreError(f"dSort runs inside one AIStore cluster; {src.spec} -> {dest.spec} needs backend='local'")
+        raise StoreError(f"dSort runs inside one AIStore cluster; {shown_path(src.spec)} -> {shown_path(dest.spec)} needs backend='local'")
     use_dsort = backend != "local" and _same_cluster(src, dest)
     settings = _job_settings(src, names, shard_size, seed, output_prefix, "dsort" if use_dsort else "local")
     old, old_names = read_manifest(dest, output_prefix), dest.list(f"{output_prefix}*.tar")
     same = old is not None and not overwrite and all(old.get(k) == v for k, v in settings.items())
     if (old_names or old) and not same and not overwrite:
-        raise StoreError(f"{dest.spec} already holds {len(old_names)} shards named {output_prefix}*.tar from another shuffle"
+        raise StoreError(f"{shown_path(dest.spec)} already holds {len(old_names)} shards named {output_prefix}*.tar from another shuffle"
                          f"{' (e.g. ' + old_names[0] + ')' if old_names else ''}; pass overwrite=True (--overwrite) to replace them, "
                          "or another output prefix")
     keep = _resume_point(dest, old, settings) if same and not use_dsort else []
     if same and old.get("complete") and len(keep) == len(old["shards"]):
-        if progress: print(f"nothing to do: {dest.spec} already holds this shuffle ({len(keep)} shards)")
+        if progress: print(f"nothing to do: {shown_path(dest.spec)} already holds this shuffle ({len(keep)} shards)")
         return Shuffled(dest.spec, [s["name"] for s in keep], old["samples"], old["bytes"], "local (done earlier)", 0.0, old.get("skipped", 0))
     m = dict(settings, store=dest.spec, shards=keep, complete=False,
              samples=sum(s["samples"] for s in keep), bytes=sum(s["bytes"] for s in keep))
@@ -313,6 +313,6 @@ def shuffle_cli(src: str,                       # Input shards: a directory or a
     "Shuffle shards into new shards (AIStore dSort or a local equivalent)."
     res = shuffle_shards(src, dest, shard_size, seed, input_template, output_prefix, overwrite, backend, timeout=timeout)
     samples = "" if res.samples is None else f"{res.samples} samples -> "
-    print(f"{samples}{len(res.names)} shards, {res.bytes / 1e6:.1f} MB in {res.dest} "
+    print(f"{samples}{len(res.names)} shards, {res.bytes / 1e6:.1f} MB in {shown_path(res.dest)} "
           f"({res.backend}, {res.seconds:.1f} s)")
     return 0
