@@ -10,7 +10,7 @@ import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
 from PIL import Image
-from .store import StoreError, UsageError, open_store
+from .store import StoreError, UsageError, open_store, shown_path
 from .shards import IMAGENET_MEAN, IMAGENET_STD, is_image_key, incomplete_jobs, is_mask_key, list_shards, read_samples
 from fastcore.script import store_true
 
@@ -62,7 +62,7 @@ def format_listing(rows: list[dict], spec: str = "") -> str:
     lines = [f"{'shard':<{width}}  {'samples':>8}  {'size':>9}"]
     lines += [f"{r['name']:<{width}}  {r['samples']:>8}  {_mb(r['bytes']):>9}" for r in rows]
     total = f"{len(rows)} shards, {sum(r['samples'] for r in rows)} samples, {_mb(sum(r['bytes'] for r in rows))}"
-    return "\n".join(lines + [f"total: {total}" + (f" in {spec}" if spec else "")])
+    return "\n".join(lines + [f"total: {total}" + (f" in {shown_path(spec)}" if spec else "")])
 
 # %% ../nbs/07_display.ipynb
 TRIMAP_COLORS = {1: (0.1, 0.9, 0.3), 3: (1.0, 0.85, 0.0)}  # animal: green tint, outline band: yellow
@@ -117,7 +117,7 @@ def display_shard_images(store, shard: str, objects: int = 4, class_names=None, 
     "Draw the first `objects` samples of `shard` (photo with trimap overlay), titled with key and class name."
     samples = first_samples(store, shard, objects)
     if class_names is None: class_names = manifest_class_names(store)
-    if not samples: raise StoreError(f"shard {shard!r} in {open_store(store).spec} holds no samples")
+    if not samples: raise StoreError(f"shard {shard!r} in {shown_path(open_store(store).spec)} holds no samples")
     fig, axes = _grid(len(samples))
     for ax, (key, files) in zip(axes[0], samples):
         ext = next((e for e in files if is_image_key(e) and not is_mask_key(e)), None)
@@ -225,7 +225,7 @@ def _split_shard_spec(shard: str) -> tuple[str, str]:
         head, _, base = name.rpartition("/")
         return f"ais://{bucket}/{head}".rstrip("/"), base
     p = Path(shard).expanduser()
-    if not p.is_file(): raise StoreError(f"no shard file {p}; give a path to a .tar or ais://BUCKET/NAME.tar")
+    if not p.is_file(): raise StoreError(f"no shard file {shown_path(p)}; give a path to a .tar or ais://BUCKET/NAME.tar")
     return str(p.resolve().parent), p.name
 
 def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
@@ -233,8 +233,8 @@ def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
     "List the shards in a store with their samples and sizes."
     store = open_store(dest)
     rows = list_shards(store, pattern)
-    if not rows: raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the store, or pass --pattern")
-    print(format_listing(rows, dest))  # the store as the user named it
+    if not rows: raise StoreError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; check the store, or pass --pattern")
+    print(format_listing(rows, dest))  # the store as the user named it (format_listing shows it with shown_path)
     for w in incomplete_jobs(store): print(f"warning: {w}", file=sys.stderr)
 
 def show_cli(shard: str,                  # Shard: a .tar path or ais://bucket/name.tar
@@ -249,4 +249,4 @@ def show_cli(shard: str,                  # Shard: a .tar path or ais://bucket/n
     fig = display_shard_images(store, name, objects)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    print(f"wrote {out}")
+    print(f"wrote {shown_path(out)}")
