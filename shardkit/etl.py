@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_etl.ipynb 3
 from __future__ import annotations
-import hashlib, importlib, importlib.util, io, json, os, random, sys, time, warnings, zlib
+import hashlib, importlib, importlib.util, io, json, logging, os, random, sys, time, warnings, zlib
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
-from .store import AISStore, ShardkitError, StoreError, UsageError, ais_client, open_store
+from .store import AISStore, ShardkitError, StoreError, UsageError, ais_client, open_store, shown_path
 from .shards import IMAGENET_MEAN, IMAGENET_STD, ShardError, field_decoder, read_samples
 
 # %% auto 0
@@ -51,7 +51,7 @@ def imagenet_val_npy(sample: dict) -> dict:
 
 def imagenet_train_uint8(sample: dict) -> dict:
     "Compact: the training crop and flip as a uint8 HWC `npy` (4x smaller than float32); normalise on the client."
-    sample["npy"] = np.asarray(_tv("train_crop")(_rgb(sample.pop("jpg"))), dtype=np.uint8)
+    sample["npy"] = np.array(_tv("train_crop")(_rgb(sample.pop("jpg"))), dtype=np.uint8)  # writable: asarray of an image is read-only
     return sample
 
 def imagenet_train_jpg(sample: dict) -> dict:
@@ -230,6 +230,13 @@ async def _etl_error_status(request, exc):
     if isinstance(exc.__cause__, (ETLError, ShardError)): return PlainTextResponse(str(exc.__cause__) + "\n", status_code=422)
     return await http_exception_handler(request, exc)
 
+def _bad_input_in_one_line(record: logging.LogRecord) -> bool:
+    "Log filter: a transform error caused by the input (a bad shard or sample) is logged as one line, without a traceback."
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, (ETLError, ShardError)):
+        record.msg, record.args, record.exc_info, record.exc_text = f"refused with HTTP 422: {exc}", (), None, None
+    return True
+
 class ShardETLServer(FastAPIServer):
     "An AIStore ETL server (the SDK's FastAPIServer) whose transform is `ShardTransform(sample_fn)`; see `etl_server_class`."
     sample_fn, decode, strict, seed = None, "pil", False, None
@@ -240,6 +247,7 @@ class ShardETLServer(FastAPIServer):
         self.shards = ShardTransform(type(self).sample_fn, self.decode, "strict" if self.strict else "skip", self.seed)
         from starlette.exceptions import HTTPException
         self.app.add_exception_handler(HTTPException, _etl_error_status)
+        self.logger.addFilter(_bad_input_in_one_line)  # one filter per logger, however many servers share it
 
     async def startup_event(self):
         await super().startup_event()
@@ -330,7 +338,7 @@ def _run_locally(shards: ShardTransform, src, dest, names: list[str], workers: i
     done = done or (lambda r: None)
     import cloudpickle
     payload, results = cloudpickle.dumps(shards), []
-    bar = tqdm(total=len(names), desc=f"etl {src.spec} -> {dest.spec}", unit="shard", disable=not progress)
+    bar = tqdm(total=len(names), desc=f"etl {shown_path(src.spec)} -> {shown_path(dest.spec)}", unit="shard", disable=not progress)
     if workers <= 1:
         _worker_init(payload, src.spec, dest.spec)
         for n in names: results.append(_worker_run(n)); done(results[-1]); bar.update()
@@ -386,7 +394,7 @@ def _done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
     if old is None: return {}
     diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
     if diff:
-        raise StoreError(f"{store.spec} holds the output of another ETL run ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
+        raise StoreError(f"{shown_path(store.spec)} holds the output of another ETL run ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
                          f"write to another destination, or delete {MANIFEST} and its shards to start over")
     return {sh["name"]: sh for sh in old.get("shards", []) if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
 
@@ -433,9 +441,9 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
         return run_etl_dask(fn, src, dest, pattern, decode, strict, seed, scheduler=scheduler, workers=workers, progress=progress)
     if scheduler is not None: raise UsageError("scheduler= needs engine='dask'")
     src_store, dest_store = open_store(src), open_store(dest, create=True)
-    if src_store.spec == dest_store.spec: raise ETLError(f"source and destination are the same store ({src_store.spec}); pick another destination")
+    if src_store.spec == dest_store.spec: raise ETLError(f"source and destination are the same store ({shown_path(src_store.spec)}); pick another destination")
     names = src_store.list(pattern)
-    if not names: raise ETLError(f"no shards matching {pattern!r} in {src_store.spec}; check the pattern (shardkit ls {src_store.spec})")
+    if not names: raise ETLError(f"no shards matching {pattern!r} in {shown_path(src_store.spec)}; check the pattern (shardkit ls {shown_path(src_store.spec)})")
     t0, why_local = time.perf_counter(), None
     if isinstance(src_store, AISStore) and isinstance(dest_store, AISStore) and src_store.endpoint == dest_store.endpoint:
         why_local = etl_unavailable(src_store.client)
@@ -455,7 +463,7 @@ def etl_run_cli(fn: str,                      # The sample function, MODULE:FUNC
                 scheduler: str = None):       # With --engine dask: tcp://HOST:8786 (default: a LocalCluster of --workers)
     "Transform every shard of a store into another store, resumably (AIStore's bucket transform where the cluster runs ETL)."
     s = run_etl(fn, src, dest, pattern, workers, None if raw else "pil", strict, seed, engine=engine, scheduler=scheduler)
-    line = f"{s['written']} of {s['shards']} shards written to {s['dest']} ({s['way']}, {s['seconds']} s)"
+    line = f"{s['written']} of {s['shards']} shards written to {shown_path(s['dest'])} ({s['way']}, {s['seconds']} s)"
     if "samples_in" in s:
         why = ", ".join(f"{n} {r}" for r, n in s["reasons"].items())
         line += (f"; samples: {s['samples_in']} in, {s['samples_out']} out, {s['skipped']} skipped" + (f" ({why})" if why else "")
