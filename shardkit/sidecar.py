@@ -11,7 +11,7 @@ from urllib.parse import quote
 import requests
 from fastcore.basics import patch
 from fastcore.script import store_true
-from .store import AISStore, LocalStore, StoreError, UsageError, open_store
+from .store import AISStore, LocalStore, StoreError, UsageError, open_store, shown_path
 from .etl import ETLError, ShardETLServer, _one_torch_thread, etl_server_class, resolve_fn
 
 # %% auto 0
@@ -60,7 +60,7 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
     store, port = open_store(source), _check_port(port)
     if not _loopback(host):
         warnings.warn(f"the sidecar listens on {host}: anyone who reaches port {port} there can read transformed shards of "
-                      f"{store.spec}; bind 127.0.0.1 unless that is what you want")
+                      f"{shown_path(store.spec)}; bind 127.0.0.1 unless that is what you want")
     if isinstance(store, AISStore): target = f"{store.endpoint}/v1/objects"  # GET {target}/{bucket}/{object}
     else: target = f"http://{_local_url(host)}:{port}/_source"
     old = os.environ.get("AIS_TARGET_URL")
@@ -123,7 +123,7 @@ class Sidecar:
 
     @property
     def url(self) -> str: return f"http://{_local_url(self.host)}:{self.port}"
-    def __repr__(self): return f"Sidecar({getattr(self.fn, '__name__', self.fn)!r} on {self.url}, source={self.source.spec!r})"
+    def __repr__(self): return f"Sidecar({getattr(self.fn, '__name__', self.fn)!r} on {self.url}, source={shown_path(self.source.spec)!r})"
 
 # %% ../nbs/09_sidecar.ipynb
 @patch
@@ -143,7 +143,7 @@ def http_url(self: Sidecar, store, name: str) -> str:
         return f"{self.url}/{quote(store.bucket.name)}/{quote(store.prefix + name)}"
     if isinstance(store, LocalStore) and isinstance(src, LocalStore) and store.root == src.root:
         return f"{self.url}/{quote(name)}"
-    raise StoreError(f"this sidecar serves {src.spec}, not {store.spec}; start one with source={store.spec!r}")
+    raise StoreError(f"this sidecar serves {shown_path(src.spec)}, not {shown_path(store.spec)}; start one with source={shown_path(store.spec)!r}")
 
 @patch
 def urls(self: Sidecar, names) -> list[str]:
@@ -246,5 +246,5 @@ def etl_serve_cli(fn: str,                  # The sample function, MODULE:FUNCTI
     store = open_store(source)
     example = store.list("*.tar")[:1] or ["NAME.tar"]
     path = f"{store.bucket.name}/{store.prefix}{example[0]}" if isinstance(store, AISStore) else example[0]
-    print(f"serving {fn} on http://{_local_url(host)}:{port} in front of {store.spec}; e.g. http://{_local_url(host)}:{port}/{path}", flush=True)
+    print(f"serving {fn} on http://{_local_url(host)}:{port} in front of {shown_path(store.spec)}; e.g. http://{_local_url(host)}:{port}/{path}", flush=True)
     serve(fn, store, host, port, None if raw else "pil", strict, seed, log_level="info")
