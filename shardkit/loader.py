@@ -18,7 +18,7 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
-from .store import ShardkitError, UsageError, open_store
+from .store import ShardkitError, UsageError, open_store, shown_path
 from .jpeg import EncodedJpeg, JpegError, window_decoding
 from .shards import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_mask_key, url_samples
 
@@ -37,7 +37,7 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
     "URLs of the shards in `sources`: a store, a store spec (directory, `ais://bucket`), a brace template, or a list of URLs."
     if hasattr(sources, "urls") and hasattr(sources, "list"):
         names = sources.list(pattern)
-        if not names: raise LoaderError(f"no shards matching {pattern!r} in {sources.spec}; convert some first (shardkit convert pets)")
+        if not names: raise LoaderError(f"no shards matching {pattern!r} in {shown_path(sources.spec)}; convert some first (shardkit convert pets)")
         return sources.urls(names)
     if isinstance(sources, (str, os.PathLike)):
         s = str(sources)
