@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from .cluster import shardkit_home
 from .loader import IMAGE_EXTS, TrainTransform, collate, rank_and_world, sample_to_tuple, seed_for, train_transform
 from .shards import split_key
-from .store import AISStore, ShardkitError, UsageError, open_store
+from .store import AISStore, ShardkitError, UsageError, open_store, shown_path
 
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'PICKLE_EXTS', 'RandomAccessError', 'scan_tar', 'group_members', 'index_cache_dir', 'index_tar',
@@ -42,7 +42,7 @@ def scan_tar(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
                 if not ti.isreg() or _META.match(ti.name): continue
                 names.append(ti.name); offsets.append(ti.offset_data); sizes.append(ti.size)
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise RandomAccessError(f"shard {path} is not a readable tar ({type(e).__name__}: {e}); "
+        raise RandomAccessError(f"shard {shown_path(path)} is not a readable tar ({type(e).__name__}: {e}); "
                                 "check it with `tar tvf` or rewrite it") from None
     return names, np.array(offsets, np.int64), np.array(sizes, np.int64)
 
@@ -83,7 +83,7 @@ def _cache_path(path: Path, cache_dir: Path) -> Path:
 def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
     "The sample index of local tar `path` (see `group_members`), cached (in `cache`, if a folder) by path, size and mtime."
     path = Path(path)
-    if not path.is_file(): raise RandomAccessError(f"shard {path} does not exist; list the shards again")
+    if not path.is_file(): raise RandomAccessError(f"shard {shown_path(path)} does not exist; list the shards again")
     cfile = _cache_path(path, index_cache_dir() if cache is True else Path(cache)) if cache else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}
@@ -95,7 +95,7 @@ def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
             np.savez(tmpf, **g)
             os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
         except OSError as e:
-            warnings.warn(f"cannot cache the index of {path} in {cfile.parent} ({e.strerror}); it is rebuilt every run. "
+            warnings.warn(f"cannot cache the index of {shown_path(path)} in {shown_path(cfile.parent)} ({e.strerror}); it is rebuilt every run. "
                           "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
     return g
 
@@ -128,7 +128,7 @@ class SampleIndex:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.shard, self.offset, self.size, self.keys, self.key_end) if a is not None)
     def __repr__(self):
-        return (f"SampleIndex({len(self)} samples in {len(self.shards)} shards of {self.source}, fields={self.fields}, "
+        return (f"SampleIndex({len(self)} samples in {len(self.shards)} shards of {shown_path(self.source)}, fields={self.fields}, "
                 f"{self.nbytes / max(len(self), 1):.1f} bytes/sample, keys {'in tar headers' if self.keys is None else 'in memory'})")
 
 # %% ../nbs/12_random.ipynb
@@ -188,7 +188,7 @@ class LocalReader:
         if path in self.fds: self.fds.move_to_end(path); return self.fds[path]
         if len(self.fds) >= self.max_open: os.close(self.fds.popitem(last=False)[1])
         try: self.fds[path] = os.open(path, os.O_RDONLY)
-        except OSError as e: raise RandomAccessError(f"cannot open shard {path} ({e.strerror}); was it moved?") from None
+        except OSError as e: raise RandomAccessError(f"cannot open shard {shown_path(path)} ({e.strerror}); was it moved?") from None
         return self.fds[path]
 
     def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
@@ -201,7 +201,7 @@ class LocalReader:
                 head = 512 if key is None else 0  # the first field's tar header too: it names the sample
                 data = os.pread(fd, n + head, off - head)
                 if len(data) != n + head:
-                    raise RandomAccessError(f"shard {path}: sample {i} is cut short ({len(data)} of {n + head} bytes); "
+                    raise RandomAccessError(f"shard {shown_path(path)}: sample {i} is cut short ({len(data)} of {n + head} bytes); "
                                             "the shard changed after indexing: build the loader again")
                 if head: key, data = _key_from_header(data[:512], idx.fields[0], path), data[512:]
                 row.append(data)
@@ -336,7 +336,7 @@ def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:
     for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size", flags=[ListObjectFlag.ARCH_DIR]):
         if shards and e.name.startswith(shards[-1] + "/"): members[-1].append((e.name[len(shards[-1]) + 1:], int(e.size)))
         elif e.name.endswith(ARCHIVE_EXTS): shards.append(e.name); members.append([])
-    if not shards: raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {store.spec}; upload some first")
+    if not shards: raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
     groups = [_group_listing(m, f"ais://{store.bucket.name}/{s}") for s, m in zip(shards, members)]
     idx = _select(groups, shards, fields, source=f"ais://{store.bucket.name}")
     idx.endpoint = store.endpoint
