@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from fastcore.script import store_true
 from PIL import Image
-from .store import StoreError, UsageError, open_store
+from .store import StoreError, UsageError, open_store, shown_path
 from .pets import synthesize_pets, convert_pets, pet_records, CLASS_NAMES
 from .shuffle import shuffle_shards
 from .sidecar import Sidecar
@@ -74,8 +74,8 @@ def step_data(state: DemoState, out: Path, pets: str | None, n: int, quiet: bool
     settings = dict(n=n, seed=0)
     root = Path(out) / "pets-synth"
     if (r := state.done("data", settings)) and (root / "annotations" / "list.txt").is_file():
-        _say(f"data: reusing {r['images']} synthetic Pet images in {root}", quiet); return r
-    _say(f"data: drawing {n} synthetic Pet images into {root}", quiet)
+        _say(f"data: reusing {r['images']} synthetic Pet images in {shown_path(root)}", quiet); return r
+    _say(f"data: drawing {n} synthetic Pet images into {shown_path(root)}", quiet)
     if root.exists(): shutil.rmtree(root)
     synthesize_pets(root, n=n, seed=0, workers=2, progress=not quiet)
     return state.finish("data", settings, dict(root=str(root), images=len(pet_records(root)), synthetic=True))
@@ -97,11 +97,11 @@ def step_shards(state: DemoState, data: dict, shards_spec: str, quiet: bool, fre
         except StoreError as e:
             if "already holds a conversion" not in str(e): raise
             # the demo's own store holds an earlier demo's shards of other data (another --n or --pets): replace them
-            _say(f"shards: replacing {_clear(shards, prefix)} objects {prefix}* of an earlier demo run in {shards.spec}", quiet)
+            _say(f"shards: replacing {_clear(shards, prefix)} objects {prefix}* of an earlier demo run in {shown_path(shards.spec)}", quiet)
             m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=not quiet)
         res[split] = dict(shards=len(m["shards"]), samples=m["samples"], bytes=m["bytes"])
     _say(f"shards: {res['trainval']['samples']} train samples in {res['trainval']['shards']} shards, "
-         f"{res['test']['samples']} test samples in {res['test']['shards']} shards, in {shards.spec}", quiet)
+         f"{res['test']['samples']} test samples in {res['test']['shards']} shards, in {shown_path(shards.spec)}", quiet)
     return res
 
 # %% ../nbs/15_demo.ipynb
@@ -110,10 +110,10 @@ def step_shuffle(state: DemoState, shards_spec: str, shuffled_spec: str, fingerp
     settings = dict(src=shards_spec, dest=shuffled_spec, shard_size="2MB", seed=0, input=fingerprint)
     shuffled = open_store(shuffled_spec, create=True)
     if (r := state.done("shuffle", settings)) and len(shuffled.list("train-*.tar")) == r["shards"]:
-        _say(f"shuffle: reusing {r['shards']} shuffled shards in {shuffled.spec}", quiet); return r
+        _say(f"shuffle: reusing {r['shards']} shuffled shards in {shown_path(shuffled.spec)}", quiet); return r
     res = shuffle_shards(shards_spec, shuffled, shard_size="2MB", seed=0, input_template="train-*.tar",
                          output_prefix="train-", overwrite=True, progress=not quiet)
-    _say(f"shuffle: {len(res.names)} shards in {shuffled.spec} by {res.backend} in {res.seconds:.1f} s", quiet)
+    _say(f"shuffle: {len(res.names)} shards in {shown_path(shuffled.spec)} by {res.backend} in {res.seconds:.1f} s", quiet)
     return state.finish("shuffle", settings, dict(shards=len(res.names), backend=res.backend, seconds=round(res.seconds, 1)))
 
 # %% ../nbs/15_demo.ipynb
@@ -188,16 +188,16 @@ def format_summary(r: dict) -> str:
     mb = (sh["trainval"]["bytes"] + sh["test"]["bytes"]) / 1e6
     lines = [f"shardkit demo: done in {r['seconds']:.0f} s on the {r['stores']['backend']}"
              + (f" ({os.environ.get('AIS_ENDPOINT')})" if r["stores"]["backend"] == "AIStore" else ""),
-             f"data      {d['images']} {'synthetic' if d['synthetic'] else 'real'} Oxford-IIIT Pet images, 37 breeds ({d['root']})",
+             f"data      {d['images']} {'synthetic' if d['synthetic'] else 'real'} Oxford-IIIT Pet images, 37 breeds ({shown_path(d['root'])})",
              f"shards    {sh['trainval']['samples']} train samples in {sh['trainval']['shards']} shards, {sh['test']['samples']} test samples "
-             f"in {sh['test']['shards']} shards, {mb:.1f} MB ({r['stores']['shards']})",
-             f"shuffle   {shuf['shards']} shuffled training shards by {shuf['backend']} ({r['stores']['shuffled']})",
+             f"in {sh['test']['shards']} shards, {mb:.1f} MB ({shown_path(r['stores']['shards'])})",
+             f"shuffle   {shuf['shards']} shuffled training shards by {shuf['backend']} ({shown_path(r['stores']['shuffled'])})",
              f"ETL       sidecar running {tr['etl']}: images and trimaps shrunk to 112 px before they reach the loader",
              f"loader    create_dataset + create_dataloader, {r['workers']} workers, {SIZE}-px crops, batches of {BATCH}, every sample once per epoch",
              f"training  small CNN, {r['epochs']} epochs in {tr['seconds']:.0f} s: test accuracy {tr['accuracy']:.1%} = "
              f"{tr['accuracy'] * 37:.1f}x chance (learning check >= 3x: {'met' if tr['accuracy'] * 37 >= 3 else 'not met'})"]
     if r.get("bench"): lines += ["", r["bench"]["table"]]
-    lines += ["", f"files in {r['out']}: " + ", ".join(f for f in ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt")
+    lines += ["", f"files in {shown_path(r['out'])}: " + ", ".join(f for f in ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt")
                                                         if f == "summary.txt" or (Path(r["out"]) / f).exists())]
     return "\n".join(lines)
 
