@@ -1,8 +1,11 @@
 """The repository's notebooks stay light: everyone who clones the project downloads them, and every docs reader
 loads their figures. Budgets: no image output over 200 KB, no notebook over 1 MB, all of them under 6 MB, and
 figures stored at the size they are shown (not at 2x, "retina"). `python -m shardkit.docs execute` keeps
-to this by itself; `python -m shardkit.docs shrink NOTEBOOK...` brings committed outputs back under it."""
-import base64, io, json
+to this by itself; `python -m shardkit.docs shrink NOTEBOOK...` brings committed outputs back under it.
+
+Committed outputs are also what docs readers see, so they carry no path of the machine that executed them: no
+checkout, temp or home folder, no site-packages path from a warning."""
+import base64, io, json, re, tempfile
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,37 @@ def test_all_notebooks_under_budget():
     total = sum(sizes.values())
     heaviest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
     assert total <= TOTAL_MB * 1e6, f"the notebooks weigh {total / 1e6:.1f} MB (budget {TOTAL_MB} MB); heaviest: {heaviest}"
+
+
+def _texts(nb: Path):
+    "(cell index, text) of every text a reader sees in the outputs of the notebook at `nb`: streams, results, errors."
+    join = lambda x: "".join(x) if isinstance(x, list) else str(x)
+    for i, cell in enumerate(json.loads(nb.read_text(encoding="utf-8"))["cells"]):
+        for out in cell.get("outputs", []):
+            if "text" in out: yield i, join(out["text"])
+            for mime, data in out.get("data", {}).items():
+                if mime.startswith("text/"): yield i, join(data)
+            if "evalue" in out: yield i, out["evalue"]
+            if "traceback" in out: yield i, "\n".join(out["traceback"])
+
+
+def _machine_paths() -> re.Pattern:
+    "Paths that belong to one machine: this checkout, temp and home folders (here and elsewhere), site-packages."
+    here = [str(ROOT), tempfile.gettempdir().rstrip("/") + "/", str(Path.home()).rstrip("/") + "/"]
+    here = [re.escape(p) for p in here if p.strip("/")]  # a home or temp folder of "/" names nothing
+    anywhere = [r"/tmp/", r"/var/folders/", r"/private/var/", r"/root/", r"/home/[^/\s]+/", r"/Users/[^/\s]+/", r"site-packages/"]
+    return re.compile(r"(?<![\w.:/])(?:" + "|".join(here + anywhere) + ")")
+
+
+MACHINE_PATHS = _machine_paths()
+PATH_FIX = ("show paths with `shardkit.store.shown_path` (relative to the working directory), write scratch data under "
+            "the notebook's git-ignored data/ folder instead of a temp folder, fix or precisely silence warnings that print "
+            "a library's path; then re-execute it with `python -m shardkit.docs execute NOTEBOOK.ipynb`")
+
+
+@pytest.mark.parametrize("nb", NBS, ids=[p.relative_to(ROOT / "nbs").as_posix() for p in NBS])
+def test_outputs_show_no_machine_paths(nb):
+    "A committed output that shows /tmp/tmpab12cd/shards or the checkout's path tells readers about one machine only."
+    found = [f"cell {i}: ...{t[max(0, m.start() - 40):m.end() + 40]!r}..."
+             for i, t in _texts(nb) for m in [MACHINE_PATHS.search(t)] if m]
+    assert not found, f"{nb.relative_to(ROOT)} shows paths of the machine that executed it: {found[:5]}; {PATH_FIX}"
