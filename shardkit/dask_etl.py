@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 from tqdm.auto import tqdm
-from .store import ShardkitError, UsageError, open_store
+from .store import ShardkitError, UsageError, open_store, shown_path
 from .etl import MANIFEST, ShardTransform, _done_shards, _settings, _write_manifest, read_etl_manifest, resolve_fn, run_etl
 
 # %% auto 0
@@ -120,9 +120,9 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
     "Transform every shard of `src` matching `pattern` into `dest` (same names) with one Dask task per shard; a summary."
     src_store, dest_store = open_store(src), open_store(dest, create=True)
     if src_store.spec == dest_store.spec and _endpoint(src_store) == _endpoint(dest_store):
-        raise UsageError(f"source and destination are the same store ({src_store.spec}); pick another destination")
+        raise UsageError(f"source and destination are the same store ({shown_path(src_store.spec)}); pick another destination")
     names = [n for n in src_store.list(pattern) if n != MANIFEST]
-    if not names: raise UsageError(f"no shards matching {pattern!r} in {src_store.spec}")
+    if not names: raise UsageError(f"no shards matching {pattern!r} in {shown_path(src_store.spec)}")
     shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
     settings = _settings(fn, src_store, decode, seed)
     done = _done_shards(dest_store, read_etl_manifest(dest_store), settings)
@@ -130,7 +130,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
     t0, results, failed, where = time.perf_counter(), {}, {}, None
     if not todo: return _summary(src_store, dest_store, names, done, results, failed, t0, where)
     client, close = _connect(scheduler, workers)  # before the manifest is touched: a bad address changes nothing
-    bar = tqdm(total=len(names), initial=len(done), desc=f"dask etl {src_store.spec} -> {dest_store.spec}",
+    bar = tqdm(total=len(names), initial=len(done), desc=f"dask etl {shown_path(src_store.spec)} -> {shown_path(dest_store.spec)}",
                unit="shard", disable=not progress)
     try:
         where = dict(scheduler=client.scheduler.address, dashboard=_dashboard_link(client))
@@ -151,7 +151,7 @@ def _summary(src, dest, names, done, results, failed, t0, where) -> dict:
     counts, reasons = Counter(), Counter()
     for r in results.values(): counts.update(r["counts"]); reasons.update(r["reasons"])
     if failed:
-        warnings.warn(f"{len(failed)} of {len(names)} shards failed: {', '.join(sorted(failed))}; {MANIFEST} in {dest.spec} "
+        warnings.warn(f"{len(failed)} of {len(names)} shards failed: {', '.join(sorted(failed))}; {MANIFEST} in {shown_path(dest.spec)} "
                       "lists them as missing: fix the transform and run again to write only those", stacklevel=3)
     return dict(way="dask", src=src.spec, dest=dest.spec, shards=len(names), written=len(results), resumed=len(done),
                 failed=failed, samples_in=counts["in"], samples_out=counts["out"], skipped=counts["skipped"],
