@@ -15,7 +15,7 @@ import webdataset as wds
 from fastcore.script import store_true
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
-from .store import ShardkitError, UsageError, open_store
+from .store import ShardkitError, UsageError, open_store, shown_path
 from .shards import IMAGENET_MEAN, IMAGENET_STD
 from .pets import CHECKS, convert_pets
 from .etl import _rgb, _tv, to_tensor
@@ -113,7 +113,7 @@ def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
     "Samples/s and MB/s of the AIStore post's plain loop and of `convert_pets` on the same input, and the ratios."
     root = Path(root)
     if not (root / "annotations" / "list.txt").is_file():
-        raise BenchError(f"{root} is not an Oxford-IIIT Pet folder (no annotations/list.txt); run `shardkit pets synth {root}` first")
+        raise BenchError(f"{shown_path(root)} is not an Oxford-IIIT Pet folder (no annotations/list.txt); run `shardkit pets synth {shown_path(root)}` first")
     for p in list((root / "images").iterdir()) + list((root / "annotations" / "trimaps").iterdir()): p.read_bytes()  # warm the page cache
     runs = {"AIStore post's loop (no checks)": None}
     runs.update({f"convert_pets (check={c}, {workers} workers)": c for c in checks})
@@ -196,7 +196,7 @@ def bench_etl(src, pattern: str = "*.tar", repeat: int = 1) -> list[dict]:
     "Client-side against offloaded (sidecar) training transforms on the shards of `src`: one row per path."
     store = open_store(src)
     names = store.list(pattern)
-    if not names: raise BenchError(f"no shards matching {pattern!r} in {store.spec}; check the pattern (shardkit ls {store.spec})")
+    if not names: raise BenchError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; check the pattern (shardkit ls {shown_path(store.spec)})")
     _tv("train")  # build the torchvision pipeline before timing
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker; a busy-waiting thread pool would inflate the client's CPU
@@ -232,7 +232,7 @@ def bench_etl_cli(src: str,               # Store with ImageNet-style shards (NA
     "Benchmark client-side against offloaded (sidecar) transforms: samples/s, client CPU per sample, bytes per sample."
     rows = bench_etl(src, pattern, repeat)
     n, shards = rows[0]["samples"], len(open_store(src).list(pattern))
-    print(f"{n} samples in {shards} shards of {open_store(src).spec}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    print(f"{n} samples in {shards} shards of {shown_path(open_store(src).spec)}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
           + ("; small shards: the per-shard cost (a curl process, a request) weighs on every sample" if n / shards < 100 else ""))
     print(etl_table(rows))
 
@@ -320,7 +320,7 @@ def prepare_bench_data(urls: Sequence[str], samples: int = 2000, cache: str | Pa
         finally: shutil.rmtree(part, ignore_errors=True)
     meta = json.loads((root / "data.json").read_text())
     n = int(sum(meta["hist"]))
-    if not n: raise BenchError(f"no samples in the {len(urls)} shards starting with {urls[0]}")
+    if not n: raise BenchError(f"no samples in the {len(urls)} shards starting with {shown_path(urls[0])}")
     return BenchData(urls, max(1, -(-samples // n)), meta["fields"], meta["hist"], root)
 
 # %% ../nbs/14_bench.ipynb
@@ -799,10 +799,10 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
     if samples < 1: raise UsageError(f"--samples must be >= 1, got {samples}")
     urls = shard_urls(src)
     missing = [u for u in urls if "://" not in u and not Path(u).exists()]
-    if missing: raise BenchError(f"{len(missing)} shard(s) do not exist, e.g. {missing[0]}; check SRC")
+    if missing: raise BenchError(f"{len(missing)} shard(s) do not exist, e.g. {shown_path(missing[0])}; check SRC")
     res = bench_loader(urls, num_workers=workers, cold=cold, repeats=repeats, max_shards=max_shards, samples=samples,
                        peers=peers, cache=cache or None)
     print(loader_table(res))
     plot_bench(res, out)
-    print(f"plot: {out}")
+    print(f"plot: {shown_path(out)}")
     return res
