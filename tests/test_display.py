@@ -12,6 +12,7 @@ from PIL import Image
 from shardkit.display import (class_name, display_loader_images, display_shard_images, shard_listing, show_image_tensor,
                               to_hwc, trimap_overlay, view_data)
 from shardkit.pets import CLASS_NAMES
+from shardkit.store import shown_path
 from shardkit.shards import IMAGENET_MEAN, IMAGENET_STD, count_samples, list_shards, read_samples, write_shards
 from shardkit.store import StoreError, open_store
 from conftest import main_cli
@@ -96,7 +97,7 @@ def test_show_cli_writes_a_readable_png(tmp_path, cli, out_dir):
     out = out_dir / "show_part-001.png"
     r = cli("show", store.path("part-001.tar"), "--out", out, "--objects", "3", "--listing")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "img006.image.jpg" in r.stdout and f"wrote {out}" in r.stdout
+    assert "img006.image.jpg" in r.stdout and f"wrote {shown_path(out)}" in r.stdout  # the CLI runs in this working directory
     im = Image.open(out)
     assert im.format == "PNG" and 500 < im.width < 1200 and im.height < 500  # small enough for a docs page
     assert np.asarray(im.convert("L")).std() > 10  # not a blank canvas
