@@ -1,6 +1,8 @@
 """Shared fixtures: a real local AIStore cluster for the session, a way to run the CLI, headless Chromium; and the
 two tiers. `slow` marks notebooks, AIStore, browsers, torchrun, the demo and benchmarks (pytest.ini); every test
-that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier."""
+that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier, run in
+two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's fast-test command); the whole suite runs serially on
+2 cores (a second worker starves the local cluster's nodes there), and with `--dist loadgroup` on bigger machines."""
 import contextlib, os, shutil, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
@@ -17,13 +19,16 @@ def _free_base_port(start=28080, step=10, nodes=4):
     raise RuntimeError("no free ports for a local AIStore cluster")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    "Tests on the session's AIStore are slow, and share one worker under pytest-xdist (one cluster per session)."
+    """Tests on the session's AIStore are slow, and share one worker under pytest-xdist (`--dist loadgroup`): one
+    cluster per session. Tests with a wall-clock bound (`timed`) share another, so no two of them run at once."""
     for item in items:
         if "ais_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("aistore"))
+        elif item.get_closest_marker("timed"):
+            item.add_marker(pytest.mark.xdist_group("timed"))
 
 
 class _OneRunPerNotebook:
@@ -47,9 +52,14 @@ def ais_cluster(tmp_path_factory):
     """A real local AIStore (1 proxy, 2 targets, dSort built in) for the whole session.
     Skips with a how-to when it cannot start, unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure."""
     from shardkit.cluster import ais_up, ais_down
-    root = tmp_path_factory.mktemp("ais")
+    root, port = tmp_path_factory.mktemp("ais"), _free_base_port()
     try:
-        endpoint = ais_up(targets=2, root=root, port=_free_base_port(), quiet=True)
+        try: endpoint = ais_up(targets=2, root=root, port=port, quiet=True)
+        except Exception as e:  # a port taken between the check and the bind (another program): once more, elsewhere
+            if "address already in use" not in str(e): raise
+            ais_down(root, wipe=True, quiet=True)
+            root = tmp_path_factory.mktemp("ais")
+            endpoint = ais_up(targets=2, root=root, port=_free_base_port(start=port + 100), quiet=True)
     except Exception as e:
         msg = f"local AIStore could not start: {e}"
         if os.environ.get("SHARDKIT_REQUIRE_AIS") == "1": pytest.fail(msg)

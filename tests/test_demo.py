@@ -6,6 +6,7 @@ import pytest
 FILES = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt", "demo-state.json")
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     out = tmp_path / "demo"

@@ -123,6 +123,7 @@ def test_raising_transform_skipped_and_counted_or_strict(src, tmp_path, transfor
     assert len(got) == 12 - bad and stage.counts["skipped"] == bad
 
 
+@pytest.mark.timed
 def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
     data = src.read_bytes("imagenet-train-000001.tar")
     with pytest.raises(ShardError, match="shard imagenet-train-000001.tar is not a readable tar"):
@@ -143,6 +144,7 @@ def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
         assert time.time() - t0 < 10
 
 
+@pytest.mark.timed
 def test_sidecar_stopped_mid_epoch_fails_fast(src):
     sc = Sidecar("shardkit.etl:imagenet_val_npy", src).start()
     urls = src.urls(src.list("*.tar"), etl=sc)
@@ -157,6 +159,7 @@ def test_sidecar_stopped_mid_epoch_fails_fast(src):
     assert sc.url in str(err.value.args), err.value.args  # the error names the sidecar URL of the shard
 
 
+@pytest.mark.timed
 def test_stalled_sidecar_times_out_instead_of_hanging(src):
     "A sidecar that stops answering (SIGSTOP: connections still open) fails the loader after stall_timeout seconds."
     import signal

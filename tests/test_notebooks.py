@@ -17,9 +17,10 @@ so the two never share a `data/` folder.
 
 Every run is test-sized with `SHARDKIT_QUICK=1`: the notebooks that do heavy work read it in their first cells and
 use fewer images, epochs or rounds (a reader gets the full size); every step and every check still runs."""
-import json, os, re, shutil, subprocess, sys
+import json, os, re, shutil
 from pathlib import Path
 import pytest
+from notebook_runner import run_notebook_process
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS_DIR = ROOT / "nbs"
@@ -44,13 +45,10 @@ FULL = [p for p in LIBRARY if FLAGS[p]]
 
 
 def run_notebook(nb: Path, env: dict, force: tuple[str, ...] = ()) -> None:
-    "Run `nb` the nbdev way in a fresh process, test-sized: flagged cells skipped unless their flag is in `force`."
-    code = ("import sys; from pathlib import Path; from nbdev.test import test_nb; "
-            "ok, t = test_nb(Path(sys.argv[1]), skip_flags=['slow', 'ais'], force_flags=sys.argv[2:], do_print=False); "
-            "sys.exit(0 if ok else 1)")
-    r = subprocess.run([sys.executable, "-c", code, str(nb), *force], capture_output=True, text=True, timeout=1500,
-                       cwd=nb.parent, env={**env, "SHARDKIT_QUICK": "1"}, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, f"{nb.name} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+    """Run `nb` the nbdev way in a fresh process (forked warm: tests/notebook_runner.py), test-sized: flagged cells
+    skipped unless their flag is in `force`."""
+    rc, out = run_notebook_process(nb, {**env, "SHARDKIT_QUICK": "1"}, force=force)
+    assert rc == 0, f"{nb.name} failed (exit status {rc}):\n{out[-12000:]}"
 
 
 def _local_env() -> dict: return {k: v for k, v in os.environ.items() if k != "AIS_ENDPOINT"}

@@ -251,6 +251,7 @@ def test_cli_bad_input(quirky, tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
+@pytest.mark.timed
 def test_download_fails_fast_offline(tmp_path, capsys):
     if pets._reachable("www.robots.ox.ac.uk", timeout=2):
         pytest.skip("this machine reaches www.robots.ox.ac.uk; the offline path cannot be tested here")

@@ -54,6 +54,7 @@ def test_ais_missing_bucket_says_how_to_create(ais_endpoint):
         open_store("ais://no-such-bucket")
 
 
+@pytest.mark.timed
 def test_unreachable_endpoint_fails_fast(monkeypatch):
     monkeypatch.setenv("AIS_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     t0 = time.time()

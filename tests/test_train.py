@@ -64,6 +64,7 @@ def test_ddp_folder_ranks_disjoint(tmp_path):
     assert not set(seen[0]) & set(seen[1])
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_ddp_too_few_shards_fails_fast(tmp_path):
     shards = write_shards(tmp_path / "shards", [10])

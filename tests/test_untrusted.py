@@ -90,6 +90,7 @@ def test_links_out_of_the_data_set_are_skipped(pets, tmp_path):
     assert "Abyssinian_1" not in sample_digests(tmp_path / "out")
 
 
+@pytest.mark.timed
 def test_decompression_bomb_is_a_counted_skip(pets, tmp_path):
     bomb = io.BytesIO()
     Image.new("L", (20000, 20000)).save(bomb, "PNG")  # a few hundred KB on disk, 400 M pixels decoded
@@ -100,6 +101,7 @@ def test_decompression_bomb_is_a_counted_skip(pets, tmp_path):
     assert time.monotonic() - t0 < 120  # no 400 MB decode per check
 
 
+@pytest.mark.timed
 def test_listed_names_are_not_templates(tmp_path):
     "A file literally named odd-{0..3000000}.tar is one shard, not three million."
     from shardkit.loader import create_dataset
@@ -259,6 +261,7 @@ def test_sidecar_makes_no_call_outs(sidecar):
     finally: srv.shutdown()
 
 
+@pytest.mark.timed
 def test_sidecar_port_is_checked_fast(etl_src):
     t0 = time.monotonic()
     assert cli_main(["etl", "serve", "shardkit.etl:imagenet_val_npy", "--source", str(etl_src.root), "--port", "99999"]) == 2
