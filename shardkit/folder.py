@@ -69,7 +69,8 @@ def folder_samples(src: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
 # %% ../nbs/05_folder.ipynb
 def _jpeg_of(path: str, quality: int = 95) -> bytes:
     "The file's bytes if it is a JPEG the loader decodes, else the image re-encoded as an RGB JPEG; SkipSample if unusable."
-    data = Path(path).read_bytes()
+    try: data = Path(path).read_bytes()
+    except OSError as e: raise SkipSample("unreadable file", type(e).__name__) from None  # a dangling link, no permission
     image_size(data)  # empty, unreadable or oversized: skipped before any pixel is decoded
     if data[:3] == b"\xff\xd8\xff":
         check_image(data)  # the loader's decoder: a truncated JPEG or a bad marker is skipped here, not mid-epoch
