@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_cluster.ipynb 3
 from __future__ import annotations
-import json, os, shutil, signal, socket, subprocess, sys, time
+import json, os, shutil, signal, socket, stat, subprocess, sys, time
 from pathlib import Path
 import requests
 from .store import ShardkitError
@@ -32,6 +32,30 @@ def default_root() -> Path:
     return shardkit_home() / "ais"
 
 # %% ../nbs/02_cluster.ipynb
+_FIX = "set SHARDKIT_HOME to a private folder of yours"
+
+def _trusted(path: Path, top: Path) -> str | None:
+    "None if `path` and every folder from `top` down to it are yours (or root's) and only you can write them; else why not."
+    path, top = Path(path), Path(top)
+    try: rel = path.relative_to(top)
+    except ValueError: return f"{path} is not under {top}; {_FIX}"
+    for p in [top] + [top.joinpath(*rel.parts[:i + 1]) for i in range(len(rel.parts))]:
+        try: st = p.lstat() if p == path else p.stat()  # a folder may be a link (to a private folder); the file may not
+        except OSError as e: return f"{p} cannot be checked ({e.strerror}); {_FIX}"
+        if stat.S_ISLNK(st.st_mode): return f"{p} is a symbolic link; remove it, or {_FIX}"
+        if st.st_uid not in (os.getuid(), 0): return f"{p} belongs to user id {st.st_uid}, not to you ({os.getuid()}) or root; {_FIX}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{p} can be written by others (mode {stat.S_IMODE(st.st_mode):o}); run `chmod go-w {p}`, or {_FIX}"
+    return None
+
+def _private_dir(path: Path) -> Path:
+    "`path` as a folder; each folder made on the way there (`$SHARDKIT_HOME` too) is private, `0o700`."
+    if not path.is_dir():
+        _private_dir(path.parent)
+        path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+# %% ../nbs/02_cluster.ipynb
 def _go() -> str:
     go = shutil.which("go")
     if not go: raise ClusterError("Go is not installed (no `go` on PATH); install Go 1.26 or newer, then re-run `shardkit ais up`")
@@ -52,13 +76,18 @@ def aisnode_path() -> Path:
     return shardkit_home() / "bin" / f"aisnode-{AIS_VERSION}-{'-'.join(BUILD_TAGS)}"
 
 # %% ../nbs/02_cluster.ipynb
+def _runnable(path: Path) -> Path:
+    "`path`, if shardkit may run it (see `_trusted`); else a `ClusterError` that says why and what to do."
+    if why := _trusted(path, shardkit_home()): raise ClusterError(f"refusing to run {path.name}: {why}")
+    return path
+
 def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
     "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
     out = aisnode_path()
-    if out.exists() and not force: return out
+    if why := _trusted(_private_dir(out.parent), shardkit_home()): raise ClusterError(f"refusing to build or run aisnode: {why}")
+    if out.exists() and not force: return _runnable(out)
     src = aistore_source()
     if not quiet: print(f"building aisnode {AIS_VERSION} (tags: {','.join(BUILD_TAGS)}); first time only, about 3 minutes on 2 cores...", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     ldflags = f"-X main.build=shardkit-{AIS_VERSION} -X main.buildtime={time.strftime('%Y-%m-%dT%H:%M:%S')}"
     t0 = time.time()
@@ -68,20 +97,21 @@ def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
         os.replace(tmp, out)
     finally: tmp.unlink(missing_ok=True)
     if not quiet: print(f"built {out} in {time.time() - t0:.0f} s")
-    return out
+    return _runnable(out)
 
 # %% ../nbs/02_cluster.ipynb
 def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path | None:
     "Try to `go install` the `ais` CLI (binary `cli`, installed as `ais`); None, with a note, if the module is unavailable."
-    bindir = shardkit_home() / "bin"
-    if (bindir / "ais").exists(): return bindir / "ais"
+    bindir = _private_dir(shardkit_home() / "bin")
+    if why := _trusted(bindir, shardkit_home()): raise ClusterError(f"refusing to install or run the ais CLI: {why}")
+    if (bindir / "ais").exists(): return _runnable(bindir / "ais")
     try:
         _run([_go(), "install", f"{AIS_MODULE}/cmd/cli@{version}"], "go install of the ais CLI", env={**os.environ, "GOBIN": str(bindir)})
     except ClusterError as e:
         if not quiet: print(f"note: the ais CLI was not installed ({str(e).splitlines()[-1][:160]}); the cluster works without it")
         return None
     os.replace(bindir / "cli", bindir / "ais")
-    return bindir / "ais"
+    return _runnable(bindir / "ais")
 
 # %% ../nbs/02_cluster.ipynb
 def _node_ports(port: int, i: int) -> tuple[int, int, int]: return port + i, port + 1000 + i, port + 2000 + i

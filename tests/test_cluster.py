@@ -46,3 +46,22 @@ def test_help_reads_well():
     r = main_cli("--help")
     assert r.returncode == 0, r.stderr
     assert "ais up" in r.stdout and "convert pets" in r.stdout and "bench loader" in r.stdout
+
+
+def test_a_planted_aisnode_in_a_folder_others_can_write_is_refused_not_run(tmp_path, monkeypatch):
+    from shardkit.cluster import ClusterError, aisnode_path, build_aisnode
+    home, marker = tmp_path / "home", tmp_path / "ran"
+    monkeypatch.setenv("SHARDKIT_HOME", str(home))
+    planted = aisnode_path()
+    planted.parent.mkdir(parents=True)
+    planted.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    planted.chmod(0o755)
+    home.chmod(0o775)  # a group-writable SHARDKIT_HOME: anyone in the group could have put it there
+    with pytest.raises(ClusterError) as e: build_aisnode(quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and f"chmod go-w {home}" in msg and "SHARDKIT_HOME" in msg, msg
+    assert not marker.exists(), "the planted aisnode ran"
+    home.chmod(0o700)
+    planted.chmod(0o777)  # now the binary itself is writable by anyone
+    with pytest.raises(ClusterError, match=f"refusing to run {planted.name}: {planted} can be written by others"): build_aisnode(quiet=True)
+    assert not marker.exists()
