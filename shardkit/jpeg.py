@@ -4,13 +4,13 @@
 
 # %% ../nbs/18_jpeg.ipynb 3
 from __future__ import annotations
-import ctypes, functools, hashlib, io, os, shlex, shutil, subprocess, sys, tempfile
+import _ctypes, ctypes, fcntl, functools, hashlib, io, os, platform, shlex, shutil, subprocess, sys, tempfile
 from pathlib import Path
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from .store import ShardkitError
-from .cluster import shardkit_home
+from .cluster import _private_dir, _trusted, shardkit_home
 
 # %% auto 0
 __all__ = ['JpegError', 'window_decoding', 'decode_window', 'EncodedJpeg']
@@ -96,12 +96,13 @@ class JpegError(ShardkitError, ValueError):
 
 _HINT = "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc libjpeg-dev)"
 
+def _cc() -> str | None: return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
 def _compile(dest: Path) -> str | None:
     "Build the decoder into `dest`; None, or why it could not be built."
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _cc()
     if not cc: return f"no C compiler found: {_HINT}"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".build-") as tmp:
+    with tempfile.TemporaryDirectory(dir=_private_dir(dest.parent), prefix=".build-") as tmp:
         src, out = Path(tmp) / "window.c", Path(tmp) / dest.name
         src.write_text(_SOURCE)
         cmd = [*shlex.split(cc), "-O2", "-fPIC", "-shared", "-fvisibility=hidden", *shlex.split(os.environ.get("CFLAGS", "")),
@@ -114,14 +115,36 @@ def _compile(dest: Path) -> str | None:
         os.replace(out, dest)  # atomic: another process sees no file or the whole file
     return None
 
+def _build(dest: Path, stale: tuple[int, int] | None = None) -> str | None:
+    "Compile into `dest` holding the lock, unless another process built it meanwhile (a file other than `stale`); None or why not."
+    fd = os.open(dest.parent / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, or when the process dies
+        try: st = dest.lstat()
+        except FileNotFoundError: st = None
+        if st and (st.st_ino, st.st_mtime_ns) != stale: return None
+        dest.unlink(missing_ok=True)
+        return _compile(dest)
+    finally: os.close(fd)
+
+_VERSIONS = {"__VERSION__", "__clang_version__", "JPEG_LIB_VERSION", "LIBJPEG_TURBO_VERSION", "LIBJPEG_TURBO_VERSION_NUMBER"}
+
+def _toolchain(cc: str | None) -> str:
+    "The compiler's and libjpeg's versions, as `#define` lines from one preprocessor run; empty where it cannot run."
+    if not cc: return ""
+    cmd = [*shlex.split(cc), "-E", "-dM", *shlex.split(os.environ.get("CFLAGS", "")), "-x", "c", "-"]
+    try: r = subprocess.run(cmd, input="#include <stdio.h>\n#include <jpeglib.h>\n", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired): return ""
+    return "\n".join(sorted(l for l in r.stdout.splitlines() if (l.split(maxsplit=2) + ["", ""])[1] in _VERSIONS))
+
 def _library_path() -> Path:
-    key = hashlib.sha256("\0".join([_SOURCE, os.environ.get("CC", ""), os.environ.get("CFLAGS", ""), os.environ.get("LDFLAGS", ""),
-                                     sys.platform]).encode()).hexdigest()[:16]
+    cc = _cc()
+    key = hashlib.sha256("\0".join([_SOURCE, cc or "", os.environ.get("CFLAGS", ""), os.environ.get("LDFLAGS", ""),
+                                     sys.platform, platform.machine(), _toolchain(cc)]).encode()).hexdigest()[:16]
     return shardkit_home() / "native" / f"jpeg-window-{key}.so"
 
 # %% ../nbs/18_jpeg.ipynb
-def _load(path: Path):
-    lib = ctypes.CDLL(str(path))
+def _bind(lib):
     fn = lib.sk_decode_rgb_window
     fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_char_p, ctypes.c_int]
@@ -137,26 +160,49 @@ def _probe_jpeg() -> bytes:
     Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=80, subsampling=2)
     return buf.getvalue()
 
+def _agrees(fn) -> bool:
+    probe = _probe_jpeg()
+    full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    return all(torch.equal(_call(fn, probe, top, left, h, w), full[:, top:top + h, left:left + w])
+               for top, left, h, w in [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)])
+
+def _load(path: Path):
+    "(the C function, None) if the library at `path` loads and decodes as torchvision does; else (None, why)."
+    lib = None
+    try:
+        lib = ctypes.CDLL(str(path))
+        if _agrees(fn := _bind(lib)): return fn, None
+        why = ("this machine's libjpeg decodes to other pixels than torchvision's; whole images are decoded "
+               "so that crops stay the same")
+    except (OSError, AttributeError) as e: why = f"the window decoder could not be loaded ({e}): {_HINT}"
+    except JpegError as e: why = f"the window decoder failed on a test JPEG ({e})"
+    if lib is not None: _ctypes.dlclose(lib._handle)  # else loading a new file at this path would return this one
+    return None, why
+
+def _refused(why: str) -> str: return f"refusing to load the window decoder: {why}"
+
 @functools.lru_cache(maxsize=None)
 def _decoder():
     "(the C function, None), or (None, why there is none)."
     if os.environ.get("SHARDKIT_JPEG_WINDOW", "1").lower() in ("0", "false", "no", "off"):
         return None, "turned off by SHARDKIT_JPEG_WINDOW"
-    path = _library_path()
+    home, path = shardkit_home(), _library_path()
     try:
-        if not path.exists() and (why := _compile(path)): return None, why
-        fn = _load(path)
+        if why := _trusted(_private_dir(path.parent), home): return None, _refused(why)
+        if fresh := not path.exists():
+            if why := _build(path): return None, why
+        if why := _trusted(path, home): return None, _refused(why)
+        stale = path.lstat()
+        fn, why = _load(path)
+        if fn is None and not fresh:  # a cached file that will not load or agree: build it once more
+            if why := _build(path, (stale.st_ino, stale.st_mtime_ns)): return None, why
+            if why := _trusted(path, home): return None, _refused(why)
+            fn, why = _load(path)
+        return fn, why
     except OSError as e: return None, f"the window decoder could not be built or loaded ({e}): {_HINT}"
-    probe = _probe_jpeg()
-    full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    for top, left, h, w in [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)]:
-        if not torch.equal(_call(fn, probe, top, left, h, w), full[:, top:top + h, left:left + w]):
-            return None, ("this machine's libjpeg decodes to other pixels than torchvision's; whole images are decoded "
-                          "so that crops stay the same")
-    return fn, None
 
 def window_decoding() -> str | None:
-    "None when JPEG windows can be decoded here; else why not, and what to install."
+    "None when JPEG windows can be decoded here; else why not, and what to install or change."
     return _decoder()[1]
 
 # %% ../nbs/18_jpeg.ipynb

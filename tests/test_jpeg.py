@@ -5,6 +5,7 @@ cannot be built or is turned off, `window_decoding()` says why and windows are c
 subprocesses, as that state is per process); CMYK goes to the full decoder. Where this machine cannot build the native
 decoder, the pixel tests check the fallback and the tests that need the native path skip with the reason."""
 import io, json, os, pickle, subprocess, sys, textwrap
+from pathlib import Path
 import numpy as np
 import pytest
 import torch
@@ -281,7 +282,7 @@ def test_without_a_compiler_windows_are_cut_from_full_decodes(tmp_path):
     assert why and "/nonexistent/cc" in why and "failed to run" in why, why
     assert "install a C compiler" in why and "apt-get install gcc libjpeg-dev" in why, why
     assert out["decode_window"] == f"ShardkitError: JPEG windows cannot be decoded here: {why}"
-    assert out["native_files"] == [], "no library and no half-built folder left in SHARDKIT_HOME"
+    assert out["native_files"] == [".lock"], "no library and no half-built folder left in SHARDKIT_HOME, just the lock"
     failed = out["failed_build"]
     assert failed and "install a C compiler" in failed, failed
     assert "compiling the window decoder failed" in failed or "no C compiler found" in failed, failed
@@ -292,3 +293,67 @@ def test_shardkit_jpeg_window_0_turns_window_decoding_off(tmp_path):
     assert out["why"] == "turned off by SHARDKIT_JPEG_WINDOW"
     assert out["decode_window"] == "ShardkitError: JPEG windows cannot be decoded here: turned off by SHARDKIT_JPEG_WINDOW"
     assert out["native_files"] is None, "nothing was compiled"
+
+
+TRUST = textwrap.dedent(r'''
+    import json
+    from shardkit import jpeg
+    print(json.dumps({"why": jpeg.window_decoding(), "path": str(jpeg._library_path())}))
+''')
+
+
+def _in_fresh_process(home, **env):
+    "window_decoding() and the library path in a fresh interpreter (a clean lru_cache) with SHARDKIT_HOME=home."
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SHARDKIT_JPEG_WINDOW", "CC", "CFLAGS", "LDFLAGS")},
+           "SHARDKIT_HOME": str(home), **env}
+    return subprocess.Popen([sys.executable, "-c", TRUST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=env)
+
+
+def _report(p):
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_planted_library_in_a_folder_others_can_write_is_never_loaded(tmp_path):
+    import shutil
+    if not shutil.which("gcc"): pytest.skip("no gcc to build the planted library")
+    home, marker = tmp_path / "home", tmp_path / "constructor-ran"
+    (tmp_path / "evil.c").write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
+                                     f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+                                     'int sk_decode_rgb_window(void) { return 0; }\n')
+    path = Path(_report(_in_fresh_process(home, SHARDKIT_JPEG_WINDOW="0"))["path"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(path), str(tmp_path / "evil.c")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    home.chmod(0o775)  # a group-writable SHARDKIT_HOME: anyone in the group could have planted it
+    why = _report(_in_fresh_process(home))["why"]
+    assert not marker.exists(), "the planted library was loaded"
+    assert why and "\n" not in why and f"chmod go-w {home}" in why and "SHARDKIT_HOME" in why, why
+    home.chmod(0o700)
+    path.parent.chmod(0o777)  # native/ writable by anyone
+    why = _report(_in_fresh_process(home))["why"]
+    assert not marker.exists() and f"chmod go-w {path.parent}" in why, why
+
+
+def test_a_private_home_builds_a_working_decoder_once_for_two_processes(tmp_path):
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc or not Path("/usr/include/jpeglib.h").exists(): pytest.skip("no C compiler or no libjpeg headers here")
+    tools = tmp_path / "tools"
+    tools.mkdir(mode=0o700)
+    log, wrapper = tmp_path / "cc.log", tools / "cc"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {cc} "$@"\n')
+    wrapper.chmod(0o700)
+    home = tmp_path / "home"
+    first, second = _in_fresh_process(home, CC=str(wrapper)), _in_fresh_process(home, CC=str(wrapper))
+    reports = [_report(first), _report(second)]
+    assert [r["why"] for r in reports] == [None, None], reports
+    builds = [l for l in log.read_text().splitlines() if "-shared" in l]
+    assert len(builds) == 1, builds
+    assert oct(home.stat().st_mode & 0o777) == "0o700" and oct((home / "native").stat().st_mode & 0o777) == "0o700"
+    path = Path(reports[0]["path"])
+    path.write_bytes(path.read_bytes()[:100])  # a library cut short: removed and built again, once
+    assert _report(_in_fresh_process(home, CC=str(wrapper)))["why"] is None
+    assert len([l for l in log.read_text().splitlines() if "-shared" in l]) == 2
