@@ -6,7 +6,7 @@
 from __future__ import annotations
 import argparse, importlib, sys
 from fastcore.script import anno_parser
-from .store import ShardkitError
+from .errors import ShardkitError
 
 # %% auto 0
 __all__ = ['COMMANDS', 'find_command', 'load_command', 'command_parser', 'main']
@@ -26,15 +26,15 @@ COMMANDS = {
     ("shuffle",):          ("shardkit.shuffle:shuffle_cli",        "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
     ("ls",):               ("shardkit.display:ls_cli",             "List the shards in a store with their samples and sizes"),
     ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
-    ("verify",):           ("shardkit.shards:verify_cli",          "Check every shard in a store against its manifest (SHA-256, size, samples)"),
-    ("etl", "serve"):      ("shardkit.sidecar:etl_serve_cli",      "Serve a sample transform as an ETL sidecar in front of a store"),
+    ("verify",):           ("shardkit.shards.manifest:verify_cli",          "Check every shard in a store against its manifest (SHA-256, size, samples)"),
+    ("etl", "serve"):      ("shardkit.etl.sidecar:etl_serve_cli",      "Serve a sample transform as an ETL sidecar in front of a store"),
     ("etl", "run"):        ("shardkit.etl:etl_run_cli",            "Transform every shard of a store into another store"),
-    ("bench", "convert"):  ("shardkit.bench:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
-    ("bench", "etl"):      ("shardkit.bench:bench_etl_cli",        "Benchmark client-side against offloaded (sidecar) transforms"),
-    ("bench", "dask-etl"): ("shardkit.dask_etl:bench_dask_etl_cli", "Benchmark the Dask ETL engine against the local one"),
-    ("bench", "random"):   ("shardkit.random_access:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
-    ("bench", "loader"):   ("shardkit.bench:bench_loader_cli",   "Benchmark shardkit's loaders against their peers on the same work"),
-    ("bench", "gpu"):      ("shardkit.gpu:bench_gpu_cli",          "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
+    ("bench", "convert"):  ("shardkit.bench.convert:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
+    ("bench", "etl"):      ("shardkit.bench.etl:bench_etl_cli",        "Benchmark client-side against offloaded (sidecar) transforms"),
+    ("bench", "dask-etl"): ("shardkit.bench.dask:bench_dask_etl_cli", "Benchmark the Dask ETL engine against the local one"),
+    ("bench", "random"):   ("shardkit.bench.random:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
+    ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",   "Benchmark shardkit's loaders against their peers on the same work"),
+    ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",          "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
     ("lab",):              ("shardkit.lab:lab_cli",                "Open the tutorials in JupyterLab on 127.0.0.1"),

@@ -1,5 +1,5 @@
 """Benchmarks: the loader benchmark's command line, and one peer row where that peer is installed. The full runs
-(every loader row, the converter's and the ETL's benchmarks) are nbs/14_bench's, flagged slow."""
+(every loader row, the converter's and the ETL's benchmarks) are nbs/35_bench_loader's, flagged slow."""
 import importlib.util
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ def shards(tmp_path_factory):
 
 
 def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
-    "The command line around `bench_loader_cli`; a full run of it (every row, --peers, the chart) is nbs/14_bench's."
+    "The command line around `bench_loader_cli`; a full run of it (every row, --peers, the chart) is nbs/35_bench_loader's."
     r = main_cli("bench", "loader", "--help")
     assert r.returncode == 0, r.stderr
     for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--out", "shardkit[peers]"):
@@ -43,7 +43,8 @@ def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not importable("litdata"), reason="litdata is not installed (pip install \"shardkit[peers]\")")
 def test_bench_loader_litdata_row(shards, tmp_path):
-    from shardkit.bench import LOADER_ROWS, bench_loader, loader_table
+    from shardkit.bench.peers import LOADER_ROWS
+    from shardkit.bench.loader import bench_loader, loader_table
     res = bench_loader(shards, num_workers=1, samples=30, repeats=1, peers=True, only=("default", "litdata"),
                        cache=tmp_path / "cache", progress=False, ceiling_seconds=0.5)
     row = res["rows"][LOADER_ROWS["litdata"]]

@@ -7,13 +7,15 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("distributed")
-from shardkit.dask_etl import MANIFEST, SchedulerUnreachable, local_cluster, read_etl_manifest, run_etl_dask
-from shardkit.etl import imagenet_train_uint8, run_etl
+from shardkit.etl.dask import MANIFEST, SchedulerUnreachable, local_cluster, read_etl_manifest, run_etl_dask
+from shardkit.etl.transforms import imagenet_train_uint8
+from shardkit.etl import run_etl
 from shardkit.folder import convert_folder, synthesize_folder
-from shardkit.shards import list_shards
-from shardkit.store import ShardkitError, open_store
+from shardkit.shards.read import list_shards
+from shardkit.errors import ShardkitError
+from shardkit.store import open_store
 
-FN = "shardkit.etl:imagenet_train_uint8"
+FN = "shardkit.etl.transforms:imagenet_train_uint8"
 NAMES = [f"imagenet-train-00000{i}.tar" for i in range(3)]
 
 

@@ -1,5 +1,5 @@
 """`shardkit demo` end to end on a tiny data set, on the embedded default: files, summary, reuse on re-run, bad input.
-The demo's run on AIStore is nbs/15_demo's (the test suite runs that notebook against its cluster): one run per backend."""
+The demo's run on AIStore is nbs/39_demo's (the test suite runs that notebook against its cluster): one run per backend."""
 import json, time
 import pytest
 

@@ -13,8 +13,11 @@ from shardkit.display import (class_name, display_loader_images, display_shard_i
                               to_hwc, trimap_overlay, view_data)
 from shardkit.pets import CLASS_NAMES
 from shardkit.store import shown_path
-from shardkit.shards import IMAGENET_MEAN, IMAGENET_STD, count_samples, list_shards, read_samples, write_shards
-from shardkit.store import StoreError, open_store
+from shardkit.shards.fields import IMAGENET_MEAN, IMAGENET_STD
+from shardkit.shards.read import count_samples, list_shards, read_samples
+from shardkit.shards.write import write_shards
+from shardkit.errors import StoreError
+from shardkit.store import open_store
 from conftest import main_cli
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 

@@ -117,9 +117,9 @@ def test_images_load(visits):
         if imgs: with_figures.append(page)
     assert "index.html" in with_figures, "the index shows no image (the pipeline diagram)"
     assert "docs.html" in with_figures, "docs.html, the figure-bearing page, shows no image: was nbs/98_docs.ipynb committed executed?"
-    display = next((v for rel, v in visits.items() if rel.as_posix() == "07_display.ipynb"), None)
+    display = next((v for rel, v in visits.items() if rel.as_posix() == "12_display.ipynb"), None)
     assert display is not None and display[1] == "Looking at shards"
-    assert sum(1 for _, w in display[2] if w) >= 3, f"'Looking at shards' shows {len(display[2])} pictures: commit nbs/07_display.ipynb executed"
+    assert sum(1 for _, w in display[2] if w) >= 3, f"'Looking at shards' shows {len(display[2])} pictures: commit nbs/12_display.ipynb executed"
 
 
 @pytest.mark.slow

@@ -5,13 +5,14 @@ import pytest
 import torch
 import webdataset as wds
 from shardkit.cli import main as cli_main
-from shardkit.gpu import bench_gpu_decode, create_gpu_loader, gpu_available
-from shardkit.loader import LoaderError
+from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
+from shardkit.bench.gpu import bench_gpu_decode
+from shardkit.loading.sources import LoaderError
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
 N_SHARDS, PER_SHARD = 6, 5
 ALL = sorted(f"s{s}_{i}" for s in range(N_SHARDS) for i in range(PER_SHARD))
-NO_GPU = gpu_available()
+NO_GPU = why_no_gpu()
 cuda = pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU JPEG decoding here: {NO_GPU}")
 
 

@@ -1,7 +1,7 @@
-"""The crop-window JPEG decoder (shardkit.jpeg): every window of every JPEG layout (4:4:4, 4:2:2, 4:2:0, progressive,
+"""The crop-window JPEG decoder (shardkit.loading.jpeg): every window of every JPEG layout (4:4:4, 4:2:2, 4:2:0, progressive,
 greyscale, restart markers, odd sizes, smaller than one MCU) has the pixels of torchvision's full decode; bad input is a
 JpegError that says what libjpeg found; a JPEG cut short below the window still yields it; where the native decoder
-cannot be built or is turned off, `window_decoding()` says why and windows are cut from full decodes (run in
+cannot be built or is turned off, `why_no_window_decode()` says why and windows are cut from full decodes (run in
 subprocesses, as that state is per process); CMYK goes to the full decoder. Where this machine cannot build the native
 decoder, the pixel tests check the fallback and the tests that need the native path skip with the reason."""
 import io, json, os, pickle, subprocess, sys, textwrap
@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
-from shardkit.jpeg import EncodedJpeg, JpegError, decode_window, window_decoding
-from shardkit.loader import TrainTransform, crop_box
-from shardkit.store import ShardkitError
+from shardkit.loading.jpeg import EncodedJpeg, JpegError, decode_window, why_no_window_decode
+from shardkit.loading.transforms import TrainTransform, crop_box
+from shardkit.errors import ShardkitError
 
 
 def _jpeg(w, h, mode="RGB", seed=0, **save):
@@ -80,7 +80,7 @@ def _crop(x, top, left, h, w): return x[:, top:top + h, left:left + w]
 @pytest.fixture(scope="module")
 def native():
     "The native decoder, built (once per machine) and checked as the loader does; a skip with the reason where it cannot be."
-    why = window_decoding()
+    why = why_no_window_decode()
     if why: pytest.skip(f"the native window decoder is not available here: {why}")
 
 
@@ -104,7 +104,7 @@ def test_every_window_equals_the_full_decode(layout, size):
     data = _jpeg(w, h, seed=seed, **save)
     assert _frame(data) == (sof, sampling), "PIL wrote the layout asked for"
     assert layout != "restarts" or b"\xff\xdd" in data
-    whole, enc, here = _full(data), EncodedJpeg(data, w, h), window_decoding() is None
+    whole, enc, here = _full(data), EncodedJpeg(data, w, h), why_no_window_decode() is None
     assert tuple(enc.shape) == (3, h, w)
     boxes = _windows(h, w, torch.Generator().manual_seed(seed))
     assert any(0 < bw < w for _, _, _, bw in boxes) and any(left + bw == w and bw <= 3 for _, left, _, bw in boxes)
@@ -228,12 +228,12 @@ def test_an_empty_jpeg_is_a_jpeg_error_on_the_full_decode_path():
 ELSEWHERE = textwrap.dedent(r'''
     import json, os, pickle, sys
     from pathlib import Path
-    from shardkit import jpeg
-    from shardkit.jpeg import EncodedJpeg, decode_window, window_decoding
-    from shardkit.loader import TrainTransform
+    from shardkit.loading import jpeg
+    from shardkit.loading.jpeg import EncodedJpeg, decode_window, why_no_window_decode
+    from shardkit.loading.transforms import TrainTransform
     with open(sys.argv[1], "rb") as f: cases, bad = pickle.load(f)
     native = Path(os.environ["SHARDKIT_HOME"]) / "native"
-    out = {"why": window_decoding(), "takes_encoded": TrainTransform(window=True).takes_encoded(), "errors": {}}
+    out = {"why": why_no_window_decode(), "takes_encoded": TrainTransform(window=True).takes_encoded(), "errors": {}}
     out["native_files"] = sorted(os.listdir(native)) if native.exists() else None
     try: decode_window(cases[0][0], 0, 0, 1, 1); out["decode_window"] = "no error"
     except Exception as e: out["decode_window"] = f"{type(e).__name__}: {e}"
@@ -243,7 +243,7 @@ ELSEWHERE = textwrap.dedent(r'''
     windows = [[EncodedJpeg(d, w, h).window(*b) for b in boxes] for d, w, h, boxes in cases]
     if sys.argv[3] == "no-compiler":  # a compiler that runs but cannot build: a second try, in this process only
         del os.environ["CC"]; os.environ["CFLAGS"] = "-nostdinc"; jpeg._decoder.cache_clear()
-        out["failed_build"] = window_decoding()
+        out["failed_build"] = why_no_window_decode()
     with open(sys.argv[2], "wb") as f: pickle.dump(windows, f)
     print(json.dumps(out))
 ''')
@@ -297,13 +297,13 @@ def test_shardkit_jpeg_window_0_turns_window_decoding_off(tmp_path):
 
 TRUST = textwrap.dedent(r'''
     import json
-    from shardkit import jpeg
-    print(json.dumps({"why": jpeg.window_decoding(), "path": str(jpeg._library_path())}))
+    from shardkit.loading import jpeg
+    print(json.dumps({"why": jpeg.why_no_window_decode(), "path": str(jpeg._library_path())}))
 ''')
 
 
 def _in_fresh_process(home, **env):
-    "window_decoding() and the library path in a fresh interpreter (a clean lru_cache) with SHARDKIT_HOME=home."
+    "why_no_window_decode() and the library path in a fresh interpreter (a clean lru_cache) with SHARDKIT_HOME=home."
     env = {**{k: v for k, v in os.environ.items() if k not in ("SHARDKIT_JPEG_WINDOW", "CC", "CFLAGS", "LDFLAGS")},
            "SHARDKIT_HOME": str(home), **env}
     return subprocess.Popen([sys.executable, "-c", TRUST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -18,7 +18,7 @@ OUT = ROOT / "tests" / "_out"
 # A small notebook that draws figures (a few seconds of work): what is tested is the client, JupyterLab in a browser,
 # not the notebook (every tutorial runs in stock Jupyter in tests/test_jupyter.py). SHARDKIT_LAB_NOTEBOOK picks
 # another, relative to nbs/ (e.g. tutorials/04_webdataset_fundamentals.ipynb).
-TUTORIAL = ROOT / "nbs" / os.environ.get("SHARDKIT_LAB_NOTEBOOK", "03_synth.ipynb")
+TUTORIAL = ROOT / "nbs" / os.environ.get("SHARDKIT_LAB_NOTEBOOK", "08_synth.ipynb")
 from conftest import CHROMEDRIVER, CHROMIUM, headless_chromium
 RUN_LIMIT_S = 900  # the notebook takes seconds on a quiet 2-core machine; a tutorial about a minute, several times that under load
 

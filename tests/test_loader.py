@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from shardkit.loader import create_dataloader, create_dataset, train_transform, split_count
+from shardkit.loader import create_dataloader, create_dataset
+from shardkit.loading.transforms import train_transform
+from shardkit.loading.sources import split_count
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
 N_SHARDS, PER_SHARD = 6, 5

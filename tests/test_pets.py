@@ -9,8 +9,10 @@ from shardkit import pets
 from shardkit.cli import main as cli_main
 from shardkit.pets import (CLASS_NAMES, PET_QUIRKS, PetsError, convert_pets, download_pets, pet_records, pet_samples,
                            synthesize_pets)
-from shardkit.shards import read_manifest, write_shards
-from shardkit.store import StoreError, open_store
+from shardkit.shards.manifest import read_manifest
+from shardkit.shards.write import write_shards
+from shardkit.errors import StoreError
+from shardkit.store import open_store
 
 N = 50  # listed images: enough for every quirk and a few shards, small enough to draw in seconds
 
@@ -136,10 +138,10 @@ def test_resume_after_exception_is_exact(quirky, tmp_path, monkeypatch):
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    import shardkit.pets as p, shardkit.shards as sh
+    import shardkit.pets as p, shardkit.shards.write as sh
     from shardkit.store import LocalStore
     point, after = sys.argv[1], int(sys.argv[2])
-    real_save, real_put = sh._save_manifest, LocalStore.put_file
+    real_save, real_put = sh.save_manifest, LocalStore.put_file
     done = []
     def save(store, m):
         real_save(store, m)
@@ -149,7 +151,7 @@ KILLER = textwrap.dedent("""
         done.append(name)
         if point == "before_manifest" and len(done) == after: os.kill(os.getpid(), signal.SIGKILL)
         return r
-    sh._save_manifest, LocalStore.put_file = save, put
+    sh.save_manifest, LocalStore.put_file = save, put
     p.convert_pets(sys.argv[3], sys.argv[4], maxcount=8, workers=2, progress=False)
 """)
 

@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from shardkit.loader import create_dataset, train_transform
-from shardkit.random_access import (RandomAccessError, create_random_loader, epoch_batches,
-                                    index_cache_dir, sample_index)
-from shardkit.store import UsageError, open_store
+from shardkit.loader import create_dataset
+from shardkit.loading.transforms import train_transform
+from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_index
+from shardkit.loading.random import create_random_loader, epoch_batches
+from shardkit.errors import UsageError
+from shardkit.store import open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
 SIZES = (7, 3, 5, 9)  # uneven shards, 24 samples
@@ -99,8 +101,8 @@ def test_same_crop_as_the_streaming_loader(shards):
 
 RESUME = r'''
 import pickle, sys
-from shardkit.loader import train_transform
-from shardkit.random_access import create_random_loader
+from shardkit.loading.transforms import train_transform
+from shardkit.loading.random import create_random_loader
 src, state, n = pickle.loads(sys.stdin.buffer.read())
 dl = create_random_loader(src, keys=("__key__", "image.jpg"), transform=train_transform(16), batch_size=5, num_workers=1, seed=7)
 dl.load_state_dict(state)
@@ -198,7 +200,7 @@ def test_unwritable_cache_warns_and_still_indexes(shards, tmp_path, monkeypatch)
 
 def test_bench_cli_is_a_thin_layer(shards, monkeypatch, capsys):
     from shardkit import cli
-    monkeypatch.setitem(cli.COMMANDS, ("bench", "random"), ("shardkit.random_access:bench_random_cli", "Benchmark the random-access loader"))
+    monkeypatch.setitem(cli.COMMANDS, ("bench", "random"), ("shardkit.bench.random:bench_random_cli", "Benchmark the random-access loader"))
     src = os.path.dirname(shards[0])
     assert cli.main(["bench", "random", src, "--workers", "0", "--samples", "24", "--batch-size", "8"]) == 0
     out = capsys.readouterr().out
@@ -213,7 +215,7 @@ def test_missing_field_is_named(shards):
 
 
 def test_on_aistore_a_shard_replaced_after_indexing_is_named(shards, ais_endpoint, tmp_path):
-    "GetBatch with and without AIStore's shard index is the notebook's (nbs/12_random); this guards the error path."
+    "GetBatch with and without AIStore's shard index is the notebook's (nbs/27_random); this guards the error path."
     name = f"shardkit-random-{uuid.uuid4().hex[:8]}"
     store = open_store(f"ais://{name}", create=True)
     try:

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import webdataset as wds
 from shardkit.shuffle import Shuffled, parse_size, shuffle_cli, shuffle_shards
-from shardkit.shards import read_samples, sample_digests
-from shardkit.store import StoreError, open_store
+from shardkit.shards.read import read_samples, sample_digests
+from shardkit.errors import StoreError
+from shardkit.store import open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 from conftest import main_cli
 

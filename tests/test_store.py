@@ -2,7 +2,8 @@
 import io, time
 import pytest
 import webdataset as wds
-from shardkit.store import AISStore, LocalStore, StoreError, open_store
+from shardkit.store import AISStore, LocalStore, open_store
+from shardkit.errors import StoreError
 
 
 def _shard(n=3, tag="x") -> bytes:
