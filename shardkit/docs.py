@@ -145,6 +145,7 @@ def _in_project(root):
         with _cwd(root): yield
     finally: get_config.cache_clear()
 
+# %% ../nbs/98_docs.ipynb
 def project_root(start: str | Path = ".") -> Path:
     "The folder holding the nbdev project's `settings.ini`, searching up from `start`."
     start = Path(start).resolve()

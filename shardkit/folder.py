@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_folder.ipynb 3
 from __future__ import annotations
-import io, os, random, shutil, tempfile
+import io, random
 from collections import Counter
 from pathlib import Path
 import numpy as np
@@ -13,7 +13,7 @@ from fastcore.script import store_true
 from tqdm.auto import tqdm
 from .synth import draw_animal, jpeg_bytes
 from .errors import ShardkitError, UsageError
-from .store import open_store, parse_size, shown_path
+from .store import parse_size, shown_path
 from .shards.fields import SkipSample, check_image, image_size
 from .shards.write import write_shards
 

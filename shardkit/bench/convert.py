@@ -10,7 +10,7 @@ import webdataset as wds
 from ..errors import UsageError
 from ..store import open_store, shown_path
 from ..pets import CHECKS, convert_pets
-from .core import BenchError, _cpu_seconds, format_bench
+from .core import BenchError, cpu_seconds, format_bench
 
 # %% auto 0
 __all__ = ['bench_convert', 'convert_table', 'bench_convert_cli']
@@ -55,12 +55,12 @@ def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str |
         for r in range(repeat):
             for i, (label, check) in enumerate(runs.items()):
                 target = f"{dest.rstrip('/')}/bench-{r}-{i}" if dest else work / f"{r}-{i}"
-                c0, t0 = _cpu_seconds(), time.perf_counter()
+                c0, t0 = cpu_seconds(), time.perf_counter()
                 if check is None: n, nbytes = _seed_post_convert(root, target)
                 else:
                     m = convert_pets(root, target, workers=workers, check=check, progress=False)
                     n, nbytes = m["samples"], m["bytes"]
-                times[label].append((time.perf_counter() - t0, n, nbytes, _cpu_seconds() - c0))
+                times[label].append((time.perf_counter() - t0, n, nbytes, cpu_seconds() - c0))
                 if dest:  # leave the user's store as it was
                     st = open_store(target)
                     for name in st.list(): st.delete(name)

@@ -4,22 +4,17 @@
 
 # %% ../../nbs/37_bench_dask.ipynb 2
 from __future__ import annotations
-import os, resource, shutil, tempfile, time
+import os, shutil, tempfile, time
 from pathlib import Path
 from typing import Callable
 from ..etl import run_etl
-import shutil
 from ..etl.dask import _connect, run_etl_dask
+from .core import cpu_seconds, format_bench
 
 # %% auto 0
-__all__ = ['bench_dask_etl', 'format_dask_bench', 'bench_dask_etl_cli']
+__all__ = ['bench_dask_etl', 'dask_table', 'bench_dask_etl_cli']
 
 # %% ../../nbs/37_bench_dask.ipynb
-def _cpu_self() -> float:
-    "CPU seconds of this process and its reaped children."
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
 def _warm_up(): import torch, torchvision.transforms  # noqa: F401
 
 def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
@@ -30,10 +25,10 @@ def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
 def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
     "The Dask engine on a running cluster; CPU read from each worker and this process."
     client.run(_warm_up)  # a cluster that has run before: torch and torchvision imported
-    w0, t0, c0 = client.run(_cpu_self), time.perf_counter(), _cpu_self()
+    w0, t0, c0 = client.run(cpu_seconds), time.perf_counter(), cpu_seconds()
     s = run_etl_dask(fn, src, dest, pattern, seed=seed, scheduler=client, progress=False)
-    dt, w1 = time.perf_counter() - t0, client.run(_cpu_self)
-    return _row("dask, warm cluster", s, dt, _cpu_self() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0))
+    dt, w1 = time.perf_counter() - t0, client.run(cpu_seconds)
+    return _row("dask, warm cluster", s, dt, cpu_seconds() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0))
 
 def bench_dask_etl(src, fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # Store and transform to run
                    pattern: str = "*.tar", workers: int = 2, seed: int = 0,
@@ -46,9 +41,9 @@ def bench_dask_etl(src, fn: str | Callable = "shardkit.etl.transforms:imagenet_t
                 ("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, workers, seed=seed, progress=False)),
                 ("local, 1 warm process", lambda d: run_etl(fn, src, d, pattern, 1, seed=seed, progress=False)),
                 ("dask, own LocalCluster", lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, workers=workers, progress=False))]):
-            t0, c0 = time.perf_counter(), _cpu_self()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             s = run(root / str(i))
-            rows.append(_row(engine, s, time.perf_counter() - t0, _cpu_self() - c0))
+            rows.append(_row(engine, s, time.perf_counter() - t0, cpu_seconds() - c0))
         client, close = _connect(cluster, workers)
         try: rows.append(_warm_row(client, fn, src, root / "warm", pattern, seed))
         finally: close()
@@ -56,12 +51,11 @@ def bench_dask_etl(src, fn: str | Callable = "shardkit.etl.transforms:imagenet_t
     return rows
 
 # %% ../../nbs/37_bench_dask.ipynb
-def format_dask_bench(rows: list[dict]) -> str:
+def dask_table(rows: list[dict]) -> str:
     "The rows of `bench_dask_etl` as a table."
-    lines = [f"{'engine':<24}{'shards':>7}{'samples':>8}{'seconds':>9}{'shards/s':>10}{'samples/s':>11}{'CPU ms/sample':>15}"]
-    lines += [f"{r['engine']:<24}{r['shards']:>7}{r['samples']:>8}{r['seconds']:>9.2f}{r['shards_per_s']:>10.2f}"
-              f"{r['samples_per_s']:>11.1f}{r['cpu_ms_per_sample']:>15.1f}" for r in rows]
-    return "\n".join(lines)
+    return format_bench(rows, {"engine": ("engine", "{}"), "shards": ("shards", "{}"), "samples": ("samples", "{}"),
+                               "seconds": ("seconds", "{:.2f}"), "shards_per_s": ("shards/s", "{:.2f}"),
+                               "samples_per_s": ("samples/s", "{:.1f}"), "cpu_ms_per_sample": ("CPU ms/sample", "{:.1f}")})
 
 def bench_dask_etl_cli(src: str,                # Store of ImageNet-style shards (NAME.jpg + NAME.cls): a directory or ais://bucket
                        pattern: str = "*.tar",  # Which shards
@@ -69,4 +63,4 @@ def bench_dask_etl_cli(src: str,                # Store of ImageNet-style shards
                        fn: str = "shardkit.etl.transforms:imagenet_train_uint8"):  # The transform, MODULE:FUNCTION
     "Benchmark the Dask ETL engine against the local one: time, shards/s and CPU per sample."
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
-    print(format_dask_bench(bench_dask_etl(src, fn, pattern, workers)))
+    print(dask_table(bench_dask_etl(src, fn, pattern, workers)))

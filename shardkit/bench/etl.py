@@ -11,7 +11,7 @@ import webdataset as wds
 from ..store import open_store, shown_path
 from ..etl.transforms import _rgb, _tv, to_tensor
 from ..etl.sidecar import Sidecar
-from .core import BenchError, _cpu_seconds, format_bench
+from .core import BenchError, cpu_seconds, format_bench
 
 # %% auto 0
 __all__ = ['OFFLOADS', 'bench_etl', 'etl_table', 'bench_etl_cli']
@@ -27,11 +27,11 @@ def _payload_counter(box: dict):
 def _measure(name: str, dataset) -> dict:
     "Consume `dataset` (a callable returning (iterable, box)) and time it: samples/s, client CPU and bytes per sample."
     it, box = dataset()
-    t0, c0, n = time.perf_counter(), _cpu_seconds(), 0
+    t0, c0, n = time.perf_counter(), cpu_seconds(), 0
     for x, cls in it:
         assert x.shape[0] == 3, x.shape  # a CHW tensor ready for the model
         n += 1
-    dt, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     return dict(path=name, samples=n, seconds=round(dt, 3), samples_per_s=round(n / dt, 1),
                 cpu_ms_per_sample=round(1000 * cpu / max(n, 1), 2), bytes_per_sample=round(box["bytes"] / max(n, 1)))
 

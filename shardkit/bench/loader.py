@@ -4,7 +4,7 @@
 
 # %% ../../nbs/35_bench_loader.ipynb 2
 from __future__ import annotations
-import gc, json, os, shutil, statistics, subprocess, sys, time, warnings
+import gc, os, shutil, statistics, time
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..store import shown_path
 from ..loading.jpeg import why_no_window_decode
 from ..loading.sources import shard_urls
-from .core import BenchError, _cpu_all, _warm, drop_page_cache, format_bench
+from .core import BenchError, _warm, cpu_seconds, drop_page_cache, format_bench, run_child
 from .peers import LOADER_ROWS, PEER_LOADERS, _MAKERS, _convert, _folder_items, _importable, decode_augment, prepare_bench_data
 
 # %% auto 0
@@ -37,11 +37,11 @@ def _measure_epochs(spec: dict) -> dict:
     expected = np.array(spec["hist"], np.int64) * spec["passes"]
     n_expected, dtype = int(expected.sum()), spec.get("dtype", "uint8")
     gc.collect()
-    c0, t0 = _cpu_all(), time.perf_counter()
+    c0, t0 = cpu_seconds(descendants=True), time.perf_counter()
     loader, convert = make()
     out = dict(build=time.perf_counter() - t0, epochs=[])
     for e in range(spec.get("epochs", 2)):
-        if e: gc.collect(); c0, t0 = _cpu_all(), time.perf_counter()  # epoch 1 counts the build: the cold first batch
+        if e: gc.collect(); c0, t0 = cpu_seconds(descendants=True), time.perf_counter()  # epoch 1 counts the build: the cold first batch
         first, n, hist, problems = None, 0, np.zeros(len(expected), np.int64), set()
         for batch in loader:
             images, labels = convert(batch) if convert else batch[:2]
@@ -52,7 +52,7 @@ def _measure_epochs(spec: dict) -> dict:
             else: hist += np.bincount(labels, minlength=len(expected))
             n += len(labels)
         t1 = time.perf_counter()
-        cpu = _cpu_all() - c0
+        cpu = cpu_seconds(descendants=True) - c0
         off = int(np.abs(hist - expected).sum())
         out["epochs"].append(dict(n=n, wall=t1 - t0, first=(first or t1) - t0, cpu=cpu, problems=sorted(problems),
                                   exact=n == n_expected and off == 0, repeated=off // 2 if n == n_expected else None))
@@ -72,29 +72,11 @@ def _ceiling(spec: dict) -> dict:
 # %% ../../nbs/35_bench_loader.ipynb
 _TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": _convert}
 
-def _child():
-    "A benchmark subprocess: run the task in sys.argv[1] (JSON), print `RESULT <json>`."
-    warnings.simplefilter("ignore")  # more workers than shards, peers' version notices: the table says what matters
-    spec = json.loads(sys.argv[1])
-    try: res = _TASKS[spec["task"]](spec)
-    except Exception as e:  # this run failed: the parent shows why in the table
-        res = dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
-    print("RESULT " + json.dumps(res), flush=True)
-    os._exit(0)  # some loaders' exit hooks (shared memory, thread pools) linger; the result is out
+def _task(spec: dict) -> dict: return _TASKS[spec["task"]](spec)
 
 def _run_child(spec: dict, timeout: float = 600) -> dict:
-    "Run a benchmark task in a fresh Python process: its result, or dict(error=why)."
-    import shardkit
-    here = str(Path(shardkit.__file__).resolve().parent.parent)  # the same shardkit, also from a worktree or a notebook
-    env = dict(os.environ, LITDATA_DISABLE_VERSION_CHECK="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    cmd = [sys.executable, "-c", "from shardkit.bench.loader import _child; _child()", json.dumps(spec)]
-    try: p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired: return dict(error=f"timed out after {timeout:.0f} s")
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "): return json.loads(line[7:])
-    tail = [l for l in p.stderr.strip().splitlines() if l.strip()][-2:]
-    return dict(error=f"exit {p.returncode}: " + " | ".join(tail))
+    "Run the loader benchmark's task `spec['task']` in a fresh process (bench.core's harness): its result, or dict(error=why)."
+    return run_child("shardkit.bench.loader:_task", spec, timeout)
 
 # %% ../../nbs/35_bench_loader.ipynb
 SHARDKIT_ROWS = ("default", "whole", "random")
@@ -115,16 +97,8 @@ def _summary(runs: list[dict]) -> dict:
                 repeated=max((e["repeated"] or 0 for e in inexact), default=0), counts=sorted({e["n"] for e in inexact}))
 
 # %% ../../nbs/35_bench_loader.ipynb
-def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int = 3, max_shards: int | None = None,
-                 samples: int = 2000, peers: bool = False, progress: bool = True, cache: str | Path | None = None,
-                 only: Sequence[str] | None = None, timeout: float = 600, ceiling_seconds: float = 3.0) -> dict:
-    "shardkit's loaders against webdataset, ImageFolder, the AIStore post's pipeline and (`peers`) LitData, MDS, DALI, FFCV: same data, same work."
-    from tqdm.auto import tqdm
-    urls = shard_urls(sources)[:max_shards]
-    data = prepare_bench_data(urls, samples, cache)
-    names = [n for n in BASE_ROWS + (tuple(PEER_LOADERS) if peers else ()) if only is None or n in only]
-    base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
-                workers=num_workers, seed=0, epochs=2)
+def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dict]:
+    "The measuring spec of each row (a peer's copy of the data converted once, kept in the cache), and the rows that cannot run, with why."
     rows, specs = {}, {}
     for name in names:
         if name in PEER_LOADERS:
@@ -142,6 +116,20 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
                 part.rename(dest)
             specs[name] = dict(base, task="measure", name=name, dest=str(dest))
         else: specs[name] = dict(base, task="measure", name=name, dtype="float32" if name == "seed" else "uint8")
+    return rows, specs
+
+# %% ../../nbs/35_bench_loader.ipynb
+def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int = 3, max_shards: int | None = None,
+                 samples: int = 2000, peers: bool = False, progress: bool = True, cache: str | Path | None = None,
+                 only: Sequence[str] | None = None, timeout: float = 600, ceiling_seconds: float = 3.0) -> dict:
+    "shardkit's loaders against webdataset, ImageFolder, the AIStore post's pipeline and (`peers`) LitData, MDS, DALI, FFCV: same data, same work."
+    from tqdm.auto import tqdm
+    urls = shard_urls(sources)[:max_shards]
+    data = prepare_bench_data(urls, samples, cache)
+    names = [n for n in BASE_ROWS + (tuple(PEER_LOADERS) if peers else ()) if only is None or n in only]
+    base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
+                workers=num_workers, seed=0, epochs=2)
+    rows, specs = _plan(names, data, base, timeout)
     _warm([Path(u) for u in data.urls if "://" not in u] + [data.root])
     load_start, runs, ceilings, note = os.getloadavg(), {n: [] for n in specs}, [], None
     todo = [(r, n) for r in range(repeats) for n in ["ceiling"] + list(specs)]

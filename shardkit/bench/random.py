@@ -10,26 +10,21 @@ from fastcore.script import store_true
 from ..loading.transforms import train_transform
 from ..errors import UsageError
 from ..loading.random import RandomAccessLoader, build_shard_index, create_random_loader
+from .core import cpu_seconds, format_bench
 
 # %% auto 0
-__all__ = ['bench_random', 'bench_ais_index', 'format_bench_random', 'bench_random_cli']
+__all__ = ['bench_random', 'bench_ais_index', 'random_table', 'bench_random_cli']
 
 # %% ../../nbs/36_bench_random.ipynb
-def _cpu_now() -> float:
-    "CPU seconds of this process and its finished children (DataLoader workers are joined when a pass ends)."
-    import resource
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-
 def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[int, float, float]:
     "Samples, wall and CPU seconds of one epoch of `loader`; `read_only`: fetch the bytes in this process, no decoding."
-    c0, t0, n = _cpu_now(), time.perf_counter(), 0
+    c0, t0, n = cpu_seconds(), time.perf_counter(), 0
     if read_only:
         for ids in loader.batches(loader.epoch): n += len(loader.dataset.samples(ids.tolist()))
         loader.set_epoch(loader.epoch + 1)
     else:
         for b in loader: n += len(b[0])
-    return n, time.perf_counter() - t0, _cpu_now() - c0
+    return n, time.perf_counter() - t0, cpu_seconds() - c0
 
 def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
                  samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False) -> dict:
@@ -51,11 +46,11 @@ def bench_ais_index(store, **kw) -> dict:
     return {"without index": without, "with index": both(), "build_s": build_s}
 
 # %% ../../nbs/36_bench_random.ipynb
-def format_bench_random(rows: dict) -> str:
+def random_table(rows: dict) -> str:
     "Rows of `bench_random` results (name -> result) as a text table."
-    w = max(len(k) for k in rows)
-    lines = [f"{'random-access loader':<{w}}  {'samples/s':>9}  {'CPU ms/sample':>13}  {'samples':>7}"]
-    return "\n".join(lines + [f"{k:<{w}}  {r['rate']:9.0f}  {r['cpu_ms']:13.2f}  {r['samples']:7d}" for k, r in rows.items()])
+    cols = {"name": ("random-access loader", "{}"), "rate": ("samples/s", "{:.0f}"), "cpu_ms": ("CPU ms/sample", "{:.2f}"),
+            "samples": ("samples", "{:d}")}
+    return format_bench([dict(r, name=k) for k, r in rows.items()], cols)
 
 def bench_random_cli(src: str,                  # Shards: a directory, a brace template of tars, or ais://bucket
                      workers: int = 2,          # DataLoader workers
@@ -69,4 +64,4 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
         res = bench_ais_index(src, **kw)
         rows = {f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()}
     else: rows = {"read": bench_random(src, read_only=True, **kw), "decode": bench_random(src, **kw)}
-    print(format_bench_random(rows))
+    print(random_table(rows))

@@ -31,6 +31,7 @@ def _bad_input_in_one_line(record: logging.LogRecord) -> bool:
         record.msg, record.args, record.exc_info, record.exc_text = f"refused with HTTP 422: {exc}", (), None, None
     return True
 
+# %% ../../nbs/15_etl_server.ipynb
 class ShardETLServer(FastAPIServer):
     "An AIStore ETL server (the SDK's FastAPIServer) whose transform is `ShardTransform(sample_fn)`; see `etl_server_class`."
     sample_fn, decode, strict, seed = None, "pil", False, None

@@ -72,6 +72,7 @@ def _worker_pool() -> _WorkerPool | None:
     if _POOL[0] is not info.dataset: _POOL[:] = [info.dataset, _WorkerPool()]
     return _POOL[1]
 
+# %% ../../nbs/24_collate.ipynb
 class _PooledBatch(tuple):
     "A worker's batch in one of its pool's buffers: `unpool()` copies it out and hands the buffer back."
     def __new__(cls, values, flags=None, slot: int | None = None):

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/23_transforms.ipynb 2
 from __future__ import annotations
-import contextlib, functools, math
+import functools, math
 from typing import Sequence
 import torch
 from torch.utils.data import get_worker_info
@@ -157,6 +157,7 @@ def _field(key: str, data, allow_pickle: bool, encoded: bool):
         return EncodedJpeg(data, *image_size(data))
     return decode_value(key, data, allow_pickle)
 
+# %% ../../nbs/23_transforms.ipynb
 def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None,
                     allow_pickle: bool = False) -> tuple:
     "Decode `keys` of a raw sample (and nothing else), apply `transform` to the tuple, return plain tensors and values."
@@ -177,4 +178,3 @@ def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: E
             else: values = _apply(transform, values, keys)
         except JpegError as e: raise bad(e) from None  # an encoded JPEG, found bad when its window was decoded
     return tuple(_plain(v) for v in values)
-
