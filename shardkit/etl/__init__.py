@@ -4,17 +4,26 @@
 
 # %% ../../nbs/19_etl.ipynb 3
 from __future__ import annotations
-import sys, time
+import importlib, sys, time
 from typing import Callable
 from fastcore.script import store_true
 from ..store import AISStore, open_store, shown_path
 from ..errors import UsageError
-from .core import ETLError
 from .server import run_in_cluster, etl_unavailable
-from .local import run_resumably
+from .manifest import etl_shards
 
 # %% auto 0
-__all__ = ['run_etl', 'etl_run_cli']
+__all__ = ['ENGINES', 'etl_engine', 'run_etl', 'etl_run_cli']
+
+# %% ../../nbs/19_etl.ipynb
+ENGINES = {"local": "shardkit.etl.local:run_local",     # worker processes on this machine
+           "dask": "shardkit.etl.dask:run_etl_dask"}    # one Dask task per shard, on any Dask cluster (the shardkit[dask] extra)
+
+def etl_engine(name: str) -> Callable:
+    "The engine `name` from `ENGINES`, imported when first asked for (Dask is an optional extra)."
+    if name not in ENGINES: raise UsageError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {name!r}")
+    module, fn = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), fn)
 
 # %% ../../nbs/19_etl.ipynb
 def run_etl(fn: str | Callable,             # Sample function or 'module:function'
@@ -29,20 +38,17 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
             engine: str = "local",          # 'local': worker processes here; 'dask': one Dask task per shard (shardkit[dask])
             scheduler=None) -> dict:        # With engine='dask': tcp://HOST:8786, a Client or a cluster (None: a LocalCluster)
     "Way 5: transform every shard of `src` matching `pattern` into `dest` (same names), resumably; a summary dict."
-    if engine not in ("local", "dask"): raise UsageError(f"engine must be 'local' or 'dask', got {engine!r}")
-    if engine == "dask":
-        from shardkit.etl.dask import run_etl_dask  # an optional extra, imported only when asked for
-        return run_etl_dask(fn, src, dest, pattern, decode, strict, seed, scheduler=scheduler, workers=workers, progress=progress)
-    if scheduler is not None: raise UsageError("scheduler= needs engine='dask'")
-    src_store, dest_store = open_store(src), open_store(dest, create=True)
-    if src_store.spec == dest_store.spec: raise ETLError(f"source and destination are the same store ({shown_path(src_store.spec)}); pick another destination")
-    names = src_store.list(pattern)
-    if not names: raise ETLError(f"no shards matching {pattern!r} in {shown_path(src_store.spec)}; check the pattern (shardkit ls {shown_path(src_store.spec)})")
-    t0, why_local = time.perf_counter(), None
+    run = etl_engine(engine)
+    if scheduler is not None and engine != "dask": raise UsageError("scheduler= needs engine='dask'")
+    kw = dict(workers=workers, decode=decode, strict=strict, seed=seed, progress=progress)
+    if engine == "dask": return run(fn, src, dest, pattern, scheduler=scheduler, **kw)
+    src_store, dest_store, note = open_store(src), open_store(dest, create=True), None
     if isinstance(src_store, AISStore) and isinstance(dest_store, AISStore) and src_store.endpoint == dest_store.endpoint:
-        why_local = etl_unavailable(src_store.client)
-        if why_local is None: return run_in_cluster(fn, src_store, dest_store, names, decode, strict, seed, etl_name, t0)
-    return run_resumably(fn, src_store, dest_store, names, workers, decode, strict, seed, progress, t0, why_local)
+        note = etl_unavailable(src_store.client)  # None: the cluster runs the transform itself
+        if note is None:
+            names = etl_shards(src_store, dest_store, pattern)
+            return run_in_cluster(fn, src_store, dest_store, names, decode, strict, seed, etl_name, time.perf_counter())
+    return run(fn, src_store, dest_store, pattern, note=note, **kw)
 
 # %% ../../nbs/19_etl.ipynb
 def etl_run_cli(fn: str,                      # The sample function, MODULE:FUNCTION (e.g. shardkit.etl.transforms:imagenet_val_npy)

@@ -10,9 +10,8 @@ from typing import Callable
 from tqdm.auto import tqdm
 from ..errors import ShardkitError, UsageError
 from ..store import open_store, shown_path
-from .manifest import MANIFEST, done_shards, write_etl_manifest, read_etl_manifest
 from .core import ShardTransform
-from .manifest import etl_settings
+from .manifest import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 
 # %% auto 0
 __all__ = ['DaskUnavailable', 'SchedulerUnreachable', 'local_cluster', 'transform_shard', 'run_etl_dask']
@@ -120,10 +119,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
                  progress: bool = True) -> dict:
     "Transform every shard of `src` matching `pattern` into `dest` (same names) with one Dask task per shard; a summary."
     src_store, dest_store = open_store(src), open_store(dest, create=True)
-    if src_store.spec == dest_store.spec and _endpoint(src_store) == _endpoint(dest_store):
-        raise UsageError(f"source and destination are the same store ({shown_path(src_store.spec)}); pick another destination")
-    names = [n for n in src_store.list(pattern) if n != MANIFEST]
-    if not names: raise UsageError(f"no shards matching {pattern!r} in {shown_path(src_store.spec)}")
+    names = etl_shards(src_store, dest_store, pattern)
     shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
     settings = etl_settings(fn, src_store, decode, seed)
     done = done_shards(dest_store, read_etl_manifest(dest_store), settings)

@@ -6,14 +6,15 @@
 from __future__ import annotations
 import hashlib, time
 from collections import Counter
+from typing import Callable
 from tqdm.auto import tqdm
 from ..store import open_store, shown_path
 from ..shards.fields import ShardError
 from .core import ETLError, SampleError, ShardTransform, strict
-from .manifest import MANIFEST, done_shards, etl_settings, read_etl_manifest, write_etl_manifest
+from .manifest import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 
 # %% auto 0
-__all__ = ['one_torch_thread', 'run_locally', 'run_resumably']
+__all__ = ['one_torch_thread', 'run_locally', 'run_resumably', 'run_local']
 
 # %% ../../nbs/17_etl_local.ipynb
 def one_torch_thread():
@@ -90,3 +91,11 @@ def run_resumably(fn, src, dest, names, workers, decode, strict, seed, progress,
     shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
     s = _summary(run_locally(shards, src, dest, todo, workers, progress, record) if todo else [], src, dest, t0, note)
     return dict(s, shards=len(names), resumed=len(names) - len(todo), manifest=MANIFEST)
+
+# %% ../../nbs/17_etl_local.ipynb
+def run_local(fn: str | Callable, src, dest, pattern: str = "*.tar", workers: int = 2, decode: str | None = "pil",
+              strict: bool = False, seed: int | None = None, progress: bool = True, note: str | None = None) -> dict:
+    "The local engine: every shard of `src` matching `pattern` through `workers` processes here into `dest` (same names), resumably."
+    t0 = time.perf_counter()
+    src, dest = open_store(src), open_store(dest, create=True)
+    return run_resumably(fn, src, dest, etl_shards(src, dest, pattern), workers, decode, strict, seed, progress, t0, note)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json, time
 from ..errors import StoreError
 from ..store import open_store, shown_path
-from .core import resolve_fn
+from .core import ETLError, resolve_fn
 
 # %% auto 0
-__all__ = ['MANIFEST', 'read_etl_manifest', 'etl_settings', 'done_shards', 'write_etl_manifest']
+__all__ = ['MANIFEST', 'read_etl_manifest', 'etl_settings', 'done_shards', 'write_etl_manifest', 'etl_shards']
 
 # %% ../../nbs/16_etl_manifest.ipynb
 MANIFEST = "etl-manifest.json"
@@ -43,3 +43,12 @@ def write_etl_manifest(store, settings: dict, names: list[str], done: dict[str, 
              shards=[{k: sh[k] for k in ("name", "samples", "bytes", "sha256")} for _, sh in sorted(done.items())])
     store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), MANIFEST)
     return m
+
+# %% ../../nbs/16_etl_manifest.ipynb
+def etl_shards(src, dest, pattern: str = "*.tar") -> list[str]:
+    "The shards of store `src` matching `pattern` that a run into store `dest` transforms; ETLError for the same store, or for none."
+    if src.spec == dest.spec and getattr(src, "endpoint", None) == getattr(dest, "endpoint", None):
+        raise ETLError(f"source and destination are the same store ({shown_path(src.spec)}); pick another destination")
+    names = [n for n in src.list(pattern) if n != MANIFEST]
+    if not names: raise ETLError(f"no shards matching {pattern!r} in {shown_path(src.spec)}; check the pattern (shardkit ls {shown_path(src.spec)})")
+    return names
