@@ -91,6 +91,17 @@ def test_remainder_is_dropped_or_padded(shards):
         _loader(shards, batch_size=20, world_size=2, rank=0)
 
 
+def test_one_rank_delivers_the_partial_last_batch_by_default(shards):
+    "As DataLoader does (drop_last=False): every sample once an epoch, the last batch smaller; drop_last=True is the choice."
+    full = _keys(_loader(shards, batch_size=5, num_workers=0))
+    assert [len(b) for b in full] == [5, 5, 5, 5, 4]
+    assert sorted(k for b in full for k in b) == ALL
+    dropped = _keys(_loader(shards, batch_size=5, num_workers=0, drop_last=True))
+    assert dropped == full[:4], "the same order, without the tail"
+    with pytest.raises(UsageError, match="same number of full batches"):
+        _loader(shards, batch_size=5, rank=0, world_size=2, drop_last=False)
+
+
 def test_same_crop_as_the_streaming_loader(shards):
     tf = train_transform(16)
     stream = {k: img for k, img in create_dataset(shards, keys=("__key__", "image.jpg"), transform=tf, seed=3, batch_size=None)}

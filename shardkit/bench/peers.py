@@ -195,7 +195,7 @@ class _RandomEpochs:
     def __iter__(self):
         from shardkit.loading.random import epoch_batches
         n, epoch = len(self.ds), self.epoch
-        ids, self.epoch = epoch_batches(n * self.passes, 1, self.ds.seed, epoch).ravel() % n, epoch + 1
+        ids, self.epoch = np.concatenate(epoch_batches(n * self.passes, 1, self.ds.seed, epoch)) % n, epoch + 1
         batches = [(epoch, ids[i:i + 64]) for i in range(0, len(ids), 64)]
         return iter(torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_identity,
                                                 num_workers=min(self.workers, len(batches))))

@@ -57,16 +57,20 @@ class LocalReader:
 
 # %% ../../nbs/27_random.ipynb
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
-                  pad: bool = False) -> np.ndarray:
-    "Rank `rank`'s batches (rows of sample numbers) of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone."
+                  pad: bool = False, drop_last: bool = True) -> list[np.ndarray]:
+    "Rank `rank`'s batches (arrays of sample numbers) of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone."
+    if not (drop_last or pad) and world_size > 1:
+        raise UsageError(f"with {world_size} ranks every rank needs the same number of full batches (DDP waits for all of "
+                         "them): keep drop_last=True, or pass pad=True to repeat samples")
+    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n)
+    if not (drop_last or pad): return [perm[i:i + batch_size] for i in range(0, n, batch_size)]  # one rank: a partial last batch
     step = batch_size * world_size
     steps = -(-n // step) if pad else n // step
     if steps == 0:
         raise UsageError(f"{n} samples make no full step of batch_size {batch_size} x {world_size} ranks; "
                          "use a smaller batch_size, or pad=True to repeat samples")
-    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n)
     perm = np.resize(perm, steps * step)  # drops the tail, or pads with the permutation's first entries
-    return perm.reshape(steps, world_size, batch_size)[:, rank]
+    return list(perm.reshape(steps, world_size, batch_size)[:, rank])
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -99,19 +103,20 @@ class RandomAccessDataset(Dataset):
 def _identity(x): return x
 
 class RandomAccessLoader:
-    "Batches of a `RandomAccessDataset` in a seeded global order, equal per rank, resumable with `state_dict` / `load_state_dict`."
+    "Batches of a `RandomAccessDataset` in a seeded global order, resumable with `state_dict` / `load_state_dict`; equal per rank with several."
     def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2, rank: int | None = None,
-                 world_size: int | None = None, pad: bool = False, **kw):
+                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None, **kw):
         self.dataset, self.batch_size, self.num_workers, self.pad, self.kw = dataset, batch_size, num_workers, pad, kw
         self.rank, self.world_size = rank_and_world(rank, world_size)
+        self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)  # None: DataLoader's default with one rank
         self.epoch, self.batch, self._restored = 0, 0, False
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property
     def seed(self) -> int: return self.dataset.seed
-    def batches(self, epoch: int) -> np.ndarray:
-        "This rank's batches of `epoch` (rows of sample numbers)."
-        return epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank, self.world_size, self.pad)
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        "This rank's batches of `epoch` (arrays of sample numbers)."
+        return epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank, self.world_size, self.pad, self.drop_last)
     def __len__(self): return len(self.batches(self.epoch))
 
     def set_epoch(self, epoch: int):
@@ -133,13 +138,13 @@ def __iter__(self: RandomAccessLoader):
             yield b
     self.epoch, self.batch = epoch + 1, 0
 
-_MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad")
+_MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last")
 
 @patch
 def state_dict(self: RandomAccessLoader) -> dict:
     "Where the loader is: epoch and batches handed out in it, with the settings a resumed loader must share."
     return dict(epoch=self.epoch, batch=self.batch, seed=self.seed, samples=len(self.dataset), batch_size=self.batch_size,
-                rank=self.rank, world_size=self.world_size, pad=self.pad)
+                rank=self.rank, world_size=self.world_size, pad=self.pad, drop_last=self.drop_last)
 
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
@@ -153,13 +158,14 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
 # %% ../../nbs/27_random.ipynb
 def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                         pad: bool = False, allow_pickle: bool = False, cache: bool | str | Path = True, **kw) -> RandomAccessLoader:
+                         pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
+                         cache: bool | str | Path = True, **kw) -> RandomAccessLoader:
     "A resumable loader reading `keys` of the samples of `source` (directory, tar paths, `ais://bucket`) in a seeded global order."
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform()
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
     ds = RandomAccessDataset(sample_index(source, keys, cache), keys, transform, seed, allow_pickle)
-    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, **kw)
+    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, **kw)
 
 # %% ../../nbs/27_random.ipynb
 class AISReader:
