@@ -14,7 +14,7 @@ from .errors import StoreError, UsageError
 from .shards.fields import ShardError, split_key
 from .shards.manifest import resume_point, save_manifest, read_manifest, sha256_file
 from .shards.write import staging_dir
-from .shards.read import unsafe_name
+from .shards.read import tar_entries, unsafe_name
 
 # %% auto 0
 __all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'shuffle_shards', 'shuffle_cli']
@@ -24,18 +24,14 @@ def _index_shard(path, shard: int, name: str | None = None):
     "Rows (shard, offset, members, bytes) for each record of the tar file at `path`, and the count of skipped members."
     rows, skipped, key = [], 0, None
     try:
-        with tarfile.open(path, mode="r:") as tf:
-            while (ti := tf.next()) is not None:
-                tf.members.clear()  # tarfile keeps every header it reads; we keep only our rows
-                k, _ = split_key(ti.name)
-                if not ti.isfile() or k is None or unsafe_name(ti.name):  # links, devices, names that climb out
+        with open(path, "rb") as f:
+            for e in tar_entries(f, f"input {name or path}", data=False):  # headers alone: the data is seeked over
+                k, _ = split_key(e.name)
+                if not e.is_file or k is None or unsafe_name(e.name):  # links, devices, names that climb out
                     skipped += 1; key = None; continue
-                end = ti.offset_data + math.ceil(ti.size / tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                if k == key: rows[-1][2] += 1; rows[-1][3] = end - rows[-1][1]
-                else: rows.append([shard, ti.offset, 1, end - ti.offset]); key = k
-    except (tarfile.TarError, EOFError) as e:
-        raise ShardError(f"input shard {name or path} is not a readable tar ({type(e).__name__}: {e}); "
-                         "check it with `tar tvf`, or leave it out with --input-template") from None
+                if k == key: rows[-1][2] += 1; rows[-1][3] = e.end - rows[-1][1]
+                else: rows.append([shard, e.offset, 1, e.end - e.offset]); key = k
+    except ShardError as e: raise ShardError(f"{e}; check it with `tar tvf`, or leave it out with --input-template") from None
     return rows, skipped
 
 # %% ../nbs/11_shuffle.ipynb
@@ -185,17 +181,14 @@ def dsort_framework(src: AISStore, dest: AISStore, names: list[str], shard_size:
 # %% ../nbs/11_shuffle.ipynb
 def _record_sizes(head: bytes) -> tuple[int, int, int]:
     "Records, data bytes and tar bytes of the complete records at the start of tar bytes `head`."
-    keys, data, blocks, last = set(), 0, 0, None
+    keys, data, blocks = set(), 0, 0
     try:
-        with tarfile.open(fileobj=io.BytesIO(head), mode="r|") as tf:
-            for ti in tf:
-                end = ti.offset_data + math.ceil(ti.size / tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                if end > len(head): break
-                k, _ = split_key(ti.name)
-                if not ti.isfile() or k is None: continue
-                keys.add(k); last = k
-                data += ti.size; blocks += end - ti.offset
-    except (tarfile.ReadError, EOFError): pass  # the probe ends inside a member
+        for e in tar_entries(io.BytesIO(head), "probe", data=False):
+            if e.end > len(head): break
+            k, _ = split_key(e.name)
+            if not e.is_file or k is None: continue
+            keys.add(k); data += e.size; blocks += e.end - e.offset
+    except ShardError: pass  # the probe ends inside a member
     return len(keys), data, blocks
 
 def _dsort_shard_size(shard_size: int, records: int, data: int, blocks: int) -> int:

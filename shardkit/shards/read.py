@@ -6,7 +6,7 @@
 from __future__ import annotations
 import hashlib, json, tarfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 import webdataset as wds
 from webdataset.tariterators import group_by_keys
@@ -15,8 +15,8 @@ from ..store import LocalStore, open_store, shown_path
 from .fields import ShardError, split_key
 
 # %% auto 0
-__all__ = ['unsafe_name', 'tar_members', 'read_samples', 'url_samples', 'sample_digests', 'count_samples', 'list_shards',
-           'scan_tar']
+__all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'url_samples', 'sample_digests',
+           'count_samples', 'list_shards', 'scan_tar']
 
 # %% ../../nbs/04_read.ipynb
 def _tar_reason(e: Exception) -> str:
@@ -94,33 +94,79 @@ def _header_ok(head: bytes) -> bool:
 
 
 # %% ../../nbs/04_read.ipynb
+class TarEntry(NamedTuple):
+    "One entry of a tar: name (long names resolved), type flag, where its headers and its data start, size, and bytes if read."
+    name: str
+    kind: bytes
+    offset: int
+    data_offset: int
+    size: int
+    data: bytes | None = None
+    @property
+    def is_file(self) -> bool: return self.kind in (b"0", b"\0", b"7")
+    @property
+    def end(self) -> int: return self.data_offset + -(-self.size // 512) * 512
+
+def _passer(stream, name: str, seek: bool, start: int = 0):
+    "(read(n), skip(n), position()) over `stream`, `start` bytes in: reads count the bytes, skips seek where `seek` (up to the end)."
+    pos, total = [start], None
+    if seek: here = stream.tell(); total = stream.seek(0, 2) - here + start; stream.seek(here)
+    def read(n: int) -> bytes:
+        try: b = _read(stream, n)
+        except OSError as e: raise ShardError(f"shard {name} stopped being readable ({e})") from None
+        pos[0] += len(b); return b
+    def skip(n: int) -> int:
+        if total is not None: n = min(n, total - pos[0]); stream.seek(n, 1); pos[0] += n; return n
+        got = 0
+        while got < n and (b := read(min(n - got, 1 << 20))): got += len(b)
+        return got
+    return read, skip, lambda: pos[0]
+
+# %% ../../nbs/04_read.ipynb
+def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | None = None) -> Iterator[TarEntry]:
+    "The entries of uncompressed tar `stream` from their headers, with their bytes or (`data=False`) skipping them; ShardError if broken."
+    bad = lambda why: ShardError(f"shard {name} is not a readable tar of samples ({why})")
+    read, skip, pos = _passer(stream, name, not data and getattr(stream, "seekable", lambda: False)(), len(head or b""))
+    head = read(512) if head is None else head
+    at, start, long_name = 0, None, None  # `at`: where `head` starts in the stream
+    if head.startswith(_COMPRESSED):
+        raise ShardError(f"shard {name} is compressed; this reads tars by the offsets of their members: decompress it (gunzip, zstd -d)")
+    while len(head) == 512 and head.count(0) != 512:
+        if not _header_ok(head): raise bad("bad header checksum")
+        try: size, kind = _number(head[124:136]), head[156:157]
+        except ValueError: raise bad("a header with a bad size") from None
+        member = head[:100].split(b"\0", 1)[0]
+        if head[257:262] == b"ustar" and head[345:346] != b"\0": member = head[345:500].split(b"\0", 1)[0] + b"/" + member
+        start = at if start is None else start  # an entry starts at its first header (a long name, pax or GNU, comes first)
+        body_at = at + 512
+        if data or kind in (b"L", b"x"):
+            body = read(size)
+            if len(body) < size: raise bad("it ends inside a member")
+        elif skip(size) < size: raise bad("it ends inside a member")
+        skip(-size % 512)  # the padding (a tar cut short after its last member's data still yields that member)
+        if kind in (b"L", b"x"):  # GNU long name, pax header: they name the next member
+            try: long_name = body.rstrip(b"\0") if kind == b"L" else _pax_path(body) or long_name
+            except ValueError: raise bad("a broken pax header") from None
+        elif kind == b"g": start = None  # a pax global header says nothing shardkit needs
+        else:
+            fname, long_name = (long_name or member).decode("utf-8", "surrogateescape"), None
+            yield TarEntry(fname, kind, start, body_at, size, body if data else None)
+            start = None
+        at, head = pos(), read(512)
+    if 0 < len(head) < 512: raise bad("it ends inside a header")
+
+# %% ../../nbs/04_read.ipynb
 def tar_members(stream, name: str = "shard") -> Iterator[dict]:
     "The `{fname, data}` records of the files in tar `stream`, parsed directly; ShardError for a broken tar or an unsafe member."
     try: head = _read(stream, 512)
     except OSError as e: raise ShardError(f"shard {name} cannot be read ({e})") from None
     if head.startswith(_COMPRESSED):  # compressed: tarfile decompresses
         yield from _safe_members(_Rewound(head, stream), name); return
-    long_name = None
-    while len(head) == 512 and head.count(0) != 512:
-        if not _header_ok(head): raise ShardError(f"shard {name} is not a readable tar of samples (bad header checksum)")
-        try: size, kind = _number(head[124:136]), head[156:157]
-        except ValueError: raise ShardError(f"shard {name} is not a readable tar of samples (a header with a bad size)") from None
-        member = head[:100].split(b"\0", 1)[0]
-        if head[257:262] == b"ustar" and head[345:346] != b"\0": member = head[345:500].split(b"\0", 1)[0] + b"/" + member
-        try: data, pad = _read(stream, size), _read(stream, -size % 512)
-        except OSError as e: raise ShardError(f"shard {name} stopped being readable ({e})") from None
-        if len(data) < size: raise ShardError(f"shard {name} is not a readable tar of samples (it ends inside a member)")
-        if kind in (b"L", b"x"):  # GNU long name, pax header: they name the next member
-            try: long_name = data.rstrip(b"\0") if kind == b"L" else _pax_path(data) or long_name
-            except ValueError: raise ShardError(f"shard {name} is not a readable tar of samples (a broken pax header)") from None
-        elif kind != b"g":  # (a pax global header says nothing shardkit needs)
-            fname, long_name = (long_name or member).decode("utf-8", "surrogateescape"), None
-            why = unsafe_name(fname) or (None if kind in (b"0", b"\0", b"7", b"5") else "a link or device, not a file")
-            if why: _refuse(name, fname, why)
-            if kind != b"5" and not (fname.startswith("__") and fname.endswith("__")):
-                yield dict(fname=fname, data=data, __url__=name)
-        head = _read(stream, 512)
-    if 0 < len(head) < 512: raise ShardError(f"shard {name} is not a readable tar of samples (it ends inside a header)")
+    for e in tar_entries(stream, name, head=head):
+        why = unsafe_name(e.name) or (None if e.is_file or e.kind == b"5" else "a link or device, not a file")
+        if why: _refuse(name, e.name, why)
+        if e.kind != b"5" and not (e.name.startswith("__") and e.name.endswith("__")):
+            yield dict(fname=e.name, data=e.data, __url__=name)
     for _ in range(16):  # read the padding after the end marker (tar pads to 10 KB records): a `curl` writing
         if not stream.read(1 << 16): break  # into a pipe that was closed on it would fail the shard
 
@@ -181,21 +227,20 @@ def _manifest_counts(store) -> dict[str, tuple[int, int]]:
     return out
 
 def count_samples(store, shard: str) -> int:
-    "The number of samples (WebDataset keys) in `shard`, from its tar headers."
+    "The number of samples (WebDataset keys) in `shard`, from its tar headers (a local shard's data is seeked over, not read)."
     store = open_store(store)
-    if isinstance(store, LocalStore):  # random access: tarfile seeks over the data
-        f, mode = open(store.path(shard), "rb"), "r:"
-    else: f, mode = store.open(shard), "r|"
+    where = f"{shard} in {shown_path(store.spec)}"
     n, key = 0, None
     try:
-        with f, tarfile.open(fileobj=f, mode=mode) as tf:
-            while (ti := tf.next()) is not None:
-                tf.members.clear()
-                k, _ = split_key(ti.name)
-                if ti.isfile() and k and k != key: n += 1; key = k
-    except (tarfile.TarError, EOFError) as e:
-        raise ShardError(f"shard {shard} in {shown_path(store.spec)} is not a readable tar ({_tar_reason(e)}); "
-                         "check it with `tar tvf`, or list the good ones with a pattern") from None
+        with open(store.path(shard), "rb") if isinstance(store, LocalStore) else store.open(shard) as f:
+            head = _read(f, 512)
+            if head.startswith(_COMPRESSED): names = (m["fname"] for m in tar_members(_Rewound(head, f), where))
+            else: names = (e.name for e in tar_entries(f, where, data=False, head=head) if e.is_file)
+            for fname in names:
+                k, _ = split_key(fname)
+                if k and k != key: n += 1; key = k
+    except ShardError as e: raise ShardError(f"{e}; check it with `tar tvf`, or list the good ones with a pattern") from None
+    except OSError as e: raise ShardError(f"shard {where} cannot be read ({e})") from None
     return n
 
 def list_shards(store, pattern: str = "*.tar") -> list[dict]:
@@ -212,15 +257,17 @@ def list_shards(store, pattern: str = "*.tar") -> list[dict]:
 _META = re.compile(r"__[^/]*__($|/)")  # WebDataset's skip_meta: members it never turns into fields
 
 def scan_tar(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
-    "Names, data offsets and sizes of the regular members of tar `path`, from its headers alone (no data is read)."
+    "Names, data offsets and sizes of the regular members of tar `path`, from its headers alone (the data is skipped)."
     names, offsets, sizes = [], [], []
     try:
-        with tarfile.open(path, "r:") as tf:
-            while (ti := tf.next()) is not None:
-                tf.members.clear()
-                if not ti.isreg() or _META.match(ti.name): continue
-                names.append(ti.name); offsets.append(ti.offset_data); sizes.append(ti.size)
-    except (tarfile.TarError, EOFError, OSError) as e:
-        raise ShardError(f"shard {shown_path(path)} is not a readable tar ({type(e).__name__}: {e}); "
-                                "check it with `tar tvf` or rewrite it") from None
+        with open(path, "rb") as f:
+            head = _read(f, 512)
+            if head.startswith(_COMPRESSED):
+                raise ShardError(f"shard {shown_path(path)} is a compressed tar: random access reads each member at its offset, "
+                                 "which only an uncompressed tar has. Decompress it (e.g. `gunzip -c x.tgz > x.tar`), or read it with "
+                                 "the streaming loader (access='stream'), which decompresses as it reads")
+            for e in tar_entries(f, shown_path(path), data=False, head=head):
+                if e.is_file and not _META.match(e.name):
+                    names.append(e.name); offsets.append(e.data_offset); sizes.append(e.size)
+    except OSError as e: raise ShardError(f"shard {shown_path(path)} cannot be read ({e.strerror or e})") from None
     return names, np.array(offsets, np.int64), np.array(sizes, np.int64)
