@@ -86,7 +86,7 @@ def test_extras_and_fast_check(quirky, tmp_path):
     assert s["pet.json"]["class_id"] == s["cls"] + 1 and s["species.cls"] == s["pet.json"]["species"] - 1
 
 
-def test_seed_post_pipeline_and_tar_listing(quirky, tmp_path):
+def test_post_pipeline_and_tar_listing(quirky, tmp_path):
     root, plan = quirky
     m = convert_pets(root, tmp_path / "out", maxcount=20, progress=False)
     urls = open_store(tmp_path / "out").urls([s["name"] for s in m["shards"]])

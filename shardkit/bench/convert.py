@@ -16,7 +16,7 @@ from .core import BenchError, cpu_seconds, format_bench
 __all__ = ['bench_convert', 'convert_table', 'bench_convert_cli']
 
 # %% ../../nbs/32_bench_convert.ipynb
-def _seed_post_convert(root: Path, dest) -> tuple[int, int]:
+def _post_convert(root: Path, dest) -> tuple[int, int]:
     "The AIStore post's converter: glob the images, read files, ShardWriter(maxcount=400) with an upload callback."
     store = open_store(dest, create=True)
     classes = {}
@@ -56,7 +56,7 @@ def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str |
             for i, (label, check) in enumerate(runs.items()):
                 target = f"{dest.rstrip('/')}/bench-{r}-{i}" if dest else work / f"{r}-{i}"
                 c0, t0 = cpu_seconds(), time.perf_counter()
-                if check is None: n, nbytes = _seed_post_convert(root, target)
+                if check is None: n, nbytes = _post_convert(root, target)
                 else:
                     m = convert_pets(root, target, workers=workers, check=check, progress=False)
                     n, nbytes = m["samples"], m["bytes"]

@@ -80,7 +80,7 @@ def _run_child(spec: dict, timeout: float = 600) -> dict:
 
 # %% ../../nbs/35_bench_loader.ipynb
 SHARDKIT_ROWS = ("default", "whole", "random")
-BASE_ROWS = ("default", "whole", "random", "seed", "wds", "imagefolder")
+BASE_ROWS = ("default", "whole", "random", "post", "wds", "imagefolder")
 
 def _summary(runs: list[dict]) -> dict:
     "A row from its runs: medians over the runs whose every epoch passed the checks, and why the others failed."
@@ -115,7 +115,7 @@ def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dic
                     rows[name] = dict(status="failed", why=[f"converting the data: {r['error']}"]); continue
                 part.rename(dest)
             specs[name] = dict(base, task="measure", name=name, dest=str(dest))
-        else: specs[name] = dict(base, task="measure", name=name, dtype="float32" if name == "seed" else "uint8")
+        else: specs[name] = dict(base, task="measure", name=name, dtype="float32" if name == "post" else "uint8")
     return rows, specs
 
 # %% ../../nbs/35_bench_loader.ipynb

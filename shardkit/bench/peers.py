@@ -21,7 +21,7 @@ from .core import BenchError
 
 # %% auto 0
 __all__ = ['PEER_LOADERS', 'LOADER_ROWS', 'plain_transform', 'decode_augment', 'shard_fields', 'extract_image_folder',
-           'BenchData', 'bench_cache', 'prepare_bench_data', 'seed_post_loader']
+           'BenchData', 'bench_cache', 'prepare_bench_data', 'post_loader']
 
 # %% ../../nbs/34_bench_peers.ipynb
 @functools.lru_cache(maxsize=None)
@@ -174,7 +174,7 @@ def _convert(spec: dict) -> dict:
 # %% ../../nbs/34_bench_peers.ipynb
 def _identity(x): return x
 
-def seed_post_loader(urls: Sequence[str], num_workers: int = 4, image: str = "image.jpg", trimap: str | None = "trimap.png"):
+def post_loader(urls: Sequence[str], num_workers: int = 4, image: str = "image.jpg", trimap: str | None = "trimap.png"):
     "The AIStore post's pipeline as written: decode('torchrgb') of every field, classic transforms, unbatch/shuffle/rebatch."
     from torchvision import transforms as T
     image_tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -213,9 +213,9 @@ def _make_whole(spec): return _make_default(spec, window=False)
 def _make_random(spec): return lambda: (_RandomEpochs(spec), None)
 
 # %% ../../nbs/34_bench_peers.ipynb
-def _make_seed(spec):
+def _make_post(spec):
     f = spec["fields"]
-    return lambda: (seed_post_loader(_repeated(spec), spec["workers"], f["image"], f["trimap"]), lambda b: (b[1], b[0]))
+    return lambda: (post_loader(_repeated(spec), spec["workers"], f["image"], f["trimap"]), lambda b: (b[1], b[0]))
 
 def _make_wds(spec):
     f = spec["fields"]
@@ -297,9 +297,9 @@ def _make_ffcv(spec):
     return make
 
 # %% ../../nbs/34_bench_peers.ipynb
-LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-image decode", "random": "shardkit random access", "seed": "AIStore post's pipeline",
+LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-image decode", "random": "shardkit random access", "post": "AIStore post's pipeline",
                "wds": "webdataset, done well", "imagefolder": "torchvision ImageFolder (same decoder)",
                "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV",
                "ceiling": "ceiling: decode+augment, 1 core x workers"}
-_MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "seed": _make_seed, "wds": _make_wds, "imagefolder": _make_imagefolder,
+_MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "post": _make_post, "wds": _make_wds, "imagefolder": _make_imagefolder,
            "litdata": _make_litdata, "mds": _make_mds, "dali": _make_dali, "ffcv": _make_ffcv}
