@@ -20,6 +20,12 @@ dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 extras = {'dev': dev_requirements, 'lab': shlex.split(cfg.get('lab_requirements', '')),
           'dask': shlex.split(cfg.get('dask_requirements', '')),
           'peers': shlex.split(cfg.get('peers_requirements', ''))}
+# The crop-window JPEG decoder (shardkit/native/jpeg_window.c), built where a C compiler and libjpeg's headers are.
+# shardkit loads it with ctypes (it is no Python module), so only its one function is exported. Optional: where it
+# cannot be built the install goes on, and shardkit builds it at first use into SHARDKIT_HOME/native or decodes
+# whole images (shardkit.loading.jpeg.why_no_window_decode() says why).
+jpeg_window = setuptools.Extension('shardkit.native._jpeg_window', ['shardkit/native/jpeg_window.c'], libraries=['jpeg'],
+                                   extra_compile_args=['-O2', '-fvisibility=hidden'], optional=True)
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']
 
@@ -34,6 +40,8 @@ setuptools.setup(
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=['shardkit', 'shardkit.*']),
     include_package_data=True,
+    package_data={'shardkit.native': ['*.c']},  # the runtime build compiles the installed source
+    ext_modules=[jpeg_window],
     install_requires=requirements,
     extras_require=extras,
     dependency_links=cfg.get('dep_links', '').split(),

@@ -3,8 +3,13 @@ greyscale, restart markers, odd sizes, smaller than one MCU) has the pixels of t
 JpegError that says what libjpeg found; a JPEG cut short below the window still yields it; where the native decoder
 cannot be built or is turned off, `why_no_window_decode()` says why and windows are cut from full decodes (run in
 subprocesses, as that state is per process); CMYK goes to the full decoder. Where this machine cannot build the native
-decoder, the pixel tests check the fallback and the tests that need the native path skip with the reason."""
-import io, json, os, pickle, subprocess, sys, textwrap
+decoder, the pixel tests check the fallback and the tests that need the native path skip with the reason.
+
+The decoder comes from the extension built at install time (shardkit/native/_jpeg_window.*.so) when it is there and
+trusted, else from the runtime build in SHARDKIT_HOME/native. The tests of the runtime build set
+SHARDKIT_JPEG_WINDOW=build, which skips the installed extension, so they test that path on any machine; the tests of
+the installed one point `jpeg._NATIVE` at a folder of their own, and a slow test builds wheels with pip."""
+import importlib.machinery, io, json, os, pickle, shutil, subprocess, sys, textwrap, zipfile
 from pathlib import Path
 import numpy as np
 import pytest
@@ -168,11 +173,11 @@ def test_a_window_outside_the_image_is_refused(native, box):
     with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(*box)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="BUG: _call builds torch.empty((height, width, 3)) before the C bounds check, so a negative "
-                          "height or width is torch's RuntimeError ('negative dimension'), not a JpegError")
-def test_a_window_of_negative_size_is_a_jpeg_error(native):
-    with pytest.raises(JpegError, match="outside"): decode_window(DATA, 0, 0, -1, 5)
+@pytest.mark.parametrize("box", [(0, 0, -1, 5), (0, 0, 5, -7), (0, 0, 70000, 5), (0, 0, 5, 2**31 - 1)])
+def test_a_window_of_negative_or_impossible_size_is_a_jpeg_error(native, box):
+    top, left, h, w = box
+    with pytest.raises(JpegError, match=rf"window {w}x{h} at \(0, 0\) outside the 120x90 image"): decode_window(DATA, *box)
+    with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(*box)
 
 
 def test_a_jpeg_cut_below_the_window_still_yields_it(native):
@@ -210,19 +215,17 @@ def test_decode_window_leaves_cmyk_to_the_full_decoder(native):
     assert decode_window(_cmyk(), 2, 3, 10, 12) is None
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="BUG: the full-decode path of EncodedJpeg.window slices without checking the box, so a window "
-                          "outside the image comes back smaller (or empty) instead of an error; CMYK takes that path always, "
-                          "every JPEG does where the native decoder is unavailable")
-def test_a_window_outside_a_cmyk_jpeg_is_refused_too():
-    with pytest.raises(JpegError, match="outside"): EncodedJpeg(_cmyk(), 40, 30).window(20, 0, 11, 40)
+@pytest.mark.parametrize("box", [(20, 0, 11, 40), (0, 30, 5, 11), (-1, 0, 5, 5), (0, 0, -1, 5), (0, 0, 0, 5), (30, 0, 1, 1)])
+def test_a_window_outside_a_cmyk_jpeg_is_refused_too(box):
+    "CMYK takes the full-decode path always (every JPEG does where windows cannot be decoded): refused there as well."
+    top, left, h, w = box
+    with pytest.raises(JpegError, match=rf"^cannot decode this JPEG: window {w}x{h} at \({left}, {top}\) outside the 40x30 image"):
+        EncodedJpeg(_cmyk(), 40, 30).window(*box)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="BUG: EncodedJpeg.decode passes b'' to torch.frombuffer, whose ValueError is not turned into a "
-                          "JpegError (the native path says 'Empty input file')")
 def test_an_empty_jpeg_is_a_jpeg_error_on_the_full_decode_path():
-    with pytest.raises(JpegError, match="cannot decode this JPEG"): EncodedJpeg(b"", 1, 1).decode()
+    with pytest.raises(JpegError, match="^cannot decode this JPEG: Empty input file"): EncodedJpeg(b"", 1, 1).decode()
+    with pytest.raises(JpegError, match="^cannot decode this JPEG: Empty input file"): EncodedJpeg(b"", 1, 1).window(0, 0, 1, 1)
 
 
 ELSEWHERE = textwrap.dedent(r'''
@@ -277,7 +280,7 @@ def _run_elsewhere(tmp_path, env, mode):
 
 
 def test_without_a_compiler_windows_are_cut_from_full_decodes(tmp_path):
-    out = _run_elsewhere(tmp_path, {"CC": "/nonexistent/cc"}, "no-compiler")
+    out = _run_elsewhere(tmp_path, {"CC": "/nonexistent/cc", "SHARDKIT_JPEG_WINDOW": "build"}, "no-compiler")
     why = out["why"]
     assert why and "/nonexistent/cc" in why and "failed to run" in why, why
     assert "install a C compiler" in why and "apt-get install gcc libjpeg-dev" in why, why
@@ -296,18 +299,26 @@ def test_shardkit_jpeg_window_0_turns_window_decoding_off(tmp_path):
 
 
 TRUST = textwrap.dedent(r'''
-    import json
+    import json, sys, warnings
+    from pathlib import Path
     from shardkit.loading import jpeg
-    print(json.dumps({"why": jpeg.why_no_window_decode(), "path": str(jpeg._library_path())}))
+    if len(sys.argv) > 1: jpeg._NATIVE = Path(sys.argv[1])  # the folder an installed extension is looked for in
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        why, loaded = jpeg.why_no_window_decode(), jpeg.window_decoder_path()
+    print(json.dumps({"why": why, "path": str(jpeg._library_path()), "loaded": loaded and str(loaded),
+                      "installed": str(jpeg._installed_library()),
+                      "warnings": [str(w.message) for w in caught if "window decoder" in str(w.message)]}))
 ''')
 
 
-def _in_fresh_process(home, **env):
-    "why_no_window_decode() and the library path in a fresh interpreter (a clean lru_cache) with SHARDKIT_HOME=home."
+def _in_fresh_process(home, *args, **env):
+    """why_no_window_decode(), the runtime build's path and the file loaded, in a fresh interpreter (a clean lru_cache)
+    with SHARDKIT_HOME=home; `args`: the folder to look for an installed extension in, instead of shardkit/native."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("SHARDKIT_JPEG_WINDOW", "CC", "CFLAGS", "LDFLAGS")},
            "SHARDKIT_HOME": str(home), **env}
-    return subprocess.Popen([sys.executable, "-c", TRUST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=env)
+    return subprocess.Popen([sys.executable, "-c", TRUST, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, env=env)
 
 
 def _report(p):
@@ -316,44 +327,160 @@ def _report(p):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_planted_library_in_a_folder_others_can_write_is_never_loaded(tmp_path):
-    import shutil
-    if not shutil.which("gcc"): pytest.skip("no gcc to build the planted library")
-    home, marker = tmp_path / "home", tmp_path / "constructor-ran"
+def _plant(tmp_path, path):
+    "A library at `path` whose constructor, run the moment anything loads it, leaves a marker file; the marker's path."
+    marker = tmp_path / "constructor-ran"
     (tmp_path / "evil.c").write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
                                      f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
                                      'int sk_decode_rgb_window(void) { return 0; }\n')
-    path = Path(_report(_in_fresh_process(home, SHARDKIT_JPEG_WINDOW="0"))["path"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(path), str(tmp_path / "evil.c")], capture_output=True, text=True)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    r = subprocess.run([cc, "-shared", "-fPIC", "-o", str(path), str(tmp_path / "evil.c")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    return marker
+
+
+def test_a_planted_library_in_a_folder_others_can_write_is_never_loaded(tmp_path):
+    if not (shutil.which("cc") or shutil.which("gcc")): pytest.skip("no C compiler to build the planted library")
+    home = tmp_path / "home"
+    path = Path(_report(_in_fresh_process(home, SHARDKIT_JPEG_WINDOW="0"))["path"])
+    marker = _plant(tmp_path, path)
     home.chmod(0o775)  # a group-writable SHARDKIT_HOME: anyone in the group could have planted it
-    why = _report(_in_fresh_process(home))["why"]
+    why = _report(_in_fresh_process(home, SHARDKIT_JPEG_WINDOW="build"))["why"]
     assert not marker.exists(), "the planted library was loaded"
     assert why and "\n" not in why and f"chmod go-w {home}" in why and "SHARDKIT_HOME" in why, why
     home.chmod(0o700)
     path.parent.chmod(0o777)  # native/ writable by anyone
-    why = _report(_in_fresh_process(home))["why"]
+    why = _report(_in_fresh_process(home, SHARDKIT_JPEG_WINDOW="build"))["why"]
     assert not marker.exists() and f"chmod go-w {path.parent}" in why, why
 
 
-def test_a_private_home_builds_a_working_decoder_once_for_two_processes(tmp_path):
-    import shutil
+def _can_build():
     cc = shutil.which("cc") or shutil.which("gcc")
     if not cc or not Path("/usr/include/jpeglib.h").exists(): pytest.skip("no C compiler or no libjpeg headers here")
+    return cc
+
+
+def test_a_planted_extension_in_a_folder_others_can_write_is_never_loaded(tmp_path):
+    "An installed extension that is not ours is refused with the path and the fix; the runtime build takes over, with a warning."
+    _can_build()
+    folder, home = tmp_path / "native", tmp_path / "home"
+    ext = folder / f"_jpeg_window{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    marker = _plant(tmp_path, ext)
+    folder.chmod(0o775)
+    r = _report(_in_fresh_process(home, folder))
+    assert not marker.exists(), "the planted extension was loaded"
+    assert r["installed"] == str(ext) and r["why"] is None and r["loaded"] == r["path"], r  # the runtime build instead
+    assert len(r["warnings"]) == 1 and f"refusing to load the installed window decoder: {folder} can be written by others" \
+        in r["warnings"][0] and f"chmod go-w {folder}" in r["warnings"][0], r["warnings"]
+    folder.chmod(0o755)
+    ext.chmod(0o666)
+    r = _report(_in_fresh_process(home, folder, CC="/nonexistent/cc"))  # and no runtime build either: both reasons
+    assert not marker.exists() and r["loaded"] is None, r
+    assert f"chmod go-w {ext}" in r["why"] and "; and /nonexistent/cc failed to run" in r["why"], r["why"]
+
+
+def test_the_installed_extension_comes_first(tmp_path):
+    "A trusted extension that agrees is used as it is: no compiler run, nothing written to SHARDKIT_HOME."
+    cc = _can_build()
+    folder, home = tmp_path / "native", tmp_path / "home"
+    folder.mkdir(mode=0o755)
+    ext = folder / f"_jpeg_window{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    source = Path(__file__).resolve().parents[1] / "shardkit" / "native" / "jpeg_window.c"
+    r = subprocess.run([cc, "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-o", str(ext), str(source), "-ljpeg"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = _report(_in_fresh_process(home, folder, CC="/nonexistent/cc"))
+    assert r["why"] is None and r["loaded"] == str(ext) and r["warnings"] == [], r
+    assert not home.exists(), "nothing built or made in SHARDKIT_HOME"
+    r = _report(_in_fresh_process(home, folder, CC="/nonexistent/cc", SHARDKIT_JPEG_WINDOW="build"))
+    assert r["loaded"] is None and "/nonexistent/cc failed to run" in r["why"], r  # build: the installed one is skipped
+    r = _report(_in_fresh_process(home, folder, SHARDKIT_JPEG_WINDOW="maybe"))
+    assert r["loaded"] is None and r["why"] == "SHARDKIT_JPEG_WINDOW='maybe' is none of 1, 0 or build; set one of them", r
+
+
+def test_a_private_home_builds_a_working_decoder_once_for_two_processes(tmp_path):
+    cc = _can_build()
     tools = tmp_path / "tools"
     tools.mkdir(mode=0o700)
     log, wrapper = tmp_path / "cc.log", tools / "cc"
     wrapper.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {cc} "$@"\n')
     wrapper.chmod(0o700)
     home = tmp_path / "home"
-    first, second = _in_fresh_process(home, CC=str(wrapper)), _in_fresh_process(home, CC=str(wrapper))
+    build = dict(CC=str(wrapper), SHARDKIT_JPEG_WINDOW="build")
+    first, second = _in_fresh_process(home, **build), _in_fresh_process(home, **build)
     reports = [_report(first), _report(second)]
-    assert [r["why"] for r in reports] == [None, None], reports
+    assert [r["why"] for r in reports] == [None, None] and [r["loaded"] for r in reports] == [reports[0]["path"]] * 2, reports
     builds = [l for l in log.read_text().splitlines() if "-shared" in l]
     assert len(builds) == 1, builds
     assert oct(home.stat().st_mode & 0o777) == "0o700" and oct((home / "native").stat().st_mode & 0o777) == "0o700"
     path = Path(reports[0]["path"])
     path.write_bytes(path.read_bytes()[:100])  # a library cut short: removed and built again, once
-    assert _report(_in_fresh_process(home, CC=str(wrapper)))["why"] is None
+    assert _report(_in_fresh_process(home, **build))["why"] is None
     assert len([l for l in log.read_text().splitlines() if "-shared" in l]) == 2
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LOADS = textwrap.dedent(r'''
+    import json, sys
+    from pathlib import Path
+    from shardkit.loading import jpeg
+    fn, why, path = jpeg._installed_decoder(Path(sys.argv[1]))
+    print(json.dumps({"loaded": fn is not None, "why": why, "path": str(path)}))
+''')
+
+
+def _pip_wheel(src, out, env):
+    "`pip wheel` of the checkout copied to `src` (from scratch: no build/ left from a previous one) into `out`."
+    shutil.rmtree(src / "build", ignore_errors=True)
+    for info in src.glob("*.egg-info"): shutil.rmtree(info)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
+                       cwd=src, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    wheels = list(out.glob("shardkit-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0], r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_pip_builds_the_extension_where_it_can_and_installs_without_it_where_it_cannot(tmp_path):
+    """Wheels of this checkout, built as `pip install` builds them: with a compiler and libjpeg's headers the wheel holds
+    the extension, which exports the one function, is trusted, loads and agrees with torchvision; with a compiler that
+    fails (CC=/bin/false) or none on PATH, the wheel still builds, with the C source for the runtime build and no
+    extension. The environment's installed shardkit is not touched."""
+    _can_build()
+    src = tmp_path / "src"
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():  # a file deleted in the working tree is still in the index
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    assert not list((src / "shardkit" / "native").glob("*.so")), "no extension copied in from an editable install"
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CFLAGS", "LDFLAGS", "SHARDKIT_JPEG_WINDOW")}
+
+    wheel, log = _pip_wheel(src, tmp_path / "with-cc", env)
+    names = zipfile.ZipFile(wheel).namelist()
+    ext = [n for n in names if n.startswith("shardkit/native/_jpeg_window")]
+    assert len(ext) == 1 and any(ext[0].endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES), (ext, log[-3000:])
+    assert "shardkit/native/jpeg_window.c" in names, "the source ships too, for the runtime build"
+    unpacked = tmp_path / "unpacked"
+    zipfile.ZipFile(wheel).extractall(unpacked)
+    so = unpacked / ext[0]
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout
+        assert [l.split()[-1] for l in symbols.splitlines() if l.split()] == ["sk_decode_rgb_window"], symbols
+    r = subprocess.run([sys.executable, "-c", LOADS, str(so.parent)], capture_output=True, text=True, timeout=180,
+                       stdin=subprocess.DEVNULL, env={**env, "SHARDKIT_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"loaded": True, "why": None, "path": str(so)}, r.stdout
+
+    bare = tmp_path / "bare-bin"  # a PATH with this Python and no compiler
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    for label, without in [("cc-fails", {"CC": "/bin/false"}), ("no-cc-on-path", {"PATH": str(bare)})]:
+        wheel, log = _pip_wheel(src, tmp_path / label, {**env, **without})
+        names = zipfile.ZipFile(wheel).namelist()
+        assert not [n for n in names if n.startswith("shardkit/native/_jpeg_window")], (label, names)
+        assert "shardkit/native/jpeg_window.c" in names and "shardkit/loading/jpeg.py" in names, label
+        assert 'building extension "shardkit.native._jpeg_window" failed' in log, (label, log[-3000:])
