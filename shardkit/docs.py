@@ -12,10 +12,10 @@ from PIL import Image
 from fastcore.script import store_true
 
 # %% auto 0
-__all__ = ['find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root', 'process_notebook',
-           'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem', 'render_offline',
-           'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed', 'shrink_image',
-           'shrink_outputs', 'shrink_notebook', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
+__all__ = ['PACKAGES', 'find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root',
+           'process_notebook', 'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem',
+           'render_offline', 'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed',
+           'shrink_image', 'shrink_outputs', 'shrink_notebook', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
 
 # %% ../nbs/98_docs.ipynb
 def find_notebooks(nbs: str | Path) -> list[Path]:
@@ -48,13 +48,23 @@ def page_path(rel: str | Path) -> Path:
     return rel.with_name(re.sub(r"^\d+[a-zA-Z0-9]*_", "", rel.name.lower())).with_suffix(".html")
 
 # %% ../nbs/98_docs.ipynb
+PACKAGES = {"shards": "Library: shards", "etl": "Library: ETL", "loading": "Library: loading", "bench": "Library: benchmarks"}
+
+def _package(path: Path) -> str | None:
+    "The subpackage a library notebook exports to (`#| default_exp loading.jpeg` -> 'loading'), or None."
+    try: cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError): return None
+    m = re.search(r"^#\|\s*default_exp\s+(\w+)\.", "".join(cells[0]["source"]) if cells else "", re.M)
+    return m.group(1) if m else None
+
 def site_nav(nbs: str | Path, rels: list[Path] | None = None) -> list[dict]:
     "The mkdocs `nav` of the notebooks under `nbs` (or of `rels` there): titles from each notebook's H1, in reading order."
     nav, sections = [], {}
     for rel in (find_notebooks(nbs) if rels is None else rels):
         entry = {notebook_title(Path(nbs) / rel): page_path(rel).with_suffix(".ipynb").as_posix()}
         if rel == Path("index.ipynb"): nav.insert(0, entry); continue
-        section = "Library" if len(rel.parts) == 1 else rel.parts[0].replace("_", " ").capitalize()
+        section = (PACKAGES.get(_package(Path(nbs) / rel), "Library") if len(rel.parts) == 1
+                   else rel.parts[0].replace("_", " ").capitalize())
         if section not in sections:
             sections[section] = []
             nav.append({section: sections[section]})
