@@ -18,18 +18,18 @@ def shardkit_home() -> Path:
 # %% ../nbs/01_config.ipynb
 _FIX = "set SHARDKIT_HOME to a private folder of yours"
 
-def why_untrusted(path: Path, top: Path) -> str | None:
-    "None if `path` and every folder from `top` down to it are yours (or root's) and only you can write them; else why not."
+def why_untrusted(path: Path, top: Path, fix: str = _FIX) -> str | None:
+    "None if `path` and every folder from `top` down to it are yours (or root's) and only you can write them; else why not, and `fix`."
     path, top = Path(path), Path(top)
     try: rel = path.relative_to(top)
-    except ValueError: return f"{path} is not under {top}; {_FIX}"
+    except ValueError: return f"{path} is not under {top}; {fix}"
     for p in [top] + [top.joinpath(*rel.parts[:i + 1]) for i in range(len(rel.parts))]:
         try: st = p.lstat() if p == path else p.stat()  # a folder may be a link (to a private folder); the file may not
-        except OSError as e: return f"{p} cannot be checked ({e.strerror}); {_FIX}"
-        if stat.S_ISLNK(st.st_mode): return f"{p} is a symbolic link; remove it, or {_FIX}"
-        if st.st_uid not in (os.getuid(), 0): return f"{p} belongs to user id {st.st_uid}, not to you ({os.getuid()}) or root; {_FIX}"
+        except OSError as e: return f"{p} cannot be checked ({e.strerror}); {fix}"
+        if stat.S_ISLNK(st.st_mode): return f"{p} is a symbolic link; remove it, or {fix}"
+        if st.st_uid not in (os.getuid(), 0): return f"{p} belongs to user id {st.st_uid}, not to you ({os.getuid()}) or root; {fix}"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"{p} can be written by others (mode {stat.S_IMODE(st.st_mode):o}); run `chmod go-w {p}`, or {_FIX}"
+            return f"{p} can be written by others (mode {stat.S_IMODE(st.st_mode):o}); run `chmod go-w {p}`, or {fix}"
     return None
 
 def private_dir(path: Path) -> Path:

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/22_jpeg.ipynb 3
 from __future__ import annotations
-import _ctypes, ctypes, fcntl, functools, hashlib, importlib.machinery, io, os, platform, shlex, shutil, stat, subprocess, sys
+import _ctypes, ctypes, fcntl, functools, hashlib, importlib.machinery, io, os, platform, shlex, shutil, subprocess, sys
 import tempfile, warnings
 from pathlib import Path
 import numpy as np
@@ -34,15 +34,7 @@ def _installed_library(folder: Path | None = None) -> Path | None:
 
 def _why_untrusted_install(path: Path) -> str | None:
     "None if the installed library `path` and its folder belong to you or root and nobody else can write them; else why not."
-    fix = "reinstall shardkit where only you or root can write"
-    for p in (path.parent, path):
-        try: st = p.lstat() if p == path else p.stat()
-        except OSError as e: return f"{p} cannot be checked ({e.strerror}); {fix}"
-        if stat.S_ISLNK(st.st_mode): return f"{p} is a symbolic link; {fix}"
-        if st.st_uid not in (os.getuid(), 0): return f"{p} belongs to user id {st.st_uid}, not to you ({os.getuid()}) or root; {fix}"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"{p} can be written by others (mode {stat.S_IMODE(st.st_mode):o}); run `chmod go-w {p}`, or {fix}"
-    return None
+    return why_untrusted(path, path.parent, fix="reinstall shardkit where only you or root can write")
 
 # %% ../../nbs/22_jpeg.ipynb
 class JpegError(ShardkitError, ValueError):
