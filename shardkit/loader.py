@@ -12,7 +12,7 @@ from .errors import UsageError
 from .shards.fields import IMAGE_EXTS
 from .shards.read import url_samples
 from .loading.sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
-from .loading.stream import ShardDataset, ShardLoader, _handler
+from .loading.stream import ShardDataset, ShardLoader, _handler, skip_resumed
 from .loading.transforms import TrainTransform, sample_to_tuple, train_transform
 from .loading.collate import collate
 
@@ -45,18 +45,22 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
     if epoch_samples and not resampled:
         raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; without resampling an epoch is every sample once")
     if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
+    seed_given = seed is not None
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
         transform = train_transform(normalize=normalize)
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
     shards = EpochShards(urls, seed, shuffle=shuffle_shards, resampled=resampled, rank=rank, world_size=world_size)
+    shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
+    stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
     stages.append(wds.map(partial(sample_to_tuple, keys=tuple(keys), transform=transform, shards=shards, allow_pickle=allow_pickle),
                           handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collate, partial=True))
-    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples, handler=handler)
+    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples, handler=handler,
+                        shuffle=shuffle)
 
 # %% ../nbs/28_loader.ipynb
 def create_dataloader(dataset: ShardDataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw) -> ShardLoader:

@@ -98,8 +98,15 @@ def _keep_mapped(key, value, most: int = 32):
     _MAPPED.move_to_end(key)
     while len(_MAPPED) > most: _MAPPED.popitem(last=False)
 
+class _Tagged:
+    "An item a loader worker hands to the main process, with the worker's number: the main process counts what each worker gave."
+    __slots__ = ("worker", "item")
+    def __init__(self, worker: int, item): self.worker, self.item = worker, item
+    def __reduce__(self): return _Tagged, (self.worker, self.item)
+
 def _convert(batch):
     "ShardLoader's collate_fn: DataLoader's default_convert, except that a pooled batch stays one (it would lose its flags)."
+    if isinstance(batch, _Tagged): return _Tagged(batch.worker, _convert(batch.item))
     return batch if isinstance(batch, _PooledBatch) else default_convert(batch)
 
 def _unpooled(batches: Iterable) -> Iterator:

@@ -64,6 +64,7 @@ class EpochShards(IterableDataset):
         self.urls, self.seed, self.shuffle, self.resampled = list(urls), seed, shuffle, resampled
         self.rank, self.world_size = rank, world_size
         self.epoch, self.ctx = 0, None
+        self.resume, self.seed_given, self.rotation = None, True, None  # for a resumed epoch (ShardLoader.load_state_dict)
 
     def set_epoch(self, epoch: int): self.epoch = int(epoch)
 
@@ -72,6 +73,7 @@ class EpochShards(IterableDataset):
         rank, world = rank_and_world(self.rank, self.world_size)
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if self.rotation and self.rotation[0] == self.epoch: worker = (worker + self.rotation[1]) % workers  # a resumed epoch's turn
         return dict(seed=self.seed, epoch=self.epoch, rank=rank, world_size=world, worker=worker,
                     num_workers=workers, slot=worker * world + rank, slots=world * workers)
 

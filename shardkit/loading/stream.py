@@ -4,16 +4,19 @@
 
 # %% ../../nbs/25_stream.ipynb 2
 from __future__ import annotations
-import copy, sys
+import collections, copy, hashlib, sys
+from itertools import islice
+from pathlib import PurePosixPath
 from typing import Callable, Sequence
 import webdataset as wds
+from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
-from .sources import EpochShards, _rng, buffer_shuffle, rank_and_world
-from .collate import _MAPPED, _convert, _unpooled, _worker_pool, collate
+from .sources import EpochShards, LoaderError, _chain1, _rng, buffer_shuffle, rank_and_world
+from .collate import _MAPPED, _PooledBatch, _Tagged, _convert, _worker_pool, collate
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'ShardDataset', 'ShardLoader']
+__all__ = ['SkipAndCount', 'ShardDataset', 'ShardLoader', 'skip_resumed']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -44,15 +47,18 @@ def _handler(handler) -> Callable:
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
     def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None, epoch_samples: int | None,
-                 handler: Callable = wds.reraise_exception):
+                 handler: Callable = wds.reraise_exception, shuffle: int = 0):
         super().__init__(*stages)
         self.shards, self.keys, self.batch_size, self.epoch_samples, self.handler = shards, tuple(keys), batch_size, epoch_samples, handler
+        self.shuffle, self.tag_workers = shuffle, False
 
     def __iter__(self):
         # A new epoch in a worker: DataLoader has dropped, unread, every batch of the last one still on its way (its
         # reset drains them before the workers go on), so buffers whose batches were never handed back are free again
         if (pool := _worker_pool()) is not None: pool.flags.zero_()
-        yield from super().__iter__()
+        if self.tag_workers:  # under a ShardLoader: each item says which worker made it (the loader counts them)
+            for x in super().__iter__(): yield _Tagged(self.shards.ctx["worker"], x)
+        else: yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
         if report: print(report, file=sys.stderr, flush=True)
 
@@ -80,8 +86,10 @@ class ShardLoader(wds.WebLoader):
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw):
         dataset = dataset.rebatched(batch_size) if not shuffle and batch_size and batch_size != dataset.batch_size else copy.copy(dataset)
         dataset.pool_batches = num_workers > 0  # workers reuse their batch buffers; iterator1 copies each batch out and frees it
+        dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the resumable state
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": _convert, **kw})
         self.dataset, self.num_workers, self.bufsize, self.epoch, self._workers_next = dataset, num_workers, shuffle, 0, None
+        self._taken, self._running, self._resumed, self._next = [0] * max(num_workers, 1), False, None, 0
         if shuffle:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
             self.append(wds.unbatched())
             self.append(self._shuffle)
@@ -98,13 +106,70 @@ class ShardLoader(wds.WebLoader):
             loader._iterator._shutdown_workers()  # persistent workers about to run another epoch (set_epoch): start afresh
             loader._iterator = None
         if getattr(loader, "_iterator", None) is None: _MAPPED.clear()  # new workers, new buffers: unmap the old ones
-        source = _unpooled(iter(loader))  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
-        if self.num_workers > 0: shards.epoch = self.epoch + 1
+        self._taken, self._resumed, self._running = self._resumed or [0] * max(self.num_workers, 1), None, True
+        self._next = shards.rotation[1] if shards.rotation and shards.rotation[0] == self.epoch else 0
+        source = self._counted(iter(loader))  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
+        if self.num_workers > 0: shards.epoch, shards.resume = self.epoch + 1, None  # the workers have their copy of the resume
         self._workers_next = self.epoch + 1
         for step in self.pipeline[1:]: source = self.invoke(step, source)
         return source
+
+    def _counted(self, items):
+        "The workers' batches in ordinary memory, each counted for the worker that made it; the epoch ends when they do."
+        for t in items:
+            if isinstance(t, _Tagged): self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
+            yield t.unpool() if isinstance(t, _PooledBatch) else t
+        self._running = False
 
     def _shuffle(self, src):
         shards = self.dataset.shards
         rank, _ = rank_and_world(shards.rank, shards.world_size)
         return buffer_shuffle(src, self.bufsize, _rng(shards.seed, self.epoch, "loader", rank))
+
+# %% ../../nbs/25_stream.ipynb
+def skip_resumed(src, shards: EpochShards):
+    "Drop, undecoded, the samples this worker handed out before the state being resumed, in the epoch it was saved in (once)."
+    src = iter(src)
+    first = next(src, None)
+    if first is None: return
+    r, c = shards.resume, shards.ctx
+    n = r["skip"][c["worker"]] if r and r["epoch"] == c["epoch"] and c["worker"] < len(r["skip"]) else 0
+    shards.resume = None  # once: in a worker this is its own copy; without workers, the loader's
+    it = _chain1(first, src)
+    if n: collections.deque(islice(it, n), maxlen=0)
+    yield from it
+
+# %% ../../nbs/25_stream.ipynb
+_MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples")
+
+def _shards_digest(urls: Sequence[str]) -> str:
+    "The shard list by name and order (not by host, so a resumed job may read the same bucket through another proxy)."
+    return hashlib.sha256("\n".join(PurePosixPath(u.split("?")[0]).name for u in urls).encode()).hexdigest()[:16]
+
+@patch
+def state_dict(self: ShardLoader) -> dict:
+    "Where this loader is: the epoch and the batches each worker has handed out in it, with the settings a resumed loader must share."
+    if self.bufsize: raise LoaderError("exact resume needs create_dataloader(shuffle=0): the loader's cross-worker buffer is not "
+                                       "restored (the workers' own shuffle buffers, create_dataset(shuffle=N), are)")
+    sh, ds = self.dataset.shards, self.dataset
+    rank, world = rank_and_world(sh.rank, sh.world_size)
+    if self._running: epoch, taken, nxt = self.epoch, list(self._taken), self._next
+    elif self._resumed is not None: epoch, taken, nxt = sh.epoch, list(self._resumed), sh.rotation[1]
+    else: epoch, taken, nxt = sh.epoch, [0] * len(self._taken), 0
+    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(sh.urls), num_workers=self.num_workers,
+                batch_size=ds.batch_size, rank=rank, world_size=world, shuffle=ds.shuffle, epoch_samples=ds.epoch_samples)
+
+@patch
+def load_state_dict(self: ShardLoader, state: dict):
+    "Go on from `state` (from `state_dict`, in this or another process): the next batch is the one the saved loader would have given next."
+    sh = self.dataset.shards
+    if not getattr(sh, "seed_given", True): sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
+    mine = self.state_dict()
+    diff = [k for k in _MUST_MATCH if state.get(k) != mine[k]]
+    if diff: raise LoaderError("cannot resume: " + "; ".join(f"{k} is {mine[k]!r} here, {state.get(k)!r} in the saved state" for k in diff)
+                               + ". Build the loader with the saved run's arguments")
+    self.set_epoch(int(state["epoch"]))
+    self._resumed, self._workers_next = [int(n) for n in state["batches"]], None  # the counts go on; persistent workers restart
+    sh.rotation = (int(state["epoch"]), int(state.get("next_worker", 0)))  # DataLoader's workers take turns from worker 0: the
+    # worker whose turn was next plays worker 0's part in this epoch (its shards, its seeds, its count), and so on round
+    sh.resume = dict(epoch=int(state["epoch"]), skip=[n * (self.dataset.batch_size or 1) for n in self._resumed])

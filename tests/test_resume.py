@@ -1,0 +1,149 @@
+"""Exact mid-epoch resume of the streaming loader (ShardLoader.state_dict / load_state_dict): after restoring into a
+freshly built loader, the rest of the epoch and the next one are exactly the batches of the uninterrupted run, for any
+number of workers and ranks, locally and on AIStore; the state is plain JSON; skipped samples are not decoded."""
+import json, subprocess, sys, textwrap
+import numpy as np
+import pytest
+import webdataset as wds
+from shardkit.loader import create_dataloader, create_dataset
+from shardkit.loading.sources import LoaderError
+from shardkit.loading.transforms import train_transform
+from shardkit.synth import draw_animal, jpeg_bytes
+
+SIZES = (7, 3, 5, 9, 4, 6)  # uneven shards: workers run out at different times, the last batches are partial
+ALL = sorted(f"s{s}_{i}" for s, n in enumerate(SIZES) for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder, rng = tmp_path_factory.mktemp("resume") / "shards", np.random.default_rng(0)
+    folder.mkdir()
+    paths = []
+    for s, n in enumerate(SIZES):
+        paths.append(str(folder / f"pets-{s:05d}.tar"))
+        with wds.TarWriter(paths[-1]) as w:
+            for i in range(n):
+                w.write({"__key__": f"s{s}_{i}", "image.jpg": jpeg_bytes(draw_animal(i % 5, rng, size=(40, 30))[0]), "cls": i})
+    return paths
+
+
+def _loader(src, workers, rank=None, world=None, seed=3, **kw):
+    ds = create_dataset(src, keys=("__key__", "cls", "image.jpg"), transform=train_transform(16), shuffle=8, batch_size=4,
+                        seed=seed, rank=rank, world_size=world)
+    return create_dataloader(ds, num_workers=workers, batch_size=4, **kw)
+
+
+def _batch(b): return (tuple(b[0]), b[1].tolist(), int(b[2].sum()))  # keys, labels and the pixels' sum: same augmentation too
+
+
+def _epochs(dl, n=2): return [[_batch(b) for b in dl] for _ in range(n)]
+
+
+def _take(dl, k):
+    out = []
+    for b in dl:
+        out.append(_batch(b))
+        if len(out) == k: break
+    return out
+
+
+def _check_resume(src, workers, world, cuts):
+    for rank in range(world):
+        make = lambda: _loader(src, workers, rank if world > 1 else None, world if world > 1 else None)
+        ref = _epochs(make())
+        n0 = len(ref[0])
+        assert n0 > 1 and ref[0] != ref[1]
+        for cut in [{"first": 1, "middle": n0 // 2, "last": n0}[c] for c in cuts]:
+            a = make()
+            head = _take(a, cut)
+            state = json.loads(json.dumps(a.state_dict()))  # plain data, through JSON
+            assert state["epoch"] == 0 and sum(state["batches"]) == cut and len(state["batches"]) == max(workers, 1)
+            b = make()
+            b.load_state_dict(state)
+            rest, nxt = [_batch(x) for x in b], [_batch(x) for x in b]
+            assert head + rest == ref[0], f"rank {rank}, {workers} workers, cut after {cut} of {n0}: the rest of the epoch differs"
+            assert nxt == ref[1], "the next epoch differs"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_resume_is_exact(shards, workers, world):
+    "At the first batch, a middle one and the last one of the epoch (then across the boundary into the next)."
+    _check_resume(shards, workers, world, ["first", "middle", "last"])
+
+
+def test_an_epoch_read_to_the_end_resumes_at_the_next(shards):
+    a = _loader(shards, 2)
+    first = [_batch(b) for b in a]
+    state = a.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == [0, 0]
+    b = _loader(shards, 2)
+    b.load_state_dict(state)
+    ref = _epochs(_loader(shards, 2))
+    assert first == ref[0] and [_batch(x) for x in b] == ref[1]
+
+
+RESUME = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from test_resume import _batch, _loader
+    dl = _loader(json.loads(sys.argv[2]), 2, seed=None)
+    dl.load_state_dict(json.loads(sys.argv[3]))
+    print(json.dumps([_batch(b) for b in dl]))
+""")
+
+
+def test_resume_in_a_new_process_takes_the_saved_seed(shards):
+    "seed=None draws a seed; the resumed process, also built with seed=None, takes the saved one (and says nothing)."
+    a = _loader(shards, 2, seed=None)
+    head = _take(a, 3)
+    state = a.state_dict()
+    r = subprocess.run([sys.executable, "-c", RESUME, str(__import__("pathlib").Path(__file__).parent), json.dumps(shards),
+                        json.dumps(state)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rest = [(tuple(k), labels, total) for k, labels, total in json.loads(r.stdout.strip().splitlines()[-1])]
+    ref = _epochs(_loader(shards, 2, seed=state["seed"]), 1)[0]
+    assert head + rest == ref
+
+
+def test_a_setting_that_changes_the_order_is_named(shards):
+    a = _loader(shards, 2, seed=3)
+    _take(a, 2)
+    state = a.state_dict()
+    with pytest.raises(LoaderError, match=r"seed is 4 here, 3 in the saved state"):
+        _loader(shards, 2, seed=4).load_state_dict(state)
+    with pytest.raises(LoaderError, match=r"num_workers is 1 here, 2 in the saved state"):
+        _loader(shards, 1, seed=3).load_state_dict(state)
+    with pytest.raises(LoaderError, match=r"shards is"):
+        _loader(shards[:-1], 2, seed=3).load_state_dict(state)
+    with pytest.raises(LoaderError, match="shuffle=0"):
+        _loader(shards, 2, shuffle=16).state_dict()
+
+
+class CountingTransform:
+    "train_transform(16) that counts the samples it augments (decoding happens for exactly those)."
+    def __init__(self): self.tf, self.n = train_transform(16), 0
+    def __call__(self, x): self.n += 1; return self.tf(x)
+
+
+def test_skipped_samples_are_not_decoded(shards):
+    ref = _epochs(_loader(shards, 0), 1)[0]
+    a = _loader(shards, 0)
+    _take(a, 5)
+    state = a.state_dict()
+    tf = CountingTransform()
+    ds = create_dataset(shards, keys=("__key__", "cls", "image.jpg"), transform={"image.jpg": tf}, shuffle=8, batch_size=4, seed=3)
+    b = create_dataloader(ds, num_workers=0, batch_size=4)
+    b.load_state_dict(state)
+    rest = [x for x in b]
+    assert [tuple(x[0]) for x in rest] == [r[0] for r in ref[5:]]
+    assert tf.n == len(ALL) - 5 * 4, f"{tf.n} samples decoded; only the {len(ALL) - 20} after the resume point should be"
+
+
+def test_resume_from_aistore(shards, ais_endpoint):
+    from shardkit.store import open_store
+    store = open_store("ais://shardkit-test-resume", create=True)
+    for p in shards: store.put_file(p)
+    try: _check_resume(store, 2, 1, ["middle"])
+    finally:
+        for name in store.list(): store.delete(name)
