@@ -150,13 +150,27 @@ def evaluate(model: nn.Module, loader, device="cpu", label_offset: int = 0) -> f
     return right / max(total, 1)
 
 # %% ../nbs/30_train.ipynb
+def _save_checkpoint(path: Path, model, opt, losses: list[float], epoch: int, loader):
+    "Model, optimizer, losses, the epoch and (where the loader has one) its position, written atomically to `path`."
+    state = dict(model=model.state_dict(), opt=opt.state_dict(), losses=list(losses), epoch=epoch,
+                 loader=loader.state_dict() if hasattr(loader, "state_dict") else None)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
+
 def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, device: str = "cpu",
-                 label_offset: int = 0, progress: bool = True) -> list[float]:
-    "Train `model` on the (cls, image, ...) batches of `loader` for `epochs` passes; returns the loss of every step."
+                 label_offset: int = 0, progress: bool = True, checkpoint: str | Path | None = None,
+                 every: int = 20) -> list[float]:
+    "Train `model` on the (cls, image, ...) batches of `loader` for `epochs` passes; the loss of every step. `checkpoint`: resumable."
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    losses = []
-    for epoch in range(epochs):
+    losses, start, ck = [], 0, Path(checkpoint) if checkpoint else None
+    if ck and ck.exists():  # our own file, loaded as tensors and plain data only (weights_only: nothing in it runs)
+        saved = torch.load(ck, map_location=device, weights_only=True)
+        model.load_state_dict(saved["model"]); opt.load_state_dict(saved["opt"])
+        losses, start = list(saved["losses"]), saved["epoch"]
+        if saved["loader"] is not None and hasattr(loader, "load_state_dict"): loader.load_state_dict(saved["loader"])
+    for epoch in range(start, epochs):
         bar = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not progress)
         for batch in bar:
             images, labels = _images_and_labels(batch)
@@ -164,6 +178,8 @@ def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, de
             opt.zero_grad(); loss.backward(); opt.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if ck and hasattr(loader, "state_dict") and len(losses) % every == 0: _save_checkpoint(ck, model, opt, losses, epoch, loader)
+        if ck: _save_checkpoint(ck, model, opt, losses, epoch + 1, loader)
     return losses
 
 # %% ../nbs/30_train.ipynb
