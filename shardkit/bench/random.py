@@ -11,6 +11,8 @@ from ..loading.transforms import train_transform
 from ..errors import UsageError
 from ..loading.random import RandomAccessLoader, build_shard_index, create_random_loader
 from .core import cpu_seconds, format_bench
+from .peers import shard_fields
+from ..loading.sources import shard_urls
 
 # %% auto 0
 __all__ = ['bench_random', 'bench_ais_index', 'random_table', 'bench_random_cli']
@@ -56,9 +58,12 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
                      workers: int = 2,          # DataLoader workers
                      samples: int = 2000,       # Samples per timed run (whole epochs)
                      batch_size: int = 64,      # Samples per batch
-                     shard_index: store_true = False):  # On AIStore: measure, build the cluster's shard index, measure again
+                     shard_index: store_true = False,  # On AIStore: measure, build the cluster's shard index, measure again
+                     keys: str = None):         # Fields to read, comma-separated (default: the first sample's class label and JPEG)
     "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."
-    kw = dict(num_workers=workers, samples=samples, batch_size=batch_size)
+    if keys: fields = tuple(k.strip() for k in keys.split(",") if k.strip())
+    else: f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])  # `cls` + `jpg` (ImageNet) or `image.jpg` (Pets)
+    kw = dict(num_workers=workers, samples=samples, batch_size=batch_size, keys=fields)
     if shard_index:
         if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")
         res = bench_ais_index(src, **kw)
