@@ -17,6 +17,7 @@ from ..store import shown_path
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from ..loader import create_dataloader, create_dataset
 from ..loading.transforms import train_transform
+from ..loading.collate import _PooledBatch, _convert as _convert_batch
 from .core import BenchError
 
 # %% auto 0
@@ -197,8 +198,10 @@ class _RandomEpochs:
         n, epoch = len(self.ds), self.epoch
         ids, self.epoch = np.concatenate(epoch_batches(n * self.passes, 1, self.ds.seed, epoch)) % n, epoch + 1
         batches = [(epoch, ids[i:i + 64]) for i in range(0, len(ids), 64)]
-        return iter(torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_identity,
-                                                num_workers=min(self.workers, len(batches))))
+        workers = min(self.workers, len(batches))
+        self.ds.pool_batches = workers > 0  # as RandomAccessLoader: batches made in the workers' reused shared buffers
+        dl = torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_convert_batch, num_workers=workers)
+        return (b.unpool() if isinstance(b, _PooledBatch) else b for b in dl)
 
 # %% ../../nbs/34_bench_peers.ipynb
 def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes"]

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..shards.fields import IMAGE_EXTS
 from .transforms import TrainTransform, sample_to_tuple, train_transform
-from .collate import collate
+from .collate import _MAPPED, _PooledBatch, _convert, collate
 from .sources import rank_and_world, seed_for
 from ..errors import UsageError
 from ..store import open_store, shown_path
@@ -100,8 +100,6 @@ class RandomAccessDataset(Dataset):
         return collate([sample_to_tuple(s, self.keys, self.transform, ctx, self.allow_pickle) for s in self.samples(list(ids))])
 
 # %% ../../nbs/27_random.ipynb
-def _identity(x): return x
-
 class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable with `state_dict` / `load_state_dict`; equal per rank with several."
     def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2, rank: int | None = None,
@@ -131,11 +129,13 @@ def __iter__(self: RandomAccessLoader):
     epoch, todo = self.epoch, [(self.epoch, b) for b in self.batches(self.epoch)[self.batch:]]
     self._restored = False
     if todo:
-        dl = DataLoader(self.dataset, sampler=todo, batch_size=None, collate_fn=_identity,
-                        num_workers=min(self.num_workers, len(todo)), **self.kw)
+        workers = min(self.num_workers, len(todo))
+        self.dataset.pool_batches = workers > 0  # the workers collate into shared buffers they reuse (the streaming loader's pool)
+        _MAPPED.clear()  # new workers, new buffers: unmap the last epoch's
+        dl = DataLoader(self.dataset, sampler=todo, batch_size=None, collate_fn=_convert, num_workers=workers, **self.kw)
         for b in dl:
             self.batch += 1
-            yield b
+            yield b.unpool() if isinstance(b, _PooledBatch) else b
     self.epoch, self.batch = epoch + 1, 0
 
 _MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last")
