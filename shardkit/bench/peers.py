@@ -115,7 +115,8 @@ def prepare_bench_data(urls: Sequence[str], samples: int = 2000, cache: str | Pa
 PEER_LOADERS = {"litdata": ("litdata", "pip install litdata"),
                 "mds": ("streaming", 'pip install "mosaicml-streaming>=0.13" "numpy<2.2"'),
                 "dali": ("nvidia.dali", "pip install nvidia-dali-cuda120"),
-                "ffcv": ("ffcv", "apt-get install libturbojpeg0-dev libopencv-dev pkg-config, then pip install ffcv")}
+                "ffcv": ("ffcv", "apt-get install libturbojpeg0-dev libopencv-dev pkg-config, then pip install ffcv"),
+                "wids": ("wids", "pip install wids")}
 
 def _importable(module: str) -> bool:
     try: return importlib.util.find_spec(module) is not None
@@ -169,6 +170,10 @@ def _convert(spec: dict) -> dict:
         for i, url in enumerate(spec["urls"]):
             if "://" in url: raise BenchError(f"DALI's webdataset reader reads local files; {url} is not one")
             subprocess.run([sys.executable, wds2idx, url, str(dest / f"{i:05d}.idx")], check=True, capture_output=True)
+    elif fmt == "wids":  # wids reads the same tars by offset: it needs only their sample counts, in its index format
+        dest.mkdir(parents=True)
+        shards = [dict(url=str(Path(u).resolve()), nsamples=sum(1 for _ in wds.WebDataset([u], shardshuffle=False))) for u in spec["urls"]]
+        (dest / "index.json").write_text(json.dumps(dict(__kind__="wids-shard-index-v1", wids_version=1, shardlist=shards)))
     else: raise BenchError(f"no converter for {fmt!r}; choose from {', '.join(PEER_LOADERS)}")
     return dict(format=fmt)
 
@@ -288,6 +293,25 @@ def _make_dali(spec):
     return make
 
 # %% ../../nbs/34_bench_peers.ipynb
+class _WidsSamples(torch.utils.data.Dataset):
+    "wids' indexed dataset over the same tars (raw bytes: wids decodes nothing), each sample decoded and augmented as every row does."
+    def __init__(self, index: str, fields: dict):
+        import wids
+        self.ds, self.image, self.label = wids.ShardListDataset(index, transformations=[]), "." + fields["image"], "." + fields["label"]
+    def __len__(self): return len(self.ds)
+    def __getitem__(self, i):
+        s = self.ds[i]
+        return decode_augment(s[self.image].getvalue()), int(s[self.label].getvalue())
+
+def _make_wids(spec):
+    import wids
+    def make():
+        ds = torch.utils.data.ConcatDataset([_WidsSamples(str(Path(spec["dest"]) / "index.json"), spec["fields"])] * spec["passes"])
+        sampler = wids.ChunkedSampler(ds, chunksize=1000, shuffle=True, seed=spec["seed"])  # wids' own: shuffled chunks of samples
+        return torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler, num_workers=spec["workers"]), None
+    return make
+
+# %% ../../nbs/34_bench_peers.ipynb
 def _make_ffcv(spec):
     from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
@@ -302,7 +326,7 @@ def _make_ffcv(spec):
 # %% ../../nbs/34_bench_peers.ipynb
 LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-image decode", "random": "shardkit random access", "post": "AIStore post's pipeline",
                "wds": "webdataset, done well", "imagefolder": "torchvision ImageFolder (same decoder)",
-               "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV",
+               "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV", "wids": "wids (indexed tars)",
                "ceiling": "ceiling: decode+augment, 1 core x workers"}
 _MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "post": _make_post, "wds": _make_wds, "imagefolder": _make_imagefolder,
-           "litdata": _make_litdata, "mds": _make_mds, "dali": _make_dali, "ffcv": _make_ffcv}
+           "litdata": _make_litdata, "mds": _make_mds, "dali": _make_dali, "ffcv": _make_ffcv, "wids": _make_wids}
