@@ -13,7 +13,7 @@ from tqdm import tqdm
 from fastcore.script import store_true
 from .errors import ShardkitError, UsageError
 from .store import shown_path
-from .shards.fields import SkipSample, check_image, image_size
+from .shards.fields import SkipSample, check_image, image_size, load_image_decoder
 from .shards.write import ordered_map, write_shards
 from .shards.read import unsafe_name
 from .synth import draw_animal, jpeg_bytes, png_bytes
@@ -332,6 +332,7 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
               **_pet_folder_stats(root, {r[0] for r in pet_records(root, "all")} if split != "all" else {r[0] for r in recs}))
     skipped, converted = Counter(), Counter()
     if check not in CHECKS: raise UsageError(f"unknown check {check!r}; use one of {CHECKS}")
+    if check == "decode" and workers > 1: load_image_decoder()  # before the workers fork: they share it
     for sample, what in ordered_map(_load, ((r, root, extras, check) for r in recs), workers, batch=32):
         st["done"] = st.get("done", 0) + 1
         if sample is None: skipped[what] += 1

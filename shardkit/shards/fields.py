@@ -14,7 +14,7 @@ from typing import Sequence
 # %% auto 0
 __all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError', 'SkipSample',
            'split_key', 'is_image_key', 'is_mask_key', 'PickleRefused', 'refuse_pickle', 'decode_field',
-           'field_decoder', 'image_size', 'check_image']
+           'field_decoder', 'image_size', 'load_image_decoder', 'check_image']
 
 # %% ../../nbs/03_fields.ipynb
 class ShardError(ShardkitError):
@@ -106,6 +106,10 @@ def image_size(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     except (Image.UnidentifiedImageError, OSError, SyntaxError, ValueError) as e: raise SkipSample("unreadable image", str(e)) from None
     if w * h > max_pixels: raise SkipSample("oversized image", f"{w} x {h} pixels, more than {max_pixels:,}")
     return w, h
+
+def load_image_decoder():
+    "Import the loader's decoder (torch, torchvision.io) in this process: worker processes forked after it share it, not each import it."
+    from torchvision.io import decode_image  # noqa: F401  (about 1.5 s of CPU: once, not once per worker)
 
 def check_image(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     "(width, height) if the loader's decoder (torchvision `decode_image`) decodes `data`, else SkipSample with the reason."
