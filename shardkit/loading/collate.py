@@ -5,7 +5,7 @@
 # %% ../../nbs/24_collate.ipynb 2
 from __future__ import annotations
 import collections
-from typing import Iterable, Iterator, Sequence
+from typing import Sequence
 import numpy as np
 import torch
 from torch.utils.data import default_convert, get_worker_info
@@ -108,6 +108,3 @@ def _convert(batch):
     "ShardLoader's collate_fn: DataLoader's default_convert, except that a pooled batch stays one (it would lose its flags)."
     if isinstance(batch, _Tagged): return _Tagged(batch.worker, _convert(batch.item))
     return batch if isinstance(batch, _PooledBatch) else default_convert(batch)
-
-def _unpooled(batches: Iterable) -> Iterator:
-    for b in batches: yield b.unpool() if isinstance(b, _PooledBatch) else b
