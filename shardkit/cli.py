@@ -35,6 +35,7 @@ COMMANDS = {
     ("bench", "random"):   ("shardkit.bench.random:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
     ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",   "Benchmark shardkit's loaders against their peers on the same work"),
     ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",          "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
+    ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",      "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
     ("lab",):              ("shardkit.lab:lab_cli",                "Open the tutorials in JupyterLab on 127.0.0.1"),

@@ -16,9 +16,10 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 from .errors import ShardkitError
-from .store import expand_names
+from .store import expand_names, shown_path
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
-from .loading.transforms import normalize_batch
+from .loading.transforms import normalize_batch, train_transform
+from .loader import create_dataloader, create_dataset
 
 # %% auto 0
 __all__ = ['TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform', 'rank_shards',
@@ -150,10 +151,10 @@ def evaluate(model: nn.Module, loader, device="cpu", label_offset: int = 0) -> f
     return right / max(total, 1)
 
 # %% ../nbs/30_train.ipynb
-def _save_checkpoint(path: Path, model, opt, losses: list[float], epoch: int, loader):
-    "Model, optimizer, losses, the epoch and (where the loader has one) its position, written atomically to `path`."
-    state = dict(model=model.state_dict(), opt=opt.state_dict(), losses=list(losses), epoch=epoch,
-                 loader=loader.state_dict() if hasattr(loader, "state_dict") else None)
+def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
+    "Model, optimizer, the loader's position (where it has one) and `progress` (tensors and plain data), written atomically to `path`."
+    state = dict(model=model.state_dict(), opt=opt.state_dict(), loader=loader.state_dict() if hasattr(loader, "state_dict") else None,
+                 **progress)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
@@ -178,8 +179,8 @@ def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, de
             opt.zero_grad(); loss.backward(); opt.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if ck and hasattr(loader, "state_dict") and len(losses) % every == 0: _save_checkpoint(ck, model, opt, losses, epoch, loader)
-        if ck: _save_checkpoint(ck, model, opt, losses, epoch + 1, loader)
+            if ck and hasattr(loader, "state_dict") and len(losses) % every == 0: _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch)
+        if ck: _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch + 1)
     return losses
 
 # %% ../nbs/30_train.ipynb
@@ -200,8 +201,9 @@ def _explain(e: Exception) -> str:
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
 
 # %% ../nbs/30_train.ipynb
-def _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, workers, samples, classes, seed, rank, world):
-    "(epoch -> training loader, validation loader or None, classes) for shards."
+def _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, workers, samples, classes, seed, rank, world,
+                   resumable=False, size=64):
+    "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards; `resumable`: shardkit's loader."
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
     if len(urls) < world:
         raise TrainError(f"{len(urls)} shards cannot feed {world} ranks: split_by_node gives each rank whole shards; "
@@ -213,9 +215,20 @@ def _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, worke
     if world > 1 and samples < world * batch_size:
         raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); lower --batch-size")
     nbatches = samples // (world * batch_size) if world > 1 else None
-    make_train = lambda epoch: shard_loader(urls, train_tf, batch_size, workers, nbatches, seed=seed + epoch)
+    if resumable: make_train = _resumable_loader(urls, size, batch_size, workers, nbatches, seed, rank, world)
+    else: make_train = lambda epoch: shard_loader(urls, train_tf, batch_size, workers, nbatches, seed=seed + epoch)
     val_loader = shard_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None
-    return make_train, val_loader, classes
+    return make_train, val_loader, classes, nbatches
+
+def _resumable_loader(urls, size, batch_size, workers, nbatches, seed, rank, world):
+    "(epoch -> shardkit's streaming loader at that epoch): one loader whose `state_dict` says where it is, for --checkpoint."
+    ds = create_dataset(urls, keys=("jpg", "cls", "__key__"), transform=train_transform(size, scale=(0.5, 1.0), normalize=True),
+                        batch_size=batch_size, seed=seed, rank=rank, world_size=world,
+                        resampled=world > 1, epoch_samples=nbatches * batch_size * world if world > 1 else None)
+    loader = create_dataloader(ds, num_workers=min(workers, max(len(rank_shards(urls, rank, world)), 1)), batch_size=batch_size)
+    def at(epoch): loader.set_epoch(epoch); return loader
+    at.loader = loader
+    return at
 
 def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
     "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
@@ -224,13 +237,14 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
     classes = classes or len(ImageFolder(str(root / "train")).classes)
     make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, workers, True, epoch)
     val_loader = folder_loader(root / "val", val_tf, batch_size, workers, False) if (root / "val").is_dir() else None
-    return make_train, val_loader, classes
+    return make_train, val_loader, classes, None
 
 # %% ../nbs/30_train.ipynb
-def _train_epoch(net, opt, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None) -> tuple[torch.Tensor, int]:
-    "One pass of the training loop: (samples, loss sum and batches summed over the ranks, steps so far)."
-    stats = torch.zeros(3, dtype=torch.float64)
-    for x, y, keys in tqdm(loader, desc=desc, disable=rank != 0 or None, leave=False):
+def _train_epoch(net, opt, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
+                 limit=None, after_step=None, stats=None) -> tuple[torch.Tensor, int]:
+    "One pass of the training loop: (samples, loss sum and batches summed over the ranks, steps so far); at most `limit` batches."
+    stats = torch.zeros(3, dtype=torch.float64) if stats is None else stats.clone()  # a resumed epoch goes on counting
+    for x, y, keys in tqdm(islice(loader, limit), desc=desc, disable=rank != 0 or None, leave=False, total=limit):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         loss = F.cross_entropy(net(x), y)
         opt.zero_grad(set_to_none=True)
@@ -239,6 +253,7 @@ def _train_epoch(net, opt, loader, dev, rank, world, desc, keys_file=None, steps
         stats += torch.tensor([len(y), loss.item(), 1.0], dtype=torch.float64)
         if keys_file: keys_file.write("".join(k + "\n" for k in keys))
         steps += 1
+        if after_step: after_step(steps, stats, bool(max_steps and steps >= max_steps))  # a checkpoint: every so many steps, and the last
         if max_steps and steps >= max_steps: break
     if world > 1: dist.all_reduce(stats)
     return stats, steps
@@ -248,6 +263,33 @@ def _epoch_row(epoch, stats, secs, correct, total, steps) -> dict:
     return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3),
                 samples_per_s=round(float(stats[0]) / secs, 1), loss=round(float(stats[1] / max(stats[2], 1)), 4),
                 val_acc=round(correct / total, 4) if total else None, val_samples=total, steps=steps)
+
+# %% ../nbs/30_train.ipynb
+def _rank_checkpoint(path, rank: int, world: int) -> Path:
+    "This rank's checkpoint file: `path` itself with one rank; under DDP each rank's own (`ck-rank1.pt`), as each has its own loader position."
+    p = Path(path)
+    return p if world == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
+
+def _flushed(f) -> int:
+    "Bytes written to `f` so far, flushed to the file."
+    f.flush()
+    return f.tell()
+
+def _load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict | None:
+    "The saved training state at `ck` (model weights loaded into `model`), or None for a fresh start; every rank must be at the same step."
+    saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None  # tensors and plain data: nothing in it runs
+    if world > 1:  # a kill between two ranks' saves leaves them at different steps: training on would mismatch the gradients
+        at = torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])
+        dist.all_reduce(at, op=dist.ReduceOp.MAX)
+        if at[0] != -at[1]:
+            raise TrainError(f"the ranks' checkpoints are at different steps ({int(-at[1])} to {int(at[0])}; -1: none), as after a "
+                             f"kill between two saves; delete the newer ones ({ck.with_name(ck.stem.rsplit('-rank', 1)[0])}-rank*) or all of them")
+    if saved:
+        try: model.load_state_dict(saved["model"])
+        except RuntimeError as e:
+            raise TrainError(f"checkpoint {shown_path(ck)} holds another model ({str(e).splitlines()[0][:120]}); "
+                             "give the saved run's --arch and classes, another --checkpoint path, or delete it") from None
+    return saved
 
 # %% ../nbs/30_train.ipynb
 def train(shards: str | list[str] | None = None, # training shards: brace template or list of names/URLs
@@ -266,7 +308,9 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
           keys_out: str | None = None,   # folder for keys-rank<R>.txt: the keys each rank trained on
           device: str | None = None,     # cpu or cuda (default: cuda when available)
           threads: int | None = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
-          seed: int = 0) -> list[dict]:
+          seed: int = 0,
+          checkpoint: str | None = None, # save here every `every` steps and after each epoch; run again to go on from it
+          every: int = 50) -> list[dict]:
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
     if (shards is None) == (folder is None): raise TrainError("give either shards or folder (exactly one)")
     dev = _pick_device(device)
@@ -278,36 +322,51 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
 
 # %% ../nbs/30_train.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps, samples, classes,
-           keys_out, device, threads, seed, dev, rank, world) -> list[dict]:
+           keys_out, device, threads, seed, checkpoint, every, dev, rank, world) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu": torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world * (1 + workers))))
     train_tf, val_tf = make_transform(size, True), make_transform(size, False)
     if shards is not None:
-        make_train, val_loader, classes = _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, workers,
-                                                         samples, classes, seed, rank, world)
-    else: make_train, val_loader, classes = _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes)
+        make_train, val_loader, classes, nbatches = _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, workers,
+                                                                   samples, classes, seed, rank, world, bool(checkpoint), size)
+    else: make_train, val_loader, classes, nbatches = _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes)
     torch.manual_seed(seed)
     model = make_model(arch, classes).to(dev)
+    ck = _rank_checkpoint(checkpoint, rank, world) if checkpoint else None
+    saved = _load_checkpoint(ck, model, dev, world)
     net = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None) if world > 1 else model
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    start, done, steps, history, so_far = 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
+    if saved:
+        opt.load_state_dict(saved["opt"])
+        start, done, steps, history, so_far = saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), saved["stats"]
+        if saved["loader"] is not None: make_train.loader.load_state_dict(saved["loader"])
+        _log(rank, f"resumed from {shown_path(ck)}: epoch {start + 1}, after {done} of its steps ({steps} steps in all)")
     if keys_out: Path(keys_out).mkdir(parents=True, exist_ok=True)
     _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, {world} rank(s), "
                f"batch {batch_size} per rank, {workers} workers per rank, device {dev}"
                + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else ""))
-    history, steps = [], 0
-    with open(Path(keys_out) / f"keys-rank{rank}.txt", "w") if keys_out else open(os.devnull, "w") as keys_file:
-        for epoch in range(epochs):
+    keys_path = Path(keys_out) / f"keys-rank{rank}.txt" if keys_out else Path(os.devnull)
+    if saved and keys_out: os.truncate(keys_path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
+    with open(keys_path, "a" if saved else "w") as keys_file:
+        for epoch in range(start, epochs):
             net.train()
-            t0 = time.time()
-            stats, steps = _train_epoch(net, opt, make_train(epoch), dev, rank, world, f"epoch {epoch + 1}",
-                                        keys_file if keys_out else None, steps, max_steps)
+            t0, loader = time.time(), make_train(epoch)
+            if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
+            at = lambda s, st, e=epoch, d=done - steps: _save_checkpoint(  # d + s: steps done in this epoch
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st, history=history, keys_bytes=_flushed(keys_file))
+            save = (lambda s, st, last: (last or s % every == 0) and at(s, st)) if ck and hasattr(loader, "state_dict") else None
+            stats, steps = _train_epoch(net, opt, loader, dev, rank, world, f"epoch {epoch + 1}", keys_file if keys_out else None,
+                                        steps, max_steps, nbatches - done if nbatches else None, save, so_far)
             secs = time.time() - t0
             correct, total = count_correct(model, val_loader, dev) if val_loader is not None else (0, 0)
             history.append(row := _epoch_row(epoch, stats, secs, correct, total, steps))
             acc = f"val acc {row['val_acc']:.3f} ({total} images)" if total else "no validation set"
             _log(rank, f"epoch {epoch + 1}/{epochs}: {row['samples']} samples in {secs:.1f} s "
                        f"({row['samples_per_s']:.0f} samples/s), loss {row['loss']:.3f}, {acc}")
-            if max_steps and steps >= max_steps: break
+            if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
+            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, stats=torch.zeros(3, dtype=torch.float64),
+                                    history=history, keys_bytes=_flushed(keys_file))
     return history
 
 # %% ../nbs/30_train.ipynb
@@ -328,12 +387,14 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
               json_out: str = None,   # File to write the per-epoch results to as JSON (rank 0)
               device: str = None,     # cpu or cuda (default: cuda when available)
               threads: int = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
-              seed: int = 0):         # Random seed (model init, shard order)
+              seed: int = 0,          # Random seed (model init, shard order)
+              checkpoint: str = None, # Save the run here (each rank its own file under torchrun); run again to go on, mid-epoch included
+              every: int = 50):       # Save every this many steps (and after each epoch, and at --max-steps)
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."
     if (shards is None) == (folder is None):
         raise TrainError("give either --shards TEMPLATE or --folder ROOT (exactly one), e.g. "
                          "--shards 'data/imagenet-train-{000000..000009}.tar'")
     hist = train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps,
-                 samples, classes, keys_out, device, threads, seed)
+                 samples, classes, keys_out, device, threads, seed, checkpoint, every)
     if json_out and int(os.environ.get("RANK", 0)) == 0: Path(json_out).write_text(json.dumps(hist, indent=1))
     return 0

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/31_bench_core.ipynb 3
 from __future__ import annotations
-import importlib, json, os, subprocess, sys, warnings
+import importlib, json, os, subprocess, sys, time, warnings
 from pathlib import Path
 from typing import Iterable
 from ..errors import ShardkitError
@@ -51,18 +51,41 @@ def _child():
     print("RESULT " + json.dumps(res), flush=True)
     os._exit(0)  # some loaders' exit hooks (shared memory, thread pools) linger; the result is out
 
-def run_child(task: str, spec: dict, timeout: float = 600) -> dict:
+def _tree_rss(proc) -> int:
+    "Resident bytes of `proc` (a psutil.Process) and all its live descendants (shared pages counted in each)."
+    import psutil
+    try: procs = [proc] + proc.children(recursive=True)
+    except psutil.Error: return 0
+    total = 0
+    for p in procs:
+        try: total += p.memory_info().rss
+        except psutil.Error: pass  # it ended between the listing and the reading
+    return total
+
+def run_child(task: str, spec: dict, timeout: float = 600,
+              memory: bool = False) -> dict: # Also sample the process tree's RSS every 0.1 s: `peak_rss_mb` in the result
     "Run `task` ('module:function', taking `spec`) in a fresh Python process: its JSON result, or dict(error=why)."
-    import shardkit
+    import psutil, shardkit
     here = str(Path(shardkit.__file__).resolve().parent.parent)  # the same shardkit, also from a worktree or a notebook
     env = dict(os.environ, LITDATA_DISABLE_VERSION_CHECK="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     cmd = [sys.executable, "-c", "from shardkit.bench.core import _child; _child()", task, json.dumps(spec)]
-    try: p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired: return dict(error=f"timed out after {timeout:.0f} s")
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "): return json.loads(line[7:])
-    tail = [l for l in p.stderr.strip().splitlines() if l.strip()][-2:]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    watch, peak, end = psutil.Process(p.pid), 0, time.monotonic() + timeout
+    while True:
+        try: out, err = p.communicate(timeout=0.1 if memory else timeout); break
+        except subprocess.TimeoutExpired:  # communicate again later loses no output
+            if time.monotonic() > end:
+                for c in watch.children(recursive=True): c.kill()
+                p.kill(); p.communicate()
+                return dict(error=f"timed out after {timeout:.0f} s")
+            peak = max(peak, _tree_rss(watch))
+    for line in reversed(out.splitlines()):
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            if memory and isinstance(res, dict): res["peak_rss_mb"] = round(peak / 1e6, 1)
+            return res
+    tail = [l for l in err.strip().splitlines() if l.strip()][-2:]
     return dict(error=f"exit {p.returncode}: " + " | ".join(tail))
 
 # %% ../../nbs/31_bench_core.ipynb
