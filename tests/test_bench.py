@@ -51,3 +51,27 @@ def test_bench_loader_litdata_row(shards, tmp_path):
     assert row["status"] == "ok" and row["exact"], loader_table(res)
     assert row["rate"] > 0 and row["cpu_ms"] > 0
     assert any((tmp_path / "cache").glob("*/litdata-x2"))  # converted once into the cache, for the next run
+
+
+@pytest.mark.slow
+def test_bench_scale_cli_on_aistore(tmp_path, ais_endpoint):
+    "`shardkit bench scale` at two tiny sizes, every stage (local and AIStore): rows in the JSON, the picture, the ratio note."
+    from shardkit.bench.scale import AIS_STAGES, LOCAL_STAGES
+    stages = ",".join(LOCAL_STAGES + AIS_STAGES)
+    r = main_cli("bench", "scale", tmp_path / "work", "--n", "150,300", "--stages", stages, "--decoded", "64",
+                 "--json", tmp_path / "rows.json", "--plot", tmp_path / "scale.png")
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    rows = __import__("json").loads((tmp_path / "rows.json").read_text())
+    assert [(r["n"], r["stage"]) for r in rows] == [(n, s) for n in (150, 300) for s in stages.split(",")]
+    assert not [r for r in rows if "error" in r]
+    by = {(r["n"], r["stage"]): r for r in rows}
+    assert [by[300, s]["samples"] for s in LOCAL_STAGES[:6]] == [300] * 6
+    assert all(64 <= by[300, s]["samples"] <= 256 for s in LOCAL_STAGES[6:])  # the decoded epochs: a bounded subset, whole batches
+    assert by[300, "verify"]["read_mb"] > by[300, "convert"]["written_mb"] / 2 > 300 * 2000 / 2e6  # every shard read back
+    assert by[300, "index"]["index_b_per_sample"] <= 32
+    assert all(r["cluster_cpu_ms"] > 0 for r in rows if r["stage"] in ("ais stream", "ais getbatch+index"))
+    assert "ais getbatch+index at 300: " in out and "x the streaming rate from the same bucket" in out, out
+    assert (tmp_path / "scale.png").stat().st_size > 10_000
+    r = main_cli("bench", "scale", tmp_path, "--n", "1e3")
+    assert r.returncode == 2 and "comma-separated sample counts" in r.stderr  # a usage error, said plainly

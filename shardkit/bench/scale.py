@@ -312,15 +312,21 @@ def scale_table(rows: list[dict], target: int | None = 1_281_167) -> str:
 def plot_scale(rows: list[dict], path: str | Path | None = None):
     "Wall microseconds per sample and peak memory against N, log scales, one line per stage; saved to `path` if given."
     import matplotlib.pyplot as plt
-    fig, (ax, am) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
-    for stage in dict.fromkeys(r["stage"] for r in rows):
+    fig, (ax, am) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    stages, ns = list(dict.fromkeys(r["stage"] for r in rows)), sorted({r["n"] for r in rows})
+    colours = plt.get_cmap("tab20")(np.linspace(0, 1, 20))
+    for i, stage in enumerate(stages):
         ok = sorted((r for r in rows if r["stage"] == stage and "error" not in r), key=lambda r: r["n"])
-        ns = [r["n"] for r in ok]
-        ax.plot(ns, [r["us_per_sample"] for r in ok], marker="o", label=stage)
-        am.plot(ns, [r["peak_rss_mb"] for r in ok], marker="o", label=stage)
-    ax.set(xscale="log", yscale="log", xlabel="samples (N)", ylabel="wall µs per sample", title="Cost per sample as the data grow")
-    am.set(xscale="log", xlabel="samples (N)", ylabel="peak MB (process tree)", title="Peak memory")
-    ax.legend(fontsize=7); fig.tight_layout()
+        style = dict(marker="o", color=colours[i % 20], linestyle="--" if stage.startswith("ais") else "-", label=stage)
+        ax.plot([r["n"] for r in ok], [r["us_per_sample"] for r in ok], **style)
+        am.plot([r["n"] for r in ok], [r["peak_rss_mb"] for r in ok], **style)
+    for a in (ax, am):
+        a.set_xscale("log"); a.set_xticks(ns, [f"{n / 1e6:g} M" if n >= 1e6 else f"{n / 1e3:g} k" for n in ns]); a.minorticks_off()
+        a.set_xlabel("samples (N)")
+    ax.set(yscale="log", ylabel="wall µs per sample", title="Cost per sample as the data grow (flat: linear)")
+    am.set(ylabel="peak MB (process tree, workers included)", title="Peak memory")
+    am.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), title="stage (dashed: AIStore)", title_fontsize=7)
+    fig.tight_layout()
     if path: fig.savefig(path); plt.close(fig)
     return fig
 
