@@ -74,10 +74,14 @@ def scale_folder(root: str | Path,             # Folder of the pool (root/pool) 
 
 # %% ../../nbs/42_bench_scale.ipynb
 def _io() -> tuple[int, int]:
-    "Bytes this process (and its ended children) moved through read and write calls, or (0, 0) where /proc has no io."
-    try: d = dict(l.split(": ") for l in Path("/proc/self/io").read_text().splitlines() if ": " in l)
-    except OSError: return 0, 0
-    return int(d["rchar"]), int(d["wchar"])
+    "Bytes this process, its ended children and its live ones (persistent DataLoader workers) moved through read and write calls."
+    import psutil
+    r = w = 0
+    me = psutil.Process()
+    for p in [me] + me.children(recursive=True):
+        try: c = p.io_counters(); r, w = r + c.read_chars, w + c.write_chars
+        except (psutil.Error, AttributeError): pass  # ended meanwhile (then counted in ours), or no /proc/PID/io here
+    return r, w
 
 def _dir_bytes(path: Path) -> int: return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
