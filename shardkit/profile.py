@@ -230,7 +230,7 @@ def _loop(loader, step, batches, device, clocks) -> dict:
     while batches is None or len(main) < batches:
         a, c = pc(), tt()
         try: batch = next(it)
-        except StopIteration: break
+        except StopIteration: next_w += pc() - a; next_c += tt() - c; break  # the epoch's end: its workers stop in there
         b = pc(); next_w += b - a; next_c += tt() - c
         first = b - t0 if first is None else first
         n += batch_len(batch)
