@@ -4,7 +4,7 @@
 
 # %% ../nbs/41_profile.ipynb 3
 from __future__ import annotations
-import copy, os, resource, time
+import copy, io, os, resource, statistics, time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,38 +35,51 @@ __all__ = ['SLOTS', 'COLORS', 'PIPELINES', 'ProfileClocks', 'timed_call', 'batch
 # %% ../nbs/41_profile.ipynb
 SLOTS = ("read", "parse", "shuffle", "decode", "augment", "collate", "other", "rebatch")  # stage slots; "rebatch": in the main process
 _S = {s: i for i, s in enumerate(SLOTS)}
-_NEST = [0.0, 0.0]  # this process's wall and CPU seconds in timed calls inside stages (reads, transforms), so stages leave them out
+_PID = [os.getpid()]  # this process's id, kept without a system call per clock reading
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 class ProfileClocks:
     "Shared-memory accumulators: per process (row 0 main, 1 + i worker i), per slot: wall s, CPU s, count; and the first batches' intervals."
     def __init__(self, workers: int, events: int = 64):
         self.acc = torch.zeros(workers + 1, len(SLOTS), 3, dtype=torch.float64).share_memory_()
         self.ev = torch.zeros(workers + 1, events, 2, dtype=torch.float64).share_memory_()
-        self._local = None
-    def __getstate__(self): return dict(self.__dict__, _local=None)  # a spawned worker maps the arrays anew
+        self._pid = None
+    def __getstate__(self): return dict(self.__dict__, _pid=None)  # a spawned worker maps the arrays anew
 
-    def local(self) -> tuple:
-        "(acc, ev, row) as numpy views for this process: cheap to add to (a torch element op costs microseconds)."
-        if self._local is None or self._local[3] != os.getpid():
+    def local(self) -> np.ndarray:
+        "This process's row of the timeline; binds this process's row of the clocks (numpy views: adding to them is cheap)."
+        if self._pid != _PID[0]:
             info = get_worker_info()
-            self._local = (self.acc.numpy(), self.ev.numpy(), 0 if info is None else 1 + info.id, os.getpid())
-        return self._local
+            self.row = 0 if info is None else 1 + info.id
+            acc = self.acc.numpy()[self.row]
+            self._w, self._c, self._k, self._ev, self._pid = acc[:, 0], acc[:, 1], acc[:, 2], self.ev.numpy()[self.row], _PID[0]
+        return self._ev
 
     def add(self, slot: int, wall: float, cpu: float, count: float = 0):
-        acc, _, row, _ = self.local()
-        acc[row, slot, 0] += wall; acc[row, slot, 1] += cpu; acc[row, slot, 2] += count
+        if self._pid != _PID[0]: self.local()
+        self._w[slot] += wall; self._c[slot] += cpu
+        if count: self._k[slot] += count
 
 # %% ../nbs/41_profile.ipynb
+_STACK: list = []       # this process's active parts, innermost last: (clocks, slot index or None)
+_LAST = [0.0, 0.0]      # wall and CPU clocks at the last switch
+
+def _switch(enter: tuple | None = None):
+    "Give the time since the last switch to the innermost part; then enter part `enter`, or (None) leave the innermost."
+    w, c = time.perf_counter(), time.thread_time()
+    if _STACK and _STACK[-1][1] is not None: _STACK[-1][0].add(_STACK[-1][1], w - _LAST[0], c - _LAST[1])
+    _LAST[0], _LAST[1] = w, c
+    if enter is None: _STACK.pop()
+    else: _STACK.append(enter)
+
 def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable | None = None) -> Callable:
     "`fn`, its time (less timed calls inside it) added to `slot`, and `count(result)` to the slot's count."
-    i, pc, tt = _S[slot], time.perf_counter, time.thread_time
+    part = (clocks, _S[slot])
     def call(*args, **kw):
-        t, c, nw, nc = pc(), tt(), _NEST[0], _NEST[1]
-        out = fn(*args, **kw)
-        dw, dc = pc() - t, tt() - c
-        own_w, own_c = dw - (_NEST[0] - nw), dc - (_NEST[1] - nc)
-        clocks.add(i, own_w, own_c, count(out) if count else 0)
-        _NEST[0], _NEST[1] = nw + dw, nc + dc
+        _switch(part)
+        try: out = fn(*args, **kw)
+        finally: _switch()
+        if count: clocks.add(part[1], 0.0, 0.0, count(out))
         return out
     call.__wrapped__ = fn
     return call
@@ -79,57 +92,68 @@ def batch_len(batch) -> int:
     if isinstance(first, torch.Tensor): return int(first.shape[0]) if first.ndim else 1
     return len(first) if hasattr(first, "__len__") and not isinstance(first, (str, bytes)) else 1
 
+def _apart(it, clocks):
+    "Items of `it`, the time to get each counted nowhere."
+    while True:
+        _switch((clocks, None))
+        try: x = next(it)
+        except StopIteration: return
+        finally: _switch()
+        yield x
+
 class TimedStage:
     "A pipeline stage whose own time (not upstream's, not timed calls') goes to `slot`; `last`: it counts samples and logs batches."
-    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False):
-        self.stage, self.slot, self.clocks, self.last = stage, _S[slot], clocks, last
+    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False):
+        self.stage, self.slot, self.clocks, self.last, self.apart = stage, _S[slot], clocks, last, apart
     def __repr__(self): return f"TimedStage({self.stage!r}, {SLOTS[self.slot]!r})"
 
     def __call__(self, *src):
         s = self.stage  # as DataPipeline.invoke calls a stage: a source is iterated, a function called
-        if src: return self._run(lambda feed: s(feed(iter(src[0]))))
-        return self._run(lambda feed: iter(s) if isinstance(s, (IterableDataset, list)) else s())
+        if src: return self._run(s(_apart(iter(src[0]), self.clocks) if self.apart else src[0]))
+        return self._run(iter(s) if isinstance(s, (IterableDataset, list)) else s())
 
-    def _run(self, make):
-        pc, tt, up = time.perf_counter, time.thread_time, [0.0, 0.0, 0.0, 0.0]  # upstream: wall, CPU, and the timed calls in them
-        def feed(it):
-            while True:
-                t, c, nw, nc = pc(), tt(), _NEST[0], _NEST[1]
-                try: x = next(it)
-                except StopIteration: return
-                up[0] += pc() - t; up[1] += tt() - c; up[2] += _NEST[0] - nw; up[3] += _NEST[1] - nc
-                yield x
-        it, (_, ev, row, _), n = iter(make(feed)), self.clocks.local(), 0
+    def _run(self, items):
+        part, ev, n, it = (self.clocks, self.slot), self.clocks.local(), 0, None
         while True:
-            u, t, c, nw, nc = list(up), pc(), tt(), _NEST[0], _NEST[1]
-            try: x = next(it)
+            _switch(part); t = _LAST[0]
+            try:
+                if it is None: it = iter(items)  # a generator stage does its first work here
+                x = next(it)
             except StopIteration: return
-            t1, c1 = pc(), tt()
-            nested_w, nested_c = (_NEST[0] - nw) - (up[2] - u[2]), (_NEST[1] - nc) - (up[3] - u[3])
-            self.clocks.add(self.slot, t1 - t - (up[0] - u[0]) - nested_w, c1 - c - (up[1] - u[1]) - nested_c, batch_len(x) if self.last else 0)
-            if self.last and n < ev.shape[1]: ev[row, n] = (t, t1)
+            finally: _switch()
+            if self.last:
+                self.clocks.add(self.slot, 0.0, 0.0, batch_len(x))
+                if n < len(ev): ev[n] = (t, _LAST[0])
             n += 1
             yield x
 
 # %% ../nbs/41_profile.ipynb
-class _TimedStream:
-    "A shard's stream whose reads are timed (slot 'read', bytes counted)."
+class _TimedRaw(io.RawIOBase):
+    "A shard's stream as raw I/O whose reads are timed (slot 'read', bytes counted)."
     def __init__(self, stream, clocks):
-        self.stream, self.read = stream, timed_call(stream.read, "read", clocks, count=len)
-    def __getattr__(self, name): return getattr(self.stream, name)
+        self.stream, self.timed = stream, timed_call(getattr(stream, "read1", stream.read), "read", clocks, count=len)
+    def readable(self) -> bool: return True
+    def readinto(self, b) -> int:
+        data = self.timed(len(b)); b[:len(data)] = data
+        return len(data)
+    def close(self): self.stream.close(); super().close()
+
+def _timed_stream(stream, clocks):
+    "`stream` read through a 1 MB buffer whose refills are timed: the same bytes, and a few timed reads per shard, not several per sample."
+    return io.BufferedReader(_TimedRaw(stream, clocks), 1 << 20)
 
 def _read_shards(src, clocks: ProfileClocks, handler=wds.reraise_exception):
     "`url_samples`, its opening and reads timed as 'read': the same samples in the same order."
     opened, open_next = _open_shards(src, handler), timed_call(next, "read", clocks)
     while (d := open_next(opened, None)) is not None:
-        try: yield from wt.group_by_keys(tar_members(_TimedStream(d["stream"], clocks), d["url"]), handler=handler)
+        try: yield from wt.group_by_keys(tar_members(_timed_stream(d["stream"], clocks), d["url"]), handler=handler)
         except ShardError as e:
             if handler(e): continue
             raise
 
 def _timed_streams(src, clocks: ProfileClocks):
     "A webdataset pipeline's opened shards, their streams timed."
-    for d in src: yield dict(d, stream=_TimedStream(d["stream"], clocks))
+    for d in src: yield dict(d, stream=_timed_stream(d["stream"], clocks))
 
 # %% ../nbs/41_profile.ipynb
 def _timed_transform(tf, clocks):
@@ -198,7 +222,7 @@ def instrumented(loader, clocks: ProfileClocks):
             if callable(getattr(ds, name, None)): swap(ds, name, timed_call(getattr(ds, name), slot, clocks))
         swap(dl, "collate_fn", timed_call(dl.collate_fn, "collate", clocks, count=batch_len))
     if main is not None and len(main.pipeline) > 1:
-        swap(main, "pipeline", main.pipeline[:1] + [TimedStage(s, "rebatch", clocks) for s in main.pipeline[1:]])
+        swap(main, "pipeline", main.pipeline[:1] + [TimedStage(s, "rebatch", clocks, apart=i == 0) for i, s in enumerate(main.pipeline[1:])])
     if kind == "shardkit": swap(jpeg, "decode_window", timed_call(jpeg.decode_window, "decode", clocks))  # forked workers inherit it
     _restart(dl)
     try: yield kind
@@ -461,22 +485,25 @@ def plot_timeline(p: Profile, batches: int = 24, path=None):
 
 # %% ../nbs/41_profile.ipynb
 def profile_overhead(make_loader: Callable, batches: int | None = None, repeats: int = 3, step: Callable | None = None) -> dict:
-    "Samples/s of fresh loaders from `make_loader()`, iterated plainly and profiled, interleaved: medians and the overhead."
-    import statistics
-    runs = {"plain": [], "profiled": []}
+    "Fresh loaders from `make_loader()` iterated plainly and profiled, in interleaved pairs: samples/s, CPU ms/sample, the overheads."
+    runs, cpu = {"plain": [], "profiled": []}, {"plain": [], "profiled": []}
     for r in range(repeats):
         for mode in (("plain", "profiled") if r % 2 == 0 else ("profiled", "plain")):
             loader = make_loader()
             if mode == "profiled":
-                p = profile_pipeline(loader, step, batches, device=None); runs[mode].append(p.samples / p.wall); continue
-            t, n = time.perf_counter(), 0
+                p = profile_pipeline(loader, step, batches, device=None)
+                runs[mode].append(p.rate); cpu[mode].append(p.cpu_ms); continue
+            c0, t, n = cpu_seconds(descendants=True), time.perf_counter(), 0  # the same window as the profiled loop's
             for i, b in enumerate(loader):
                 n += batch_len(b)
                 if step is not None: step(b)
                 if batches is not None and i + 1 >= batches: break
-            runs[mode].append(n / (time.perf_counter() - t))
-    plain, prof = statistics.median(runs["plain"]), statistics.median(runs["profiled"])
-    return dict(plain=plain, profiled=prof, overhead=1 - prof / plain, runs=runs)
+            runs[mode].append(n / (time.perf_counter() - t)); cpu[mode].append(1000 * (cpu_seconds(descendants=True) - c0) / n)
+            _restart(_parts(loader)[0])  # its persistent workers stop here, as the profiled run's do after its loop
+    med = statistics.median
+    return dict(plain=med(runs["plain"]), profiled=med(runs["profiled"]), cpu_plain=med(cpu["plain"]), cpu_profiled=med(cpu["profiled"]),
+                overhead=1 - med([b / a for a, b in zip(runs["plain"], runs["profiled"])]),  # pairs ran side by side: the same load
+                cpu_overhead=med(cpu["profiled"]) / med(cpu["plain"]) - 1, runs=runs)
 
 # %% ../nbs/41_profile.ipynb
 PIPELINES = ("default", "whole", "post")
