@@ -291,6 +291,7 @@ class Profile:
     wait_share: float           # share of the loop spent waiting in next()
     read_mb_s: float | None     # MB/s of the shard reads while reading
     windows: str                # "on", "off: why", or "n/a" (not shardkit's decoder)
+    load: float                 # the machine's load average (1 min) at the end: runnable processes, other jobs' included
     timeline: dict = field(default_factory=dict, repr=False)
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
@@ -327,7 +328,7 @@ def _profile(raw: dict, kind: str, workers: int, label: str) -> Profile:
                    raw["samples"] / raw["wall"],
                    stages, main, ms(raw["cpu"]), capacity, raw["samples"] / raw["step"] if raw["stepped"] and raw["step"] > 0 else None,
                    raw["next_wall"] / raw["wall"], read_b / 1e6 / read_s if read_b and read_s > 0 else None,
-                   ("on" if why is None else f"off: {why}") if kind == "shardkit" else "n/a",
+                   ("on" if why is None else f"off: {why}") if kind == "shardkit" else "n/a", os.getloadavg()[0],
                    dict(ev=raw["ev"][1:] if workers else raw["ev"][:1], main=raw["main_ev"], t0=raw["t0"]))
 
 # %% ../nbs/41_profile.ipynb
@@ -384,7 +385,7 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
 # %% ../nbs/41_profile.ipynb
 def verdicts(p: Profile) -> list[str]:
     "What limits the pipeline profiled in `p` and what to do about it, one line each, every figure measured."
-    out, idle = [], max(p.cores - p.cores_busy, 0.0)
+    out, idle = [], max(p.cores - max(p.cores_busy, p.load), 0.0)  # cores neither this job nor others keep busy
     if p.step_rate is None:
         out.append(f"no step given: the loader alone delivers {p.rate:,.0f} samples/s with {p.workers} workers, "
                    f"{p.cores_busy:.1f} of {p.cores} cores busy")
@@ -400,6 +401,11 @@ def verdicts(p: Profile) -> list[str]:
         if b == "read" and v["wall"] > 0:
             head += f"; reads wait {1 - v['cpu'] / v['wall']:.0%} of it" + (f", at {p.read_mb_s:.1f} MB/s" if p.read_mb_s else "")
         out.append(f"{head}: " + "; or ".join(_stage_advice(p, b, idle)))
+    wall, cpu = (sum(v[k] for s, v in p.stages.items() if s not in ("read", "rebatch")) for k in ("wall", "cpu"))
+    if p.workers and wall > 0 and 1 - cpu / wall > 0.25:
+        out.append(f"the workers waited for a core {1 - cpu / wall:.0%} of the time their stages took ({wall:.2f} ms/sample, "
+                   f"{cpu:.2f} on a core): more runnable processes than cores (load average {p.load:.1f} on {p.cores}); fewer "
+                   "workers, or no other jobs beside the training")
     m = p.main
     if p.workers and m["rebatch"] * p.rate / 1000 > 0.1:
         out.append(f"the main process spends {m['rebatch']:.2f} ms/sample ({m['rebatch'] * p.rate / 10:.0f}% of its time) taking the "
@@ -527,7 +533,7 @@ def simulated_step(ms: float) -> Callable | None:
 
 def suggested_change(p: Profile) -> dict:
     "The change the verdicts point at that `build_loader` can make: more workers while cores idle or reads wait, else shardkit's default."
-    idle = p.cores - p.cores_busy
+    idle = p.cores - max(p.cores_busy, p.load)
     if p.bottleneck == "read" and p.stages["read"]["cpu"] < 0.5 * p.stages["read"]["wall"]: return dict(workers=2 * max(p.workers, 1))
     if idle >= 0.5 and p.workers < p.cores: return dict(workers=p.cores)
     return dict(pipeline="default") if p.kind == "webdataset" else dict(workers=p.workers + 1)
