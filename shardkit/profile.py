@@ -573,8 +573,8 @@ def profile_cli(src: str,                    # Shards: a directory, ais://bucket
               f"({profiles[1].rate / profiles[0].rate - 1:+.0%}), measured\n" + compare(profiles))
     if overhead:
         o = profile_overhead(lambda: build_loader(src, **base), batches or None, 3, simulated_step(step_ms))
-        print(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput ({o['plain']:,.0f} samples/s plain, {o['profiled']:,.0f} profiled; "
-              "medians of 3 interleaved runs each)")
+        print(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput (median of 3 side-by-side pairs: {o['plain']:,.0f} samples/s plain, "
+              f"{o['profiled']:,.0f} profiled), {o['cpu_overhead']:+.1%} of CPU per sample ({o['cpu_plain']:.2f} vs {o['cpu_profiled']:.2f} ms)")
     d = Path(out); d.mkdir(parents=True, exist_ok=True)
     plot_stages(profiles, d / "stages.png"); plot_timeline(profiles[0], path=d / "timeline.png")
     print(f"pictures: {d / 'stages.png'}, {d / 'timeline.png'}")

@@ -164,3 +164,10 @@ def test_cli_profiles_and_tries_a_change(shards, tmp_path):
     assert (tmp_path / "out" / "stages.png").exists() and (tmp_path / "out" / "timeline.png").exists()
     bad = main_cli("profile", str(Path(shards[0]).parent), "--try", "threads=3")
     assert bad.returncode == 2 and "--try takes name=value pairs" in bad.stderr, bad.stderr
+
+
+def test_the_transfer_to_the_device_is_timed_and_the_step_gets_the_moved_batch(shards):
+    "With a device, each batch is moved before the step (here to the CPU: the same path as to a GPU, synchronised there)."
+    seen = []
+    p = profile_pipeline(_loader(shards, workers=0), step=lambda b: seen.append(b[2].device.type), device="cpu")
+    assert p.main["device"] > 0 and set(seen) == {"cpu"} and len(seen) == p.batches, p.main
