@@ -25,6 +25,8 @@ from .loading import jpeg
 from .loading.sources import EpochShards, shuffle_samples, shard_urls
 from .loading.collate import _Tagged
 from .loading.transforms import sample_to_tuple
+from .loading import random as random_access
+from .loading.random import RandomAccessLoader
 from .bench.core import cpu_seconds, format_bench
 
 # %% auto 0
@@ -204,6 +206,30 @@ def _restart(dl):
         dl._iterator = None
 
 # %% ../nbs/41_profile.ipynb
+class _TimedReader:
+    "A random-access reader whose `read` is timed (slot 'read', bytes counted)."
+    def __init__(self, reader, clocks):
+        self.reader = reader
+        self.read = timed_call(reader.read, "read", clocks, count=lambda out: sum(len(b) for row in out[1] for b in row))
+    def __getattr__(self, name): return getattr(self.reader, name)
+
+def _random_access(ds, clocks: ProfileClocks, swap) -> str:
+    "Time a RandomAccessDataset's batches (as 'decode', less what is timed inside), reads, transform and collation."
+    timed, made = timed_call(type(ds).__getitem__, "decode", clocks), [0]  # made: this process's batches
+    def getitem(self, item):
+        t = time.perf_counter()
+        out = timed(self, item)
+        clocks.add(_S["collate"], 0.0, 0.0, batch_len(out))
+        if made[0] < len(ev := clocks.local()): ev[made[0]] = (t, time.perf_counter())
+        made[0] += 1
+        return out
+    swap(ds, "__class__", type(f"Timed{type(ds).__name__}", (type(ds),), {"__getitem__": getitem}))
+    swap(ds, "reader", _TimedReader(ds.reader, clocks))
+    swap(ds, "transform", _timed_transform(ds.transform, clocks))
+    swap(random_access, "collate", timed_call(random_access.collate, "collate", clocks))
+    return "shardkit"
+
+# %% ../nbs/41_profile.ipynb
 @contextmanager
 def instrumented(loader, clocks: ProfileClocks):
     "Inside: `loader` with its stages timed into `clocks` (see above); yields what kind of pipeline it is. On the way out, as it was."
@@ -216,6 +242,7 @@ def instrumented(loader, clocks: ProfileClocks):
         stages[-1].last = True
         kind = "shardkit" if isinstance(pipe.pipeline[0], EpochShards) else "webdataset"
         swap(pipe, "pipeline", stages)
+    elif isinstance(loader, RandomAccessLoader): kind = _random_access(loader.dataset, clocks, swap)
     elif dl is not None:
         ds, kind = dl.dataset, "map-style"
         for name, slot in (("loader", "decode"), ("transform", "augment")):
@@ -397,7 +424,8 @@ def verdicts(p: Profile) -> list[str]:
                    f"limits, the loader could give {p.capacity:,.0f}/s")
     if (b := p.bottleneck) is not None:
         v = p.stages[b]
-        head = f"{b} is {v['wall'] / p.worker_ms:.0%} of the workers' time at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
+        whose = "the workers'" if p.workers else "the pipeline's"
+        head = f"{b} is {v['wall'] / p.worker_ms:.0%} of {whose} time at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
         if b == "read" and v["wall"] > 0:
             head += f"; reads wait {1 - v['cpu'] / v['wall']:.0%} of it" + (f", at {p.read_mb_s:.1f} MB/s" if p.read_mb_s else "")
         out.append(f"{head}: " + "; or ".join(_stage_advice(p, b, idle)))

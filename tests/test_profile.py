@@ -69,11 +69,15 @@ def _keys(loader, profiled: bool, epochs=2) -> list:
     return out
 
 
+@pytest.mark.parametrize("access", ["stream", "random"])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_profiling_keeps_samples_order_and_epoch(shards, workers):
+def test_profiling_keeps_samples_order_and_epoch(shards, workers, access):
     "A profiled epoch gives what an unprofiled loader with the same seed gives, and the next epoch is the same too."
-    plain, profiled = _keys(_loader(shards, workers, seed=5), False), _keys(_loader(shards, workers, seed=5), True)
+    make = lambda: _loader(shards, workers, seed=5, access=access)
+    plain, profiled = _keys(make(), False), _keys(make(), True)
     assert profiled == plain and len(set(plain[0])) == 60 and plain[0] != plain[1]
+    p = profile_pipeline(make())
+    assert p.kind == "shardkit" and p.stages["read"]["wall"] > 0 and p.stages["decode"]["wall"] > 0, p.stages
 
 
 def test_profiling_keeps_a_plain_webdataset_pipeline_and_a_dataloader(shards):
