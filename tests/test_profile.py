@@ -1,4 +1,4 @@
-"""The pipeline profiler (nbs/41_profile): stage times that add up, verdicts that name the stage a pipeline was built
+"""The pipeline profiler (nbs/41_stage_timing, nbs/42_profile): stage times that add up, verdicts that name the stage a pipeline was built
 to be limited by (decoding, reading over a slow HTTP source), the same samples in the same order, and a bounded
 overhead. Everything is real: webdataset, torch, a local HTTP server on 127.0.0.1, shards written here."""
 import functools, http.server, shutil, threading, time
