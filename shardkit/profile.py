@@ -14,7 +14,7 @@ from fastcore.script import store_true
 from .errors import UsageError
 from .loading import jpeg
 from .loading.sources import shard_urls
-from .stage_timing import SLOTS, _S, ProfileClocks, batch_len, instrumented, _parts, _restart
+from .stage_timing import _S, ProfileClocks, batch_len, instrumented, _parts, _restart
 from .bench.core import cpu_seconds, format_bench
 
 # %% auto 0

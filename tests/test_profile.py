@@ -10,7 +10,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, Dataset
 from shardkit.loader import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
-from shardkit.profile import SLOTS, profile_overhead, profile_pipeline, report, verdicts
+from shardkit.profile import profile_overhead, profile_pipeline, report, verdicts
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 from conftest import main_cli
 
