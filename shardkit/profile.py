@@ -171,6 +171,8 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
                        "instead of before it (num_workers >= 1)")
     elif idle >= 0.5 and p.workers < p.cores * (2 if b == "read" else 1):
         todo.insert(0, f"add workers ({idle:.1f} of {p.cores} cores idle): about {p.capacity * (p.workers + idle) / p.workers:,.0f} samples/s")
+    elif idle < 0.5 and b != "read":
+        todo.append(f"(more workers would not help: cores idle {idle:.1f} of {p.cores})")
     return todo
 
 # %% ../nbs/42_profile.ipynb

@@ -42,13 +42,15 @@ def _loader(urls, workers=2, seed=0, batch_size=8, **kw):
 
 def test_stage_times_add_up_to_the_wall_time(shards):
     """With no workers every stage runs inside the loop: the stages' own times plus the step's and the untimed rest
-    are the loop's wall time, and the untimed rest (the loop and the generators themselves) is under 5% of it."""
-    p = profile_pipeline(_loader(shards, workers=0), step=lambda b: time.sleep(0.003))
+    are the loop's wall time, and the untimed rest (the loop and the generators themselves) is under 5% of it, plus
+    20 ms for one scheduler stall landing there on a machine shared with other jobs (the run takes about half a second)."""
+    p = profile_pipeline(_loader(shards * 2, workers=0), step=lambda b: time.sleep(0.003))
     per_sample = sum(v["wall"] for v in p.stages.values()) + p.main["device"] + p.main["step"] + p.main["untimed"]
     assert per_sample * p.samples / 1000 == pytest.approx(p.wall, rel=1e-6)
-    assert 0 <= p.main["untimed"] < 0.05 * 1000 * p.wall / p.samples, p.main
+    untimed = p.main["untimed"] * p.samples / 1000
+    assert -1e-6 < untimed < 0.05 * p.wall + 0.02, (untimed, p.wall, p.main)
     for slot in ("read", "parse", "decode", "augment", "collate"): assert p.stages[slot]["wall"] > 0, (slot, p.stages)
-    assert p.samples == 60 and p.stages["read"]["cpu"] <= p.stages["read"]["wall"] * 1.05 + 0.01
+    assert p.samples == 120 and p.stages["read"]["cpu"] <= p.stages["read"]["wall"] * 1.05 + 0.01
 
 
 def test_worker_stage_cpu_is_within_the_workers_cpu(shards):
