@@ -39,6 +39,7 @@ COMMANDS = {
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
     ("lab",):              ("shardkit.lab:lab_cli",                "Open the tutorials in JupyterLab on 127.0.0.1"),
+    ("profile",):          ("shardkit.profile:profile_cli",        "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
 }
 
 # %% ../nbs/99_cli.ipynb
@@ -73,7 +74,7 @@ def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
     for a in p._actions:  # options read `--shard-size`, the way command lines are written
         for s in list(a.option_strings):
             if s.startswith("--") and "_" in s:
-                a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-")
+                a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-").rstrip("-")  # `try_` (a keyword) reads `--try`
                 p._option_string_actions[h] = p._option_string_actions.pop(s)
     return p
 
