@@ -132,3 +132,21 @@ def headless_chromium(page_load_timeout: float = 60, extra_args=()):
     finally:
         drv.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def write_pet_shards(folder: Path, n_shards: int = 6, per_shard: int = 5, size=(64, 48), seed: int = 0, trimap: bool = True) -> list[str]:
+    "Pet-like shards `pets-00000.tar`, ...: `per_shard` samples of a synthetic image (`size`), a class and (with `trimap`) a trimap."
+    import numpy as np
+    import webdataset as wds
+    from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(n_shards):
+        paths.append(str(folder / f"pets-{s:05d}.tar"))
+        with wds.TarWriter(paths[-1]) as w:
+            for i in range(per_shard):
+                cls = int(rng.integers(0, 37))
+                img, tri = draw_animal(cls, rng, size=size)
+                w.write({"__key__": f"s{s}_{i}", "image.jpg": jpeg_bytes(img), "cls": cls, **({"trimap.png": png_bytes(tri)} if trimap else {})})
+    return paths

@@ -1,29 +1,18 @@
 """The training loader: exact epochs over workers and ranks, seeds, resampling, warnings, AIStore."""
 import warnings
-import numpy as np
 import pytest
 import torch
 import webdataset as wds
 from shardkit.loader import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.loading.sources import split_count
-from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+from conftest import write_pet_shards
 
 N_SHARDS, PER_SHARD = 6, 5
 
 
 def _write_shards(folder, n_shards=N_SHARDS, per_shard=PER_SHARD, seed=0):
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for s in range(n_shards):
-        paths.append(str(folder / f"pets-{s:05d}.tar"))
-        with wds.TarWriter(paths[-1]) as w:
-            for i in range(per_shard):
-                cls = int(rng.integers(0, 37))
-                img, tri = draw_animal(cls, rng, size=(64, 48))
-                w.write({"__key__": f"s{s}_{i}", "image.jpg": jpeg_bytes(img), "cls": cls, "trimap.png": png_bytes(tri)})
-    return paths
+    return write_pet_shards(folder, n_shards, per_shard, seed=seed)
 
 
 @pytest.fixture(scope="module")

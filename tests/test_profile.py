@@ -11,22 +11,11 @@ from torch.utils.data import DataLoader, Dataset
 from shardkit.loader import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.profile import profile_overhead, profile_pipeline, report, verdicts
-from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
-from conftest import main_cli
+from conftest import main_cli, write_pet_shards
 
 
 def _write(folder: Path, n_shards: int, per_shard: int, size, seed=0, trimap=True):
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for s in range(n_shards):
-        paths.append(str(folder / f"pets-{s:05d}.tar"))
-        with wds.TarWriter(paths[-1]) as w:
-            for i in range(per_shard):
-                cls = int(rng.integers(0, 37))
-                img, tri = draw_animal(cls, rng, size=size)
-                w.write({"__key__": f"s{s}_{i}", "image.jpg": jpeg_bytes(img), "cls": cls, **({"trimap.png": png_bytes(tri)} if trimap else {})})
-    return paths
+    return write_pet_shards(folder, n_shards, per_shard, size, seed, trimap)
 
 
 @pytest.fixture(scope="module")
