@@ -62,7 +62,8 @@ class FolderListing(Sequence):
     "The `(path, class index)` pairs of an ImageFolder tree, held as one bytes array (~60 bytes a file, not ~350 as a list)."
     def __init__(self, root: Path, rel: np.ndarray, starts: np.ndarray): self.root, self.rel, self.starts = root, rel, starts
     def __len__(self): return len(self.rel)
-    def __getitem__(self, i: int) -> tuple[str, int]:
+    def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
+        if isinstance(i, slice): return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self): raise IndexError(i)
         i %= len(self)
         return os.path.join(self.root, self.rel[i].decode("utf-8", "surrogateescape")), int(np.searchsorted(self.starts, i, "right") - 1)
