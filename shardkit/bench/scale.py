@@ -147,10 +147,10 @@ def _decoded(spec) -> dict:
 class _RawBatches(torch.utils.data.Dataset):
     "Batches of a random-access loader read as raw bytes (no decoding): each item is the bytes of one batch."
     def __init__(self, loader, most: int):
-        self.ds, self.batches = loader.dataset, []
+        self.ds, self.batches, n = loader.dataset, [], 0
         for b in loader.batches(0):
-            if sum(map(len, self.batches)) >= most: break
-            self.batches.append(b.tolist())
+            if n >= most: break
+            self.batches.append(b.tolist()); n += len(b)
     def __len__(self): return len(self.batches)
     def __getitem__(self, i): return [sum(len(v) for k, v in s.items() if not k.startswith("__")) for s in self.ds.samples(self.batches[i])]
 
