@@ -108,7 +108,7 @@ def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/trai
                          shuffle: bool = True,  # Shuffle the samples once, as the WebDataset ImageNet example does
                          seed: int = 0,         # Seed of that shuffle
                          skipped: Counter | None = None,  # Counts skipped files by reason, if given
-                         pairs: list | None = None):  # `folder_samples(src)[0]` if the caller has it (one list of a million paths, not two)
+                         pairs: Sequence | None = None):  # `folder_samples(src)[0]` if the caller has it (one listing of a million paths, not two)
     "Yield WebDataset samples `{__key__, jpg, cls}` of an ImageFolder tree, classes numbered as `ImageFolder` does."
     if pairs is None: pairs, _ = folder_samples(src)
     root = Path(src).resolve()
