@@ -63,7 +63,7 @@ def _imports() -> dict[str, set[str]]:
             elif isinstance(n, ast.Import):
                 deps |= {a.name[len("shardkit."):] for a in n.names if a.name.startswith("shardkit.")}; continue
             else: continue
-            deps |= {x for x in [base] + [f"{base}.{a.name}".strip(".") for a in n.names] if x in mods and x != m}
+            deps |= {x for x in [base] * bool(base) + [f"{base}.{a.name}".strip(".") for a in n.names] if x in mods and x != m}
         out[m] = deps
     return out
 
