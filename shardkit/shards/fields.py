@@ -110,6 +110,7 @@ def image_size(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     if w * h > max_pixels: raise SkipSample("oversized image", f"{w} x {h} pixels, more than {max_pixels:,}")
     return w, h
 
+# %% ../../nbs/03_fields.ipynb
 def load_image_decoder():
     "Import the loader's decoder (torch, torchvision.io) here: workers forked after it share it, not each import it."
     from torchvision.io import decode_image  # noqa: F401  (about 1.5 s of CPU: once, not once per worker)
