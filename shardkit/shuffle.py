@@ -259,6 +259,18 @@ def _check_shuffle_args(backend: str, shard_size, output_prefix: str) -> int:
         raise UsageError(f"output_prefix {output_prefix!r} may hold only letters, digits, '_', '-', '.' and '/'")
     return shard_size
 
+def _shuffle_inputs(src, dest, input_template: str | None, output_prefix: str, backend: str) -> list[str]:
+    "The input shards of a shuffle of `src` into `dest`, not its earlier outputs; StoreError if none, or dSort can't."
+    names = src.list(input_template or "*.tar")
+    if src.spec == dest.spec: names = [n for n in names if not n.startswith(output_prefix)]
+    if not names:
+        raise StoreError(f"no input shards {input_template or '*.tar'!r} in {shown_path(src.spec)}; "
+                         "check the source and --input-template")
+    if backend == "dsort" and not _same_cluster(src, dest):
+        raise StoreError(f"dSort runs inside one AIStore cluster; "
+                         f"{shown_path(src.spec)} -> {shown_path(dest.spec)} needs backend='local'")
+    return names
+
 # %% ../nbs/11_shuffle.ipynb
 def shuffle_shards(src,                            # Input store or spec: a directory or ais://bucket[/prefix]
                    dest,                           # Output store or spec (created when missing)
@@ -274,14 +286,7 @@ def shuffle_shards(src,                            # Input store or spec: a dire
     "Shuffle the samples of shards in `src` into new shards of about `shard_size` bytes in `dest`; resumable."
     shard_size = _check_shuffle_args(backend, shard_size, output_prefix)
     src, dest = open_store(src), open_store(dest, create=True)
-    names = src.list(input_template or "*.tar")
-    if src.spec == dest.spec: names = [n for n in names if not n.startswith(output_prefix)]
-    if not names:
-        raise StoreError(f"no input shards {input_template or '*.tar'!r} in {shown_path(src.spec)}; "
-                         "check the source and --input-template")
-    if backend == "dsort" and not _same_cluster(src, dest):
-        raise StoreError(f"dSort runs inside one AIStore cluster; "
-                         f"{shown_path(src.spec)} -> {shown_path(dest.spec)} needs backend='local'")
+    names = _shuffle_inputs(src, dest, input_template, output_prefix, backend)
     use_dsort = backend != "local" and _same_cluster(src, dest)
     settings = _job_settings(src, names, shard_size, seed, output_prefix, "dsort" if use_dsort else "local")
     old, old_names = read_manifest(dest, output_prefix), dest.list(f"{output_prefix}*.tar")
