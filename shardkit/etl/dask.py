@@ -112,7 +112,8 @@ def _run_tasks(client, shards: ShardTransform, src, dest, names: list[str], retr
 
 # %% ../../nbs/18_etl_dask.ipynb
 def run_etl_dask(fn: str | Callable,          # Sample function, 'module:function' or 'path/to/file.py:function'
-                 src, dest,                   # Source and destination stores (directories or ais://bucket[/prefix])
+                 src,                         # Source store: a directory or ais://bucket[/prefix]
+                 dest,                        # Destination store: a directory or ais://bucket[/prefix]
                  pattern: str = "*.tar",      # Which shards: a glob, brace template or prefix
                  decode: str | None = "pil",  # Decoding of the function's input (None: raw bytes)
                  strict: bool = False,        # A failing sample fails its shard (else it is skipped and counted)
@@ -120,7 +121,8 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
                  scheduler=None,              # None: a LocalCluster here; 'tcp://host:8786', a Client or a cluster
                  workers: int | None = None,  # Worker processes of the LocalCluster (default: one per core)
                  retries: int = 2,            # Extra attempts for a failing shard
-                 progress: bool = True) -> dict:
+                 progress: bool = True,       # Show a progress bar
+                ) -> dict:
     "Transform every shard of `src` matching `pattern` into `dest` (same names), one Dask task per shard; a summary."
     src_store, dest_store = open_store(src), open_store(dest, create=True)
     names = etl_shards(src_store, dest_store, pattern)
