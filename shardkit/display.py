@@ -24,7 +24,7 @@ __all__ = ['TRIMAP_COLORS', 'class_name', 'manifest_class_names', 'shard_listing
 
 # %% ../nbs/12_display.ipynb
 def class_name(cls, class_names=None) -> str:
-    "A readable name for class `cls` (int, tensor or bytes): `class_names[cls]` when given and in range, else the number."
+    "A readable name for class `cls` (int, tensor or bytes): `class_names[cls]` if given and in range, else the number."
     if isinstance(cls, (bytes, bytearray)): cls = cls.decode().strip()
     try: i = int(cls.item() if hasattr(cls, "item") else cls)
     except (TypeError, ValueError): return str(cls)
@@ -71,14 +71,14 @@ def format_listing(rows: list[dict], spec: str = "") -> str:
 TRIMAP_COLORS = {1: (0.1, 0.9, 0.3), 3: (1.0, 0.85, 0.0)}  # animal: green tint, outline band: yellow
 
 def _as_trimap(t) -> np.ndarray:
-    "An HxW integer trimap (1/2/3) from an array, tensor or PIL image; float ones decoded as RGB in [0, 1] are scaled back."
+    "An HxW integer trimap (1/2/3) from an array, tensor or PIL image; float ones (RGB in [0, 1]) are scaled back."
     a = np.asarray(t.detach().cpu() if hasattr(t, "detach") else t)
     if a.ndim == 3: a = a[0] if a.shape[0] in (1, 3) else a[..., 0]
     if a.dtype.kind == "f": a = np.rint(a * 255 if a.max() <= 1.0 else a)
     return a.astype(np.int64)
 
 def trimap_overlay(image, trimap, alpha: float = 0.2, dim: float = 0.45) -> np.ndarray:
-    "`image` (HxWx3) with the trimap's animal tinted, background dimmed and outline band coloured, as float RGB in [0, 1]."
+    "`image` (HxWx3) with the trimap's animal tinted, background dimmed, outline band coloured: float RGB in [0, 1]."
     img = np.asarray(image, dtype=np.float64)
     if img.max() > 1.0: img = img / 255
     tri = _as_trimap(trimap)
@@ -154,7 +154,8 @@ def show_image_tensor(t, denormalize: bool = False, ax=None, title: str | None =
     return ax
 
 # %% ../nbs/12_display.ipynb
-_DICT_ROLES = {"images": ("image.jpg", "jpg", "image", "images", "png", "img"), "trimaps": ("trimap.png", "trimap", "trimaps", "mask"),
+_DICT_ROLES = {"images": ("image.jpg", "jpg", "image", "images", "png", "img"),
+               "trimaps": ("trimap.png", "trimap", "trimaps", "mask"),
                "classes": ("cls", "label", "labels", "target"), "keys": ("__key__", "key", "keys")}
 
 def _is_trimap(x) -> bool:
@@ -165,7 +166,8 @@ def _is_trimap(x) -> bool:
 def batch_parts(batch) -> dict:
     "The images, trimaps, classes and keys of a loader batch (tuple, list or dict); missing parts are absent."
     if isinstance(batch, dict):
-        return {role: batch[k] for role, names in _DICT_ROLES.items() for k in names[::-1] if k in batch}  # first name wins
+        # the first name wins
+        return {role: batch[k] for role, names in _DICT_ROLES.items() for k in names[::-1] if k in batch}
     parts = {}
     for x in batch:
         if isinstance(x, (list, tuple)) and x and isinstance(x[0], str): parts.setdefault("keys", x)
@@ -179,25 +181,32 @@ def batch_parts(batch) -> dict:
 # %% ../nbs/12_display.ipynb
 def _first_batch(loader):
     "`loader` itself when it is a batch (a dict, or a tuple/list holding a tensor), else its first batch."
-    if isinstance(loader, dict) or (isinstance(loader, (tuple, list)) and any(hasattr(x, "shape") for x in loader)): return loader
+    if isinstance(loader, dict) or (isinstance(loader, (tuple, list)) and any(hasattr(x, "shape") for x in loader)):
+        return loader
     return next(iter(loader))
 
 def display_loader_images(loader, objects: int = 4, class_names=None, denormalize: bool | None = None, batch=None):
     "Draw the first `objects` images (and trimaps) of `loader`'s first batch, titled with key and class name."
     parts = batch_parts(batch if batch is not None else _first_batch(loader))
-    if "images" not in parts: raise ValueError(f"no image tensor (N x C x H x W) in the batch; it holds {sorted(parts) or 'nothing recognisable'}")
+    if "images" not in parts:
+        raise ValueError(f"no image tensor (N x C x H x W) in the batch; "
+                         f"it holds {sorted(parts) or 'nothing recognisable'}")
     ims, tris = parts["images"], parts.get("trimaps")
     n = min(objects, len(ims))
     if denormalize is None: denormalize = np.asarray(ims[:n]).dtype.kind == "f" and float(ims[:n].min()) < 0
     fig, axes = _grid(n, rows=2 if tris is not None else 1)
     for i in range(n):
-        title = " · ".join(str(x) for x in (parts["keys"][i] if "keys" in parts else None,
-                                            class_name(parts["classes"][i], class_names) if "classes" in parts else None) if x is not None)
+        key = parts["keys"][i] if "keys" in parts else None
+        cls = class_name(parts["classes"][i], class_names) if "classes" in parts else None
+        title = " · ".join(str(x) for x in (key, cls) if x is not None)
         show_image_tensor(ims[i], denormalize, ax=axes[0][i], title=title or f"#{i}")
         if tris is not None:
             rgb, tri = to_hwc(ims[i], denormalize), _as_trimap(tris[i])
-            if tri.shape == rgb.shape[:2]: axes[1][i].imshow(trimap_overlay(rgb, tri)); axes[1][i].set_title("trimap overlay", fontsize=8)
-            else: axes[1][i].imshow(tri, cmap="viridis", vmin=1, vmax=3, interpolation="nearest"); axes[1][i].set_title(f"trimap {tri.shape[1]}x{tri.shape[0]}", fontsize=8)
+            if tri.shape == rgb.shape[:2]:
+                axes[1][i].imshow(trimap_overlay(rgb, tri)); axes[1][i].set_title("trimap overlay", fontsize=8)
+            else:
+                axes[1][i].imshow(tri, cmap="viridis", vmin=1, vmax=3, interpolation="nearest")
+                axes[1][i].set_title(f"trimap {tri.shape[1]}x{tri.shape[0]}", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -228,7 +237,8 @@ def _split_shard_spec(shard: str) -> tuple[str, str]:
         head, _, base = name.rpartition("/")
         return f"ais://{bucket}/{head}".rstrip("/"), base
     p = Path(shard).expanduser()
-    if not p.is_file(): raise StoreError(f"no shard file {shown_path(p)}; give a path to a .tar or ais://BUCKET/NAME.tar")
+    if not p.is_file():
+        raise StoreError(f"no shard file {shown_path(p)}; give a path to a .tar or ais://BUCKET/NAME.tar")
     return str(p.resolve().parent), p.name
 
 def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
@@ -236,7 +246,9 @@ def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
     "List the shards in a store with their samples and sizes."
     store = open_store(dest)
     rows = list_shards(store, pattern)
-    if not rows: raise StoreError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; check the store, or pass --pattern")
+    if not rows:
+        raise StoreError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; "
+                         "check the store, or pass --pattern")
     print(format_listing(rows, dest))  # the store as the user named it (format_listing shows it with shown_path)
     for w in incomplete_jobs(store): print(f"warning: {w}", file=sys.stderr)
 

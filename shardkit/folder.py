@@ -43,11 +43,13 @@ def synthesize_folder(root: str | Path,        # Folder to write train/ and val/
                       seed: int = 0,            # Seed: the same seed gives the same bytes
                       quality: int = 90,        # JPEG quality
                       progress: bool = True):   # Show a progress bar
-    "Write an ImageNet-style ImageFolder tree `root/{train,val}/<class>/<class>_<n>.jpg` of learnable synthetic animals."
-    if per_class < 0 or val_per_class < 0: raise UsageError(f"images per class must be >= 0, got {per_class} and {val_per_class}")
+    "Write an ImageFolder tree `root/{train,val}/<class>/<class>_<n>.jpg` of learnable synthetic animals."
+    if per_class < 0 or val_per_class < 0:
+        raise UsageError(f"images per class must be >= 0, got {per_class} and {val_per_class}")
     root = Path(root)
     names = class_names(classes)
-    jobs = [(split, c, k) for split, n in zip(FOLDER_SPLITS, (per_class, val_per_class)) for c in range(classes) for k in range(n)]
+    jobs = [(split, c, k) for split, n in zip(FOLDER_SPLITS, (per_class, val_per_class))
+            for c in range(classes) for k in range(n)]
     for split in FOLDER_SPLITS:
         for name in names: (root / split / name).mkdir(parents=True, exist_ok=True)
     for split, c, k in tqdm(jobs, desc=f"drawing {shown_path(root)}", unit="img", disable=not progress):
@@ -59,14 +61,16 @@ class FolderError(ShardkitError):
     "An ImageFolder tree is missing or holds no class folders or images; the message says what to do."
 
 class FolderListing(Sequence):
-    "The `(path, class index)` pairs of an ImageFolder tree, held as one bytes array (~60 bytes a file, not ~350 as a list)."
-    def __init__(self, root: Path, rel: np.ndarray, starts: np.ndarray): self.root, self.rel, self.starts = root, rel, starts
+    "The `(path, class index)` pairs of an ImageFolder tree in one bytes array (~60 bytes a file, not ~350 as a list)."
+    def __init__(self, root: Path, rel: np.ndarray, starts: np.ndarray):
+        self.root, self.rel, self.starts = root, rel, starts
     def __len__(self): return len(self.rel)
     def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
         if isinstance(i, slice): return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self): raise IndexError(i)
         i %= len(self)
-        return os.path.join(self.root, self.rel[i].decode("utf-8", "surrogateescape")), int(np.searchsorted(self.starts, i, "right") - 1)
+        return (os.path.join(self.root, self.rel[i].decode("utf-8", "surrogateescape")),
+                int(np.searchsorted(self.starts, i, "right") - 1))
 
 def _class_files(src: Path, name: str) -> np.ndarray:
     "The image files of one class folder, relative to `src`, in `make_dataset`'s order (sorted walk, links followed)."
@@ -77,25 +81,30 @@ def _class_files(src: Path, name: str) -> np.ndarray:
     return np.array(rel, dtype=bytes) if rel else np.zeros(0, "S1")
 
 def folder_samples(src: str | Path) -> tuple[FolderListing, list[str]]:
-    "The `(path, class index)` pairs of ImageFolder tree `src`, in `ImageFolder` order (a compact sequence), and its class names."
+    "The `(path, class index)` pairs of tree `src` in `ImageFolder` order (a compact sequence), and its class names."
     from torchvision.datasets.folder import find_classes
     src = Path(src)
     if not src.is_dir():
-        raise FolderError(f"ImageFolder tree {shown_path(src)} does not exist; expected {shown_path(src)}/<class>/<image>.jpg "
+        raise FolderError(f"ImageFolder tree {shown_path(src)} does not exist; "
+                          f"expected {shown_path(src)}/<class>/<image>.jpg "
                                 "(make one with `shardkit synth folder ROOT`, then use ROOT/train)")
     try: classes, _ = find_classes(str(src))
-    except FileNotFoundError: raise FolderError(f"{shown_path(src)} has no class subfolders; expected {shown_path(src)}/<class>/<image>.jpg") from None
+    except FileNotFoundError:
+        raise FolderError(f"{shown_path(src)} has no class subfolders; "
+                          f"expected {shown_path(src)}/<class>/<image>.jpg") from None
     per_class = [_class_files(src, c) for c in classes]  # one class's names at a time as Python strings, then packed
     if empty := [c for c, a in zip(classes, per_class) if not len(a)]:
-        raise FolderError(f"{len(empty)} class folders of {shown_path(src)} hold no images (e.g. {', '.join(empty[:3])}); remove them or add images")
+        raise FolderError(f"{len(empty)} class folders of {shown_path(src)} hold no images "
+                          f"(e.g. {', '.join(empty[:3])}); remove them or add images")
     starts = np.cumsum([0] + [len(a) for a in per_class[:-1]])
     return FolderListing(str(src), np.concatenate(per_class), starts), classes
 
 # %% ../nbs/10_folder.ipynb
 def _jpeg_of(path: str, quality: int = 95) -> bytes:
-    "The file's bytes if it is a JPEG the loader decodes, else the image re-encoded as an RGB JPEG; SkipSample if unusable."
+    "The file's bytes if a JPEG the loader decodes, else the image re-encoded as an RGB JPEG; SkipSample if unusable."
     try: data = Path(path).read_bytes()
-    except OSError as e: raise SkipSample("unreadable file", type(e).__name__) from None  # a dangling link, no permission
+    # a dangling link, no permission
+    except OSError as e: raise SkipSample("unreadable file", type(e).__name__) from None
     image_size(data)  # empty, unreadable or oversized: skipped before any pixel is decoded
     if data[:3] == b"\xff\xd8\xff":
         check_image(data)  # the loader's decoder: a truncated JPEG or a bad marker is skipped here, not mid-epoch
@@ -108,7 +117,7 @@ def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/trai
                          shuffle: bool = True,  # Shuffle the samples once, as the WebDataset ImageNet example does
                          seed: int = 0,         # Seed of that shuffle
                          skipped: Counter | None = None,  # Counts skipped files by reason, if given
-                         pairs: Sequence | None = None):  # `folder_samples(src)[0]` if the caller has it (one listing of a million paths, not two)
+                         pairs: Sequence | None = None):  # `folder_samples(src)[0]`, if the caller has it
     "Yield WebDataset samples `{__key__, jpg, cls}` of an ImageFolder tree, classes numbered as `ImageFolder` does."
     if pairs is None: pairs, _ = folder_samples(src)
     root = Path(src).resolve()
@@ -129,10 +138,11 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
                    dest,                            # Store for the shards: a local directory or ais://bucket[/prefix]
                    prefix: str = "imagenet-train-", # Shard names: PREFIX000000.tar, PREFIX000001.tar, ...
                    maxcount: int = 100_000,         # At most this many samples per shard
-                   maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (an int, or e.g. 100MB)
+                   maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (int, or e.g. 100MB)
                    shuffle: bool = True,            # Shuffle the samples once before writing
                    seed: int = 0,                   # Seed of that shuffle
-                   progress: bool = True) -> dict:  # Show a progress bar
+                   progress: bool = True            # Show a progress bar
+                  ) -> dict:
     "Convert ImageFolder tree `src` into WebDataset shards of `NAME.jpg` + `NAME.cls` in store `dest`; a summary dict."
     if maxcount < 1: raise UsageError(f"maxcount must be positive, got {maxcount}")
     maxsize = parse_size(maxsize) or 10**15
@@ -153,18 +163,20 @@ def synth_folder_cli(root: str,               # Folder to write train/ and val/ 
                      seed: int = 0):           # Seed (the same seed gives the same files)
     "Write a synthetic ImageNet-style ImageFolder tree (train/ and val/) of learnable animals."
     synthesize_folder(root, classes, per_class, val_per_class, seed)
-    print(f"wrote {classes} classes x ({per_class} train + {val_per_class} val) images to {shown_path(root)}/train and {shown_path(root)}/val")
+    print(f"wrote {classes} classes x ({per_class} train + {val_per_class} val) images "
+          f"to {shown_path(root)}/train and {shown_path(root)}/val")
 
 # %% ../nbs/10_folder.ipynb
 def convert_folder_cli(src: str,                         # ImageFolder tree, e.g. ROOT/train
                        dest: str,                        # Destination store: a directory or ais://bucket[/prefix]
                        prefix: str = "imagenet-train-",  # Shard names: PREFIX000000.tar, ...
                        maxcount: int = 100_000,          # At most this many samples per shard
-                       maxsize: str = "1GB",             # Close a shard once it holds this many bytes: bytes, or e.g. 100MB
+                       maxsize: str = "1GB",             # Close a shard once it holds this many bytes, e.g. 100MB
                        seed: int = 0,                    # Seed of the one-time shuffle
                        no_shuffle: store_true = False):  # Keep ImageFolder order (one class after another)
     "Convert an ImageFolder tree into WebDataset shards of NAME.jpg + NAME.cls, classes numbered like ImageFolder."
     s = convert_folder(src, dest, prefix, maxcount, maxsize, not no_shuffle, seed)
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     print(f"{s['samples']} samples of {s['classes']} classes -> {len(s['shards'])} shards "
-          f"({s['bytes'] / 1e6:.1f} MB) in {shown_path(s['dest'])}: {s['shards'][0]} .. {s['shards'][-1]}; skipped: {skipped}")
+          f"({s['bytes'] / 1e6:.1f} MB) in {shown_path(s['dest'])}: {s['shards'][0]} .. {s['shards'][-1]}; "
+          f"skipped: {skipped}")

@@ -96,8 +96,10 @@ def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = Non
     "Run JupyterLab on `dir` (default: the tutorials) at 127.0.0.1:`port` with a token, in this Python's kernel."
     check_lab()
     dir = Path(dir).resolve() if dir else tutorials_dir()
-    if not dir.is_dir(): raise FileNotFoundError(f"no folder {str(dir)!r} to open in JupyterLab: pass an existing --dir")
-    if not _port_free(port): raise OSError(f"port {port} on 127.0.0.1 is in use (another Jupyter?): pass --port with a free one")
+    if not dir.is_dir():
+        raise FileNotFoundError(f"no folder {str(dir)!r} to open in JupyterLab: pass an existing --dir")
+    if not _port_free(port):
+        raise OSError(f"port {port} on 127.0.0.1 is in use (another Jupyter?): pass --port with a free one")
     token = token or secrets.token_hex(24)
     with tempfile.TemporaryDirectory(prefix="shardkit-lab-") as kernels:
         argv, env = lab_command(dir, port, token=token, kernels=write_kernel(kernels), open_browser=open_browser)

@@ -109,8 +109,9 @@ def _draw_files(root: Path, names: list, extra: list, planted: dict, seed: int, 
     images, ann = root / "images", root / "annotations"
     jobs = [(seed, cid, k) for _, cid, k in names + extra]
     xmls = 0
-    for (name, cid, k), (jpg, trimap, box) in tqdm(zip(names + extra, ordered_map(_draw_pet, jobs, workers)), total=len(jobs),
-                                                   disable=not progress, desc="drawing", unit="img"):
+    drawn = zip(names + extra, ordered_map(_draw_pet, jobs, workers))
+    for (name, cid, k), (jpg, trimap, box) in tqdm(drawn, total=len(jobs), disable=not progress,
+                                                   desc="drawing", unit="img"):
         quirk = next((q for q, nm in planted.items() if nm == name), None)
         data = _quirk_bytes(quirk, jpg) if quirk else jpg
         if data is not None: (images / f"{name}.jpg").write_bytes(data)
@@ -131,7 +132,8 @@ def _write_junk(root: Path, names: list) -> list[str]:
     a, b, out = names[0][0], names[1][0], []
     for j in _JUNK:
         p = (root / "annotations" if j.startswith("trimaps/") else root / "images") / j.format(a=a, b=b)
-        p.write_bytes(b"MATLAB 5.0 MAT-file, junk" if p.suffix == ".mat" else b"\x00\x05\x16\x07 Mac OS X resource fork")
+        p.write_bytes(b"MATLAB 5.0 MAT-file, junk" if p.suffix == ".mat"
+                      else b"\x00\x05\x16\x07 Mac OS X resource fork")
         out.append(p.relative_to(root).as_posix())
     return out
 
@@ -152,7 +154,8 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
     old = json.loads((root / "synth.json").read_text()) if (root / "synth.json").is_file() else {}
     if (old.get("n"), old.get("seed"), bool(old.get("quirks"))) == (n, seed, quirks): return old
     if any(d.is_dir() and any(d.iterdir()) for d in (images, ann)):
-        raise PetsError(f"{shown_path(root)} already holds a data set (n={old.get('n', '?')}, seed={old.get('seed', '?')}); "
+        raise PetsError(f"{shown_path(root)} already holds a data set "
+                        f"(n={old.get('n', '?')}, seed={old.get('seed', '?')}); "
                         f"remove it or choose another folder, since its files would mix with the new ones")
     for d in (images, ann / "trimaps", ann / "xmls"): d.mkdir(parents=True, exist_ok=True)
     names = [_pet_name(i) for i in range(n)]
@@ -168,7 +171,8 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
     skipped = Counter(PET_QUIRKS[q][1] for q in planted if PET_QUIRKS[q][0] == "skip")
     plan = dict(n=n, seed=seed, quirks=planted, listed=n, kept=n - sum(skipped.values()),
                 skipped=dict(sorted(skipped.items())),
-                converted=dict(sorted(Counter(PET_QUIRKS[q][1] for q in planted if PET_QUIRKS[q][0] == "keep").items())),
+                converted=dict(sorted(Counter(PET_QUIRKS[q][1] for q in planted
+                                              if PET_QUIRKS[q][0] == "keep").items())),
                 unlisted=len(extra), ignored=len(junk), junk=junk,
                 trainval=sum(k % 2 == 1 for _, _, k in names), test=sum(k % 2 == 0 for _, _, k in names))
     (root / "synth.json").write_text(json.dumps(plan, indent=1) + "\n")
@@ -176,8 +180,8 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
 
 # %% ../nbs/09_pets.ipynb
 PETS_URL = "https://www.robots.ox.ac.uk/~vgg/data/pets/"
-PETS_ARCHIVES = (("https://www.robots.ox.ac.uk/~vgg/data/pets/data/images.tar.gz", "5c4f3ee8e5d25df40f4fd59a7f44e54c"),
-                 ("https://www.robots.ox.ac.uk/~vgg/data/pets/data/annotations.tar.gz", "95a8c909bbe2e81eed6a22bccdf3f68f"))
+PETS_ARCHIVES = ((PETS_URL + "data/images.tar.gz", "5c4f3ee8e5d25df40f4fd59a7f44e54c"),
+                 (PETS_URL + "data/annotations.tar.gz", "95a8c909bbe2e81eed6a22bccdf3f68f"))
 
 def _reachable(host: str, port: int = 443, timeout: float = 4.0) -> bool:
     "Whether a TCP connection to host:port opens within `timeout` seconds (DNS included)."
@@ -230,7 +234,8 @@ def pet_records(root: str | Path, split: str = "all") -> list[tuple[str, int, in
     path = Path(root) / "annotations" / PET_SPLITS[split]
     if not path.is_file():
         root = shown_path(root)
-        raise PetsError(f"{shown_path(path)} not found: {root} is not an Oxford-IIIT Pet folder; run `shardkit pets synth {root}` "
+        raise PetsError(f"{shown_path(path)} not found: {root} is not an Oxford-IIIT Pet folder; "
+                        f"run `shardkit pets synth {root}` "
                         f"or `shardkit pets download {root}`")
     recs, seen = [], set()
     for i, line in enumerate(path.read_text().splitlines(), 1):
@@ -240,7 +245,8 @@ def pet_records(root: str | Path, split: str = "all") -> list[tuple[str, int, in
             raise PetsError(f"{shown_path(path)}:{i}: expected 'IMAGE CLASS-ID SPECIES BREED-ID', got {line!r}")
         if f[0] in seen: raise PetsError(f"{shown_path(path)}:{i}: image {f[0]!r} is listed twice")
         if "/" in f[0] or "\\" in f[0] or unsafe_name(f[0]):
-            raise PetsError(f"{shown_path(path)}:{i}: image name {f[0]!r} is a path, not a file name; list.txt names files in images/")
+            raise PetsError(f"{shown_path(path)}:{i}: image name {f[0]!r} is a path, not a file name; "
+                            "list.txt names files in images/")
         seen.add(f[0])
         recs.append((f[0], int(f[1]), int(f[2]), int(f[3])))
     return sorted(recs, key=lambda r: _natural(r[0]))
@@ -250,7 +256,7 @@ CHECKS = ("decode", "fast")
 
 def normalize_jpeg(data: bytes,           # The bytes of an image file
                    quality: int = 95,     # JPEG quality of re-encoded images
-                   check: str = "decode"  # 'decode' every JPEG with the loader's decoder, or 'fast': header and end marker
+                   check: str = "decode"  # 'decode' every JPEG with the loader's decoder, or 'fast': header and end
                   ) -> tuple[bytes, str | None]:
     "`data` as RGB JPEG bytes and what was converted ('JPEG L', 'PNG RGBA', ...; None: kept as is)."
     if check not in CHECKS: raise UsageError(f"unknown check {check!r}; use one of {CHECKS}")
@@ -274,7 +280,8 @@ def check_trimap(data: bytes) -> bytes:
     "`data` if it is a readable PNG trimap of a sane size, else SkipSample."
     if not data: raise SkipSample("bad trimap", "empty file")
     try: image_size(data)
-    except SkipSample as e: raise SkipSample("oversized image" if e.reason == "oversized image" else "bad trimap", str(e)) from None
+    except SkipSample as e:
+        raise SkipSample("oversized image" if e.reason == "oversized image" else "bad trimap", str(e)) from None
     try:
         img = Image.open(io.BytesIO(data))
         if img.format != "PNG": raise SkipSample("bad trimap", f"{img.format}, not PNG")
@@ -291,7 +298,8 @@ def load_pet_sample(rec: tuple[str, int, int, int], root: str | Path, extras: bo
     try:
         img, tri = root / "images" / f"{name}.jpg", root / "annotations" / "trimaps" / f"{name}.png"
         for p in (img, tri):  # a symbolic link out of the data set is not part of it
-            if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()): raise SkipSample("link out of the data set")
+            if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
+                raise SkipSample("link out of the data set")
         try: data = img.read_bytes()
         except FileNotFoundError: raise SkipSample("missing image") from None
         jpg, kind = normalize_jpeg(data, check=check)
@@ -311,7 +319,8 @@ def _is_junk(name: str, ext: str) -> bool: return name.startswith("._") or not n
 def _pet_folder_stats(root: Path, listed: set[str]) -> dict:
     "Counts of the files in images/ and annotations/trimaps/ that are not samples."
     imgs = [e.name for e in os.scandir(root / "images")] if (root / "images").is_dir() else []
-    tris = [e.name for e in os.scandir(root / "annotations" / "trimaps")] if (root / "annotations" / "trimaps").is_dir() else []
+    tri_dir = root / "annotations" / "trimaps"
+    tris = [e.name for e in os.scandir(tri_dir)] if tri_dir.is_dir() else []
     unlisted = sum(1 for f in imgs if not _is_junk(f, ".jpg") and f[:-4] not in listed)
     ignored = sum(_is_junk(f, ".jpg") for f in imgs) + sum(_is_junk(f, ".png") for f in tris)
     return dict(unlisted=unlisted, ignored=ignored)
@@ -323,13 +332,13 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
                 workers: int = 2,        # Processes validating and normalising images (<= 1: this process)
                 stats: dict | None = None, # Filled with listed/kept/skipped/converted/unlisted/ignored counts
                 extras: bool = False,    # Add species.cls and pet.json (list.txt's original ids) to each sample
-                check: str = "decode"):  # Image check: 'decode' (the loader's decoder) or 'fast' (header and end marker)
+                check: str = "decode"):  # Image check: 'decode' (the loader's decoder) or 'fast' (header, end marker)
     "Yield the WebDataset samples of a Pet folder, sorted by name; every skipped record is counted in `stats`."
     root = Path(root)
     recs = pet_records(root, split)
     st = stats if stats is not None else {}
     st.update(split=split, listed=len(recs), done=0, kept=0, skipped={}, converted={},
-              **_pet_folder_stats(root, {r[0] for r in pet_records(root, "all")} if split != "all" else {r[0] for r in recs}))
+              **_pet_folder_stats(root, {r[0] for r in (pet_records(root, "all") if split != "all" else recs)}))
     skipped, converted = Counter(), Counter()
     if check not in CHECKS: raise UsageError(f"unknown check {check!r}; use one of {CHECKS}")
     if check == "decode" and workers > 1: load_image_decoder()  # before the workers fork: they share it
@@ -358,17 +367,19 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB
                  workers: int = 2,          # Processes validating and normalising images
                  extras: bool = False,      # Add species.cls and pet.json to each sample
-                 check: str = "decode",     # Image check: 'decode' (the loader's decoder) or 'fast' (header and end marker)
+                 check: str = "decode",     # Image check: 'decode' (the loader's decoder) or 'fast' (header, end)
                  progress: bool = True):    # Progress bar and summary
     "Convert an Oxford-IIIT Pet folder into WebDataset shards in `dest`; the manifest."
     root = Path(root)
     if check not in CHECKS: raise UsageError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
     n = len(pet_records(root, split))
-    info = dict(dataset="oxford-iiit-pet", split=split, extras=extras, check=check, fingerprint=_fingerprint(root, split),
+    info = dict(dataset="oxford-iiit-pet", split=split, extras=extras, check=check,
+                fingerprint=_fingerprint(root, split),
                 classes={"cls": "0-based: list.txt CLASS-ID - 1", "names": list(CLASS_NAMES)})
     stats = {}
-    return write_shards(pet_samples(root, split, workers=workers, stats=stats, extras=extras, check=check), dest, prefix=prefix,
-                        maxcount=maxcount, maxsize=maxsize, stats=stats, info=info, total=n, progress=progress)
+    samples = pet_samples(root, split, workers=workers, stats=stats, extras=extras, check=check)
+    return write_shards(samples, dest, prefix=prefix, maxcount=maxcount, maxsize=maxsize, stats=stats, info=info,
+                        total=n, progress=progress)
 
 # %% ../nbs/09_pets.ipynb
 def pets_synth_cli(root: str,                # Folder to write the data set into
@@ -393,7 +404,7 @@ def convert_pets_cli(root: str,              # Oxford-IIIT Pet folder (ROOT/imag
                      maxsize: str = "",      # Most bytes per shard, e.g. 100MB (empty: no limit)
                      workers: int = 2,       # Processes validating and normalising images
                      extras: store_true = False, # Add species.cls and pet.json (list.txt's original ids) to each sample
-                     check: str = "decode"): # Image check: decode (with the loader's decoder) or fast (header and end marker)
+                     check: str = "decode"): # Image check: decode (the loader's decoder) or fast (header, end marker)
     "Convert an Oxford-IIIT Pet folder into WebDataset shards (validated, resumable, with a manifest)."
     convert_pets(root, dest, split=split, prefix=prefix, maxcount=maxcount, maxsize=maxsize or None, workers=workers,
                  extras=extras, check=check)

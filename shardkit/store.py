@@ -22,7 +22,7 @@ def expand_names(names: str | Iterable[str]) -> list[str]:
     return [n for t in names for n in braceexpand(str(t))]
 
 def _as_names(names: str | Iterable[str]) -> list[str]:
-    "A template (one string) expanded; a list taken as names, as they are: a listed file may well have braces in its name."
+    "A template (one string) expanded; a list taken as names, as they are (a listed file may have braces in its name)."
     return expand_names(names) if isinstance(names, (str, os.PathLike)) else [str(n) for n in names]
 
 # %% ../nbs/02_store.ipynb
@@ -45,7 +45,8 @@ def parse_size(size: str | int | None) -> int | None:
     if isinstance(size, int) and not isinstance(size, bool): n = size
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([kmgt]i?)?b?\s*", str(size), re.IGNORECASE)
-        if not m: raise UsageError(f"cannot read size {size!r}: use bytes or a number with a unit, e.g. 100MB, 64KiB, 1GB")
+        if not m:
+            raise UsageError(f"cannot read size {size!r}: use bytes or a number with a unit, e.g. 100MB, 64KiB, 1GB")
         n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     if n <= 0: raise UsageError(f"size must be positive, got {size!r}")
     return n
@@ -57,7 +58,7 @@ def _try(f):
     except (OSError, RuntimeError, KeyError): return None
 
 def _inside(path: Path, base: Path | None) -> str | None:
-    "`path` relative to `base` (posix, '.' for `base` itself); None when it is not inside, or `base` is the filesystem root."
+    "`path` relative to `base` (posix, '.' for `base` itself); None when outside it, or `base` is the filesystem root."
     if base is None or base == Path(base.anchor) or not (path == base or base in path.parents): return None
     return path.relative_to(base).as_posix()
 
@@ -66,7 +67,8 @@ def shown_path(p: str | os.PathLike) -> str:
     s = os.fspath(p) if isinstance(p, os.PathLike) else str(p)
     if "://" in s or not os.path.isabs(s): return s  # URLs, ais:// specs, relative paths and plain text
     path = Path(os.path.normpath(s))
-    forms = dict.fromkeys((path, _try(path.resolve) or path))  # as written, and with symlinks resolved (a store's root is)
+    # as written, and with symlinks resolved (a store's root is)
+    forms = dict.fromkeys((path, _try(path.resolve) or path))
     cwd, home = _try(Path.cwd), _try(Path.home)
     for q in forms:
         if (rel := _inside(q, cwd)) is not None: return rel
@@ -84,7 +86,8 @@ class LocalStore:
     def path(self, name: str) -> Path:
         "The local file of object `name`."
         p = (self.root / name).resolve()
-        if self.root not in p.parents: raise StoreError(f"object name {name!r} points outside the store {shown_path(self.spec)}")
+        if self.root not in p.parents:
+            raise StoreError(f"object name {name!r} points outside the store {shown_path(self.spec)}")
         return p
 
 # %% ../nbs/02_store.ipynb
@@ -156,15 +159,18 @@ def urls(self: LocalStore, names: str | Iterable[str], etl=None) -> list[str]:
     "Paths that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
     names = _as_names(names)
     missing = [n for n in names if not self.exists(n)]
-    if missing: raise StoreError(f"{len(missing)} of {len(names)} objects are not in {shown_path(self.spec)}, e.g. {missing[:3]}")
+    if missing:
+        raise StoreError(f"{len(missing)} of {len(names)} objects are not in {shown_path(self.spec)}, "
+                         f"e.g. {missing[:3]}")
     return _etl_urls(self, names, etl) if etl is not None else [str(self.path(n)) for n in names]
 
 # %% ../nbs/02_store.ipynb
 def ais_endpoint(endpoint: str | None = None) -> str:
     "The AIStore endpoint: `endpoint`, else `AIS_ENDPOINT`; an error says how to get one."
     ep = endpoint or os.environ.get("AIS_ENDPOINT")
-    if not ep: raise StoreError("no AIStore endpoint: set AIS_ENDPOINT (e.g. `export AIS_ENDPOINT=http://127.0.0.1:8080`, "
-                                "printed by `shardkit ais up`) or use a local directory instead of ais://")
+    if not ep:
+        raise StoreError("no AIStore endpoint: set AIS_ENDPOINT (e.g. `export AIS_ENDPOINT=http://127.0.0.1:8080`, "
+                         "printed by `shardkit ais up`) or use a local directory instead of ais://")
     return ep.rstrip("/") if "://" in ep else "http://" + ep.rstrip("/")
 
 # %% ../nbs/02_store.ipynb
@@ -176,8 +182,11 @@ def ais_client(endpoint: str | None = None, connect_timeout: float = 3.0):
     try: r = requests.get(f"{ep}/v1/health", timeout=connect_timeout)
     except requests.RequestException as e:
         raise StoreError(f"AIStore at {ep} is not reachable ({type(e).__name__}). Start a local cluster with "
-                         f"`shardkit ais up` and export the AIS_ENDPOINT it prints, or unset AIS_ENDPOINT to use a local directory.") from None
-    if r.status_code != 200: raise StoreError(f"AIStore at {ep} is not ready (HTTP {r.status_code} on /v1/health); try again in a few seconds")
+                         "`shardkit ais up` and export the AIS_ENDPOINT it prints, "
+                         "or unset AIS_ENDPOINT to use a local directory.") from None
+    if r.status_code != 200:
+        raise StoreError(f"AIStore at {ep} is not ready (HTTP {r.status_code} on /v1/health); "
+                         "try again in a few seconds")
     read = float(os.environ.get("AIS_READ_TIMEOUT", 120))
     return Client(ep, timeout=(connect_timeout, read), retry_config=RetryConfig.default())
 
@@ -206,7 +215,8 @@ class AISStore:
         if not _bucket_exists(self.bucket):
             if not create:
                 raise StoreError(f"bucket ais://{bucket} does not exist on {self.endpoint}; create it with "
-                                 f"`ais bucket create ais://{bucket}` or open_store('ais://{bucket}', create=True)") from None
+                                 f"`ais bucket create ais://{bucket}` "
+                                 f"or open_store('ais://{bucket}', create=True)") from None
             self.bucket.create(exist_ok=True)
     @property
     def spec(self) -> str: return f"ais://{self.bucket.name}/{self.prefix}".rstrip("/")
@@ -214,6 +224,8 @@ class AISStore:
     def _obj(self, name: str): return self.bucket.object(self.prefix + name)
 
 # %% ../nbs/02_store.ipynb
+# fastcore's @patch adds these to AISStore under the names LocalStore's methods already use: not redefinitions
+# ruff: noqa: F811
 @patch
 def put_file(self: AISStore, src: str | Path, name: str | None = None) -> str:
     "Upload local file `src` as object `name` (default: its file name)."
@@ -276,7 +288,7 @@ def object_url(self: AISStore, name: str) -> str:
 
 @patch
 def urls(self: AISStore, names: str | Iterable[str], etl=None) -> list[str]:
-    "HTTP URLs that `webdataset.WebDataset` opens, for names or a brace template; `etl` routes them through a transform."
+    "HTTP URLs that `webdataset.WebDataset` opens, for names or a template; `etl` routes them through a transform."
     names = _as_names(names)
     return _etl_urls(self, names, etl) if etl is not None else [self.object_url(n) for n in names]
 
@@ -285,7 +297,8 @@ def _etl_urls(store, names: list[str], etl) -> list[str]:
     if hasattr(etl, "url_for"): return [etl.url_for(store, n) for n in names]
     if isinstance(etl, str):
         if not isinstance(store, AISStore):
-            raise StoreError(f"ETL {etl!r} by name runs inside AIStore, but {shown_path(store.spec)} is a local directory; "
+            raise StoreError(f"ETL {etl!r} by name runs inside AIStore, "
+                             f"but {shown_path(store.spec)} is a local directory; "
                              "serve the transform as a sidecar (shardkit etl serve) and pass that instead")
         from aistore.sdk.etl.etl_config import ETLConfig
         return [store._obj(n).get_url(etl=ETLConfig(etl)) for n in names]
@@ -306,6 +319,8 @@ def open_store(spec: str | Path | LocalStore | AISStore, create: bool = False, e
     root = Path(spec).expanduser()
     if not root.is_dir():
         if root.exists(): raise StoreError(f"{shown_path(root)} is a file, not a directory of shards")
-        if not create: raise StoreError(f"directory {shown_path(root)} does not exist; create it (mkdir -p {shown_path(root)}) or pass create=True")
+        if not create:
+            raise StoreError(f"directory {shown_path(root)} does not exist; "
+                             f"create it (mkdir -p {shown_path(root)}) or pass create=True")
         root.mkdir(parents=True, exist_ok=True)
     return LocalStore(root)

@@ -48,20 +48,23 @@ def _coat(texture: str, rgb: np.ndarray, w: int, h: int, period: int) -> np.ndar
     yy, xx = np.mgrid[0:h, 0:w]
     if texture == "plain": pattern = np.zeros((h, w))
     elif texture == "stripes": pattern = ((xx + yy) // period) % 2
-    elif texture == "dots": pattern = (((xx % period) - period / 2) ** 2 + ((yy % period) - period / 2) ** 2 < (period / 3.2) ** 2)
+    elif texture == "dots":
+        pattern = (((xx % period) - period / 2) ** 2 + ((yy % period) - period / 2) ** 2 < (period / 3.2) ** 2)
     elif texture == "checks": pattern = ((xx // period) + (yy // period)) % 2
     else: raise ValueError(f"unknown texture {texture!r}; expected one of {TEXTURES}")
     return rgb[None, None, :] * (1 - 0.55 * pattern[..., None])
 
 # %% ../nbs/08_synth.ipynb
-def draw_animal(cls: int, rng: np.random.Generator, size: tuple[int, int] | None = None) -> tuple[Image.Image, np.ndarray]:
+def draw_animal(cls: int, rng: np.random.Generator,
+                size: tuple[int, int] | None = None) -> tuple[Image.Image, np.ndarray]:
     "A picture of class `cls` (RGB PIL image) and its trimap (uint8 array: 1 animal, 2 background, 3 outline)."
     st = class_style(cls)
     w, h = size or (int(rng.integers(200, 501)), int(rng.integers(200, 501)))
     # background: a muted random colour, a gradient and smooth noise, so JPEGs are photo-sized
     bg = rng.uniform(0.25, 0.75, 3)
     noise = rng.normal(0, 1, (h // 8 + 1, w // 8 + 1, 3))
-    noise = np.asarray(Image.fromarray(((noise * 20) + 128).clip(0, 255).astype(np.uint8)).resize((w, h), Image.BILINEAR), float) / 255 - 0.5
+    noise = Image.fromarray(((noise * 20) + 128).clip(0, 255).astype(np.uint8)).resize((w, h), Image.BILINEAR)
+    noise = np.asarray(noise, float) / 255 - 0.5
     grad = np.linspace(-0.12, 0.12, h)[:, None, None]
     img = (bg[None, None, :] + grad + 0.35 * noise + rng.normal(0, 0.035, (h, w, 3)))
     # the animal: 45-75% of the short side, anywhere it fits

@@ -48,7 +48,7 @@ def _post_convert(root: Path, dest) -> tuple[int, int]:
 
 # %% ../../nbs/32_bench_convert.ipynb
 def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str | None) -> dict:
-    "label -> [(seconds, samples, bytes, CPU seconds)] for each converter in `runs` (label -> check, None: the seed loop)."
+    "label -> [(seconds, samples, bytes, CPU seconds)] per converter in `runs` (label -> check, None: the seed loop)."
     times = {label: [] for label in runs}
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-"))
     try:
@@ -77,24 +77,29 @@ def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
     "Samples/s and MB/s of the AIStore post's plain loop and of `convert_pets` on the same input, and the ratios."
     root = Path(root)
     if not (root / "annotations" / "list.txt").is_file():
-        raise BenchError(f"{shown_path(root)} is not an Oxford-IIIT Pet folder (no annotations/list.txt); run `shardkit pets synth {shown_path(root)}` first")
-    for p in list((root / "images").iterdir()) + list((root / "annotations" / "trimaps").iterdir()): p.read_bytes()  # warm the page cache
+        raise BenchError(f"{shown_path(root)} is not an Oxford-IIIT Pet folder (no annotations/list.txt); "
+                         f"run `shardkit pets synth {shown_path(root)}` first")
+    # warm the page cache
+    for p in list((root / "images").iterdir()) + list((root / "annotations" / "trimaps").iterdir()): p.read_bytes()
     runs = {"AIStore post's loop (no checks)": None}
     runs.update({f"convert_pets (check={c}, {workers} workers)": c for c in checks})
     res = {}
     for label, rs in _convert_runs(root, runs, workers, repeat, dest).items():
         t, n, b, cpu = sorted(rs)[len(rs) // 2]
-        res[label] = dict(seconds=t, samples=n, samples_per_s=n / t, mb_per_s=b / 1e6 / t, cpu_ms_per_sample=1e3 * cpu / max(n, 1))
+        res[label] = dict(seconds=t, samples=n, samples_per_s=n / t, mb_per_s=b / 1e6 / t,
+                          cpu_ms_per_sample=1e3 * cpu / max(n, 1))
     base = res[next(iter(runs))]["samples_per_s"]
     for v in res.values(): v["ratio"] = v["samples_per_s"] / base
     return res
 
 def convert_table(res: dict) -> str:
     "`bench_convert`'s result as a table, with what the ratio means and the machine's load."
-    cols = {"path": ("", "{}"), "samples": ("samples", "{:d}"), "seconds": ("seconds", "{:.2f}"), "samples_per_s": ("samples/s", "{:.0f}"),
-            "mb_per_s": ("MB/s", "{:.1f}"), "ratio": ("ratio", "{:.2f}x"), "cpu_ms_per_sample": ("CPU ms/sample", "{:.2f}")}
+    cols = {"path": ("", "{}"), "samples": ("samples", "{:d}"), "seconds": ("seconds", "{:.2f}"),
+            "samples_per_s": ("samples/s", "{:.0f}"), "mb_per_s": ("MB/s", "{:.1f}"), "ratio": ("ratio", "{:.2f}x"),
+            "cpu_ms_per_sample": ("CPU ms/sample", "{:.2f}")}
     return format_bench([dict(path=k, **v) for k, v in res.items()], cols, notes=[
-        "ratio = samples/s relative to the AIStore post's loop, median of runs interleaved in one process (goal >= 0.8x); "
+        "ratio = samples/s relative to the AIStore post's loop, median of runs interleaved in one process "
+        "(goal >= 0.8x); "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"])
 
 # %% ../../nbs/32_bench_convert.ipynb

@@ -19,8 +19,9 @@ def _warm_up(): import torch, torchvision.transforms  # noqa: F401
 
 def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
     n = max(s["samples_in"], 1)
-    return dict(engine=engine, shards=s["written"], samples=s["samples_in"], seconds=round(dt, 2), shards_per_s=round(s["written"] / dt, 2),
-                samples_per_s=round(s["samples_in"] / dt, 1), cpu_ms_per_sample=round(1000 * cpu / n, 1))
+    return dict(engine=engine, shards=s["written"], samples=s["samples_in"], seconds=round(dt, 2),
+                shards_per_s=round(s["written"] / dt, 2), samples_per_s=round(s["samples_in"] / dt, 1),
+                cpu_ms_per_sample=round(1000 * cpu / n, 1))
 
 def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
     "The Dask engine on a running cluster; CPU read from each worker and this process."
@@ -30,9 +31,13 @@ def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
     dt, w1 = time.perf_counter() - t0, client.run(cpu_seconds)
     return _row("dask, warm cluster", s, dt, cpu_seconds() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0))
 
-def bench_dask_etl(src, fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # Store and transform to run
-                   pattern: str = "*.tar", workers: int = 2, seed: int = 0,
-                   cluster=None) -> list[dict]:  # A running cluster (or address) for the warm row; None: start one
+def bench_dask_etl(src,                     # Store of ImageNet-style shards: a directory or ais://bucket[/prefix]
+                   fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # The transform to run
+                   pattern: str = "*.tar",  # Which shards
+                   workers: int = 2,        # Worker processes for both engines
+                   seed: int = 0,           # Per-sample seed of the transform
+                   cluster=None,            # A running cluster (or address) for the warm row; None: start one
+                  ) -> list[dict]:
     "The local and the Dask engine, each fresh and warm, on the shards of `src`: time and CPU per sample."
     rows, root = [], Path(tempfile.mkdtemp(prefix="shardkit-bench-dask-"))
     try:
@@ -40,7 +45,8 @@ def bench_dask_etl(src, fn: str | Callable = "shardkit.etl.transforms:imagenet_t
         for i, (engine, run) in enumerate([
                 ("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, workers, seed=seed, progress=False)),
                 ("local, 1 warm process", lambda d: run_etl(fn, src, d, pattern, 1, seed=seed, progress=False)),
-                ("dask, own LocalCluster", lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, workers=workers, progress=False))]):
+                ("dask, own LocalCluster",
+                 lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, workers=workers, progress=False))]):
             t0, c0 = time.perf_counter(), cpu_seconds()
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, cpu_seconds() - c0))
@@ -55,9 +61,10 @@ def dask_table(rows: list[dict]) -> str:
     "The rows of `bench_dask_etl` as a table."
     return format_bench(rows, {"engine": ("engine", "{}"), "shards": ("shards", "{}"), "samples": ("samples", "{}"),
                                "seconds": ("seconds", "{:.2f}"), "shards_per_s": ("shards/s", "{:.2f}"),
-                               "samples_per_s": ("samples/s", "{:.1f}"), "cpu_ms_per_sample": ("CPU ms/sample", "{:.1f}")})
+                               "samples_per_s": ("samples/s", "{:.1f}"),
+                               "cpu_ms_per_sample": ("CPU ms/sample", "{:.1f}")})
 
-def bench_dask_etl_cli(src: str,                # Store of ImageNet-style shards (NAME.jpg + NAME.cls): a directory or ais://bucket
+def bench_dask_etl_cli(src: str,                # ImageNet-style shards (NAME.jpg + .cls): a directory or ais://bucket
                        pattern: str = "*.tar",  # Which shards
                        workers: int = 2,        # Worker processes for both engines
                        fn: str = "shardkit.etl.transforms:imagenet_train_uint8"):  # The transform, MODULE:FUNCTION

@@ -67,7 +67,9 @@ def bench_etl(src, pattern: str = "*.tar", repeat: int = 1) -> list[dict]:
     "Client-side against offloaded (sidecar) training transforms on the shards of `src`: one row per path."
     store = open_store(src)
     names = store.list(pattern)
-    if not names: raise BenchError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; check the pattern (shardkit ls {shown_path(store.spec)})")
+    if not names:
+        raise BenchError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; "
+                         f"check the pattern (shardkit ls {shown_path(store.spec)})")
     _tv("train")  # build the torchvision pipeline before timing
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker; a busy-waiting thread pool would inflate the client's CPU
@@ -87,22 +89,27 @@ def bench_etl(src, pattern: str = "*.tar", repeat: int = 1) -> list[dict]:
 # %% ../../nbs/33_bench_etl.ipynb
 def etl_table(rows: list[dict]) -> str:
     "`bench_etl`'s rows as a table, with the verdict on the 0.3x client-CPU target."
-    cols = {"path": ("path", "{}"), "samples_per_s": ("samples/s", "{:.1f}"), "cpu_ms_per_sample": ("client CPU ms/sample", "{:.2f}"),
-            "cpu_vs_client_side": ("x client-side", "{:.3f}"), "bytes_per_sample": ("bytes/sample", "{:,}"), "bytes_vs_jpeg": ("x JPEG", "{:.1f}")}
+    cols = {"path": ("path", "{}"), "samples_per_s": ("samples/s", "{:.1f}"),
+            "cpu_ms_per_sample": ("client CPU ms/sample", "{:.2f}"), "cpu_vs_client_side": ("x client-side", "{:.3f}"),
+            "bytes_per_sample": ("bytes/sample", "{:,}"), "bytes_vs_jpeg": ("x JPEG", "{:.1f}")}
     npy = next(r for r in rows if r["path"] == "offloaded float32 npy")
     best = min((r for r in rows if r["path"].startswith("offloaded")), key=lambda r: r["cpu_vs_client_side"])
     verdict = lambda r: "met" if r["cpu_vs_client_side"] <= 0.3 else "NOT met"
     return format_bench(rows, cols, notes=[
-        f"client CPU per sample, offloaded vs client-side (target <= 0.3x): {best['path']} {best['cpu_vs_client_side']:.2f}x "
-        f"({verdict(best)}); float32 npy {npy['cpu_vs_client_side']:.2f}x ({verdict(npy)}), moving {npy['bytes_vs_jpeg']:.1f}x the JPEG bytes"])
+        "client CPU per sample, offloaded vs client-side (target <= 0.3x): "
+        f"{best['path']} {best['cpu_vs_client_side']:.2f}x ({verdict(best)}); "
+        f"float32 npy {npy['cpu_vs_client_side']:.2f}x ({verdict(npy)}), "
+        f"moving {npy['bytes_vs_jpeg']:.1f}x the JPEG bytes"])
 
 # %% ../../nbs/33_bench_etl.ipynb
-def bench_etl_cli(src: str,               # Store with ImageNet-style shards (NAME.jpg + NAME.cls): a directory or ais://bucket
+def bench_etl_cli(src: str,               # Store of ImageNet-style shards (NAME.jpg + NAME.cls): a directory, ais://...
                   pattern: str = "*.tar", # Which shards
                   repeat: int = 1):       # Runs per path (the best counts)
     "Benchmark client-side against offloaded (sidecar) transforms: samples/s, client CPU per sample, bytes per sample."
     rows = bench_etl(src, pattern, repeat)
     n, shards = rows[0]["samples"], len(open_store(src).list(pattern))
-    print(f"{n} samples in {shards} shards of {shown_path(open_store(src).spec)}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
-          + ("; small shards: the per-shard cost (a curl process, a request) weighs on every sample" if n / shards < 100 else ""))
+    print(f"{n} samples in {shards} shards of {shown_path(open_store(src).spec)}; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+          + ("; small shards: the per-shard cost (a curl process, a request) weighs on every sample"
+             if n / shards < 100 else ""))
     print(etl_table(rows))

@@ -30,7 +30,7 @@ def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[in
 
 def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
                  samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False) -> dict:
-    "Samples/s and CPU ms per sample of the random-access loader over `source` (whole epochs, >= `samples`); `read_only`: bytes only, one process."
+    "Samples/s, CPU ms/sample of the random-access loader on `source` (epochs, >= `samples`); `read_only`: bytes only."
     t0 = time.perf_counter()
     loader = create_random_loader(source, keys, train_transform(size), batch_size, num_workers, seed)
     index_s, n, secs, cpu = time.perf_counter() - t0, 0, 0.0, 0.0
@@ -41,7 +41,7 @@ def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size:
                 num_workers=0 if read_only else num_workers, batch_size=batch_size, read_only=read_only)
 
 def bench_ais_index(store, **kw) -> dict:
-    "`bench_random` on AIStore bucket `store`, reading only and decoding, without, then with, the cluster's shard index."
+    "`bench_random` on AIStore bucket `store`, reading only and decoding, without and then with the cluster's index."
     def both(): return {"read": bench_random(store, read_only=True, **kw), "decode": bench_random(store, **kw)}
     without = both()
     t0 = time.perf_counter(); build_shard_index(store); build_s = time.perf_counter() - t0
@@ -50,19 +50,20 @@ def bench_ais_index(store, **kw) -> dict:
 # %% ../../nbs/36_bench_random.ipynb
 def random_table(rows: dict) -> str:
     "Rows of `bench_random` results (name -> result) as a text table."
-    cols = {"name": ("random-access loader", "{}"), "rate": ("samples/s", "{:.0f}"), "cpu_ms": ("CPU ms/sample", "{:.2f}"),
-            "samples": ("samples", "{:d}")}
+    cols = {"name": ("random-access loader", "{}"), "rate": ("samples/s", "{:.0f}"),
+            "cpu_ms": ("CPU ms/sample", "{:.2f}"), "samples": ("samples", "{:d}")}
     return format_bench([dict(r, name=k) for k, r in rows.items()], cols)
 
 def bench_random_cli(src: str,                  # Shards: a directory, a brace template of tars, or ais://bucket
                      workers: int = 2,          # DataLoader workers
                      samples: int = 2000,       # Samples per timed run (whole epochs)
                      batch_size: int = 64,      # Samples per batch
-                     shard_index: store_true = False,  # On AIStore: measure, build the cluster's shard index, measure again
-                     keys: str = None):         # Fields to read, comma-separated (default: the first sample's class label and JPEG)
+                     shard_index: store_true = False,  # On AIStore: measure, build the cluster's index, measure again
+                     keys: str = None):         # Fields to read, comma-separated (default: the class label and JPEG)
     "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."
     if keys: fields = tuple(k.strip() for k in keys.split(",") if k.strip())
-    else: f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])  # `cls` + `jpg` (ImageNet) or `image.jpg` (Pets)
+    else:  # `cls` + `jpg` (ImageNet) or `image.jpg` (Pets)
+        f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])
     kw = dict(num_workers=workers, samples=samples, batch_size=batch_size, keys=fields)
     if shard_index:
         if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")

@@ -31,24 +31,29 @@ def done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
     if old is None: return {}
     diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
     if diff:
-        raise StoreError(f"{shown_path(store.spec)} holds the output of another ETL run ({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
+        raise StoreError(f"{shown_path(store.spec)} holds the output of another ETL run "
+                         f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
                          f"write to another destination, or delete {MANIFEST} and its shards to start over")
-    return {sh["name"]: sh for sh in old.get("shards", []) if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
+    return {sh["name"]: sh for sh in old.get("shards", [])
+            if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
 
 def write_etl_manifest(store, settings: dict, names: list[str], done: dict[str, dict], failed: dict[str, str],
                     engine: str = "local") -> dict:
     "Write the ETL manifest (done shards, missing ones and why, complete or not) into `store`; the manifest."
     missing = {n: failed.get(n, "not run") for n in names if n not in done}
-    m = dict(settings, engine=engine, complete=not missing, missing=missing, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    m = dict(settings, engine=engine, complete=not missing, missing=missing,
+             updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              shards=[{k: sh[k] for k in ("name", "samples", "bytes", "sha256")} for _, sh in sorted(done.items())])
     store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), MANIFEST)
     return m
 
 # %% ../../nbs/16_etl_manifest.ipynb
 def etl_shards(src, dest, pattern: str = "*.tar") -> list[str]:
-    "The shards of store `src` matching `pattern` that a run into store `dest` transforms; ETLError for the same store, or for none."
+    "The shards of `src` matching `pattern` that a run into `dest` transforms; ETLError if the same store or none."
     if src.spec == dest.spec and getattr(src, "endpoint", None) == getattr(dest, "endpoint", None):
         raise ETLError(f"source and destination are the same store ({shown_path(src.spec)}); pick another destination")
     names = [n for n in src.list(pattern) if n != MANIFEST]
-    if not names: raise ETLError(f"no shards matching {pattern!r} in {shown_path(src.spec)}; check the pattern (shardkit ls {shown_path(src.spec)})")
+    if not names:
+        raise ETLError(f"no shards matching {pattern!r} in {shown_path(src.spec)}; "
+                       f"check the pattern (shardkit ls {shown_path(src.spec)})")
     return names

@@ -20,7 +20,8 @@ def _stack(col: tuple, i: int, buffers: dict | None = None):
     if isinstance(x, torch.Tensor):
         try:
             if x.device.type != "cpu" or x.requires_grad: return torch.stack(col)
-            if get_worker_info() is not None:  # in a worker: straight into shared memory, which the batch travels in anyway
+            # in a worker: straight into shared memory, which the batch travels in anyway
+            if get_worker_info() is not None:
                 return torch.stack(col, out=_shared_out(x, len(col), i, buffers))
             # numpy's stack is one plain copy; torch.stack of large tensors wakes the OpenMP thread pool, whose
             # spinning threads in the main process take CPU away from the loader's workers on small machines
@@ -49,10 +50,11 @@ def collate(samples: Sequence[tuple]) -> tuple:
 
 
 # %% ../../nbs/24_collate.ipynb
-_SLOTS = 4  # batches of one worker on their way at once: DataLoader's prefetch_factor (2), one being read, one being made
+# batches of one worker on their way at once: DataLoader's prefetch_factor (2), one being read, one being made
+_SLOTS = 4
 
 class _WorkerPool:
-    "One worker's reusable shared batch buffers; flags[slot] is 1 while that slot's batch is on its way to the main process."
+    "One worker's reusable shared batch buffers; flags[slot] is 1 while that slot's batch goes to the main process."
     def __init__(self, slots: int = _SLOTS):
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.buffers = [{} for _ in range(slots)]  # per slot: field index -> shared storage
@@ -82,7 +84,7 @@ class _PooledBatch(tuple):
     def __reduce__(self): return _PooledBatch, (tuple(self), self.flags, self.slot)
 
     def unpool(self) -> list:
-        "The batch in ordinary memory (numpy copies: one thread), its buffer free for the worker's next batch; a list, as DataLoader's batches."
+        "The batch in ordinary memory (numpy copies: one thread), a list as DataLoader's; its buffer freed for reuse."
         out = list(torch.from_numpy(v.numpy().copy()) if isinstance(v, torch.Tensor) and v.dtype != torch.bfloat16 else
                     v.clone() if isinstance(v, torch.Tensor) else v for v in self)
         if self.flags is not None:
@@ -93,18 +95,18 @@ class _PooledBatch(tuple):
 _MAPPED: collections.OrderedDict = collections.OrderedDict()
 
 def _keep_mapped(key, value, most: int = 32):
-    "Keep the main process's mapping of a pool buffer until its next batch arrives: torch then reuses it, no new mmap and page faults."
+    "Keep the main process's mapping of a pool buffer until its next batch: torch reuses it (no new mmap, page faults)."
     _MAPPED[key] = value
     _MAPPED.move_to_end(key)
     while len(_MAPPED) > most: _MAPPED.popitem(last=False)
 
 class _Tagged:
-    "An item a loader worker hands to the main process, with the worker's number: the main process counts what each worker gave."
+    "An item a loader worker hands to the main process, with the worker's number (counts of what each worker gave)."
     __slots__ = ("worker", "item")
     def __init__(self, worker: int, item): self.worker, self.item = worker, item
     def __reduce__(self): return _Tagged, (self.worker, self.item)
 
 def _convert(batch):
-    "ShardLoader's collate_fn: DataLoader's default_convert, except that a pooled batch stays one (it would lose its flags)."
+    "ShardLoader's collate_fn: DataLoader's default_convert, but a pooled batch stays one (it would lose its flags)."
     if isinstance(batch, _Tagged): return _Tagged(batch.worker, _convert(batch.item))
     return batch if isinstance(batch, _PooledBatch) else default_convert(batch)
