@@ -42,7 +42,7 @@ def _images(n, rng, noise=False, lo=40, hi=200):
     "n uint8 3 x H x W test images of random sizes: synthetic animals (photo-like) or uniform noise."
     hw = [(int(rng.integers(lo, hi)), int(rng.integers(lo, hi))) for _ in range(n)]
     if noise: return [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in hw]
-    return [torch.from_numpy(np.asarray(draw_animal(i % 37, rng, size=(w, h))[0])).permute(2, 0, 1).contiguous()
+    return [torch.from_numpy(np.array(draw_animal(i % 37, rng, size=(w, h))[0])).permute(2, 0, 1).contiguous()
             for i, (h, w) in enumerate(hw)]
 
 
@@ -109,9 +109,10 @@ def test_worker_crops_are_the_cpu_loaders_and_the_references(shards):
 def test_batched_crops_match_the_per_image_reference(noise):
     images = _images(32, np.random.default_rng(2), noise=noise)
     keys, crops, flips = _draws(images)
-    ref, got = augment_batch(images, keys, 0, 0, 64), crop_batch(images, crops, flips, 64)
-    d = (ref.float() - got.float()).abs()
-    assert d.mean() < 0.5 and d.max() <= 2, f"mean {d.mean():.3f}, max {d.max():.0f} levels"  # measured: ~0.2 and 1
+    ref = augment_batch(images, keys, 0, 0, 64)
+    for dtype in (torch.float32, torch.float16):  # float16: CUDA's default
+        d = (ref.float() - crop_batch(images, crops, flips, 64, dtype=dtype).float()).abs()
+        assert d.mean() < 0.5 and d.max() <= 2, f"{dtype}: mean {d.mean():.3f}, max {d.max():.0f} levels"  # measured: ~0.2 and 1
 
 
 def test_batched_crops_enlarge_and_shrink_alike():
@@ -266,12 +267,12 @@ def test_cuda_next_batch_is_made_beside_a_long_step(shards):
     for _ in range(10): a @ a
     torch.cuda.synchronize()
     step = time.perf_counter() - t
-    for _ in range(int(2.0 / max(step / 10, 1e-4))): a @ a  # about 2 s of work queued on the default stream, not waited for
+    for _ in range(int(4.0 / max(step / 10, 1e-4))): a @ a  # about 4 s of work queued on the default stream, not waited for
     t = time.perf_counter()
     got = [next(it) for _ in range(4)]  # at least two made after the queue filled
     took = time.perf_counter() - t
     assert torch.cuda.current_stream().query() is False, "the long step is still running"
-    assert took < 1.0, f"{took:.2f} s for 4 batches while the step ran: the loader waited for the step"
+    assert took < 2.0, f"{took:.2f} s for 4 batches while the step ran: the loader waited for the step"
     torch.cuda.synchronize()
     assert all(b[2].device.type == "cuda" for b in got)
 

@@ -48,7 +48,7 @@ def _images_forever(loader, index: int, device) -> Iterator[torch.Tensor]:
     while True:
         for batch in loader:
             x = batch[index]
-            if x.device != dev: x = (x.pin_memory() if dev.type == "cuda" else x).to(dev, non_blocking=True)
+            if x.device.type != dev.type: x = (x.pin_memory() if dev.type == "cuda" else x).to(dev, non_blocking=True)
             yield x
 
 def _synthetic(batch_size: int, size: int, device) -> Iterator[torch.Tensor]:

@@ -177,14 +177,14 @@ def _groups(areas: list[int], per_group: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 # %% ../../nbs/29_gpu.ipynb
-def _resize_group(views: list[torch.Tensor], crops: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
-    "float B x 3 x size x size: the crops `views` (3 x h x w each) resized together, flipped where `flips`."
+def _resize_group(views: list[torch.Tensor], crops: torch.Tensor, flips: torch.Tensor, size: int, dtype) -> torch.Tensor:
+    "float32 B x 3 x size x size: the crops `views` (3 x h x w each) resized together in `dtype`, flipped where `flips`."
     H, W = max(v.shape[1] for v in views), max(v.shape[2] for v in views)
-    x = torch.nested.nested_tensor(views).to_padded_tensor(0, (len(views), 3, H, W)).float()
-    wy = resize_weights(crops[:, 2].float(), size, H)
+    x = torch.nested.nested_tensor(views).to_padded_tensor(0, (len(views), 3, H, W)).to(dtype)
+    wy = resize_weights(crops[:, 2].float(), size, H).to(dtype)
     wx = resize_weights(crops[:, 3].float(), size, W)
-    wx = torch.where(flips[:, None, None], wx.flip(1), wx)  # a flipped crop reads its columns right to left
-    return torch.einsum("byh,bchx->bcyx", wy, torch.einsum("bchw,bxw->bchx", x, wx))
+    wx = torch.where(flips[:, None, None], wx.flip(1), wx).to(dtype)  # a flipped crop reads its columns right to left
+    return torch.einsum("byh,bchx->bcyx", wy, torch.einsum("bchw,bxw->bchx", x, wx)).float()
 
 def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any sizes, on one device
                crops: torch.Tensor,             # (top, left, height, width) of each crop: int64 B x 4, on the CPU
@@ -193,6 +193,7 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
                normalize: bool = False,         # float32 ImageNet-normalised output instead of uint8
                channels_last: bool = False,     # Output in channels-last memory format
                budget: int = 2**28,             # Most elements padded at once (3 x H x W per image); larger: in groups
+               dtype: torch.dtype | None = None,  # Of the products; None: float16 on CUDA (tensor cores), else float32
               ) -> torch.Tensor:                # B x 3 x size x size on the images' device
     "Every image's crop resized to size x size and flipped, the batch at once: torchvision's antialiased bilinear filter."
     dev, boxes = images[0].device, crops.tolist()
@@ -204,10 +205,11 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
     out = torch.empty((len(views), 3, size, size), dtype=torch.float32 if normalize else torch.uint8, device=dev,
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     crops_d, flips_d = _on(crops, dev), _on(flips, dev)
+    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     groups = _groups([3 * h * w for _, _, h, w in boxes], budget)
     for g in groups:
         idx = _on(torch.tensor(g), dev) if len(groups) > 1 else slice(None)
-        x = _resize_group([views[i] for i in g], crops_d[idx], flips_d[idx], size)
+        x = _resize_group([views[i] for i in g], crops_d[idx], flips_d[idx], size, dtype)
         if normalize: m, s = _mean_std(dev); x = x.sub_(m).div_(s)
         else: x = x.round_().clamp_(0, 255)
         if len(groups) == 1: out.copy_(x)  # one kernel: to uint8 (or not) and to the output's memory format
@@ -242,9 +244,10 @@ class GpuLoader:
 
 # %% ../../nbs/29_gpu.ipynb
 def _mark(self: GpuLoader, stream):
+    "A point in time on `stream` (None: the current one): a CUDA event, or perf_counter on the CPU; None unless timing."
     if not self.time_device: return None
-    if stream is None: return time.perf_counter()
-    ev = torch.cuda.Event(enable_timing=True); ev.record(stream); return ev
+    if self.device.type != "cuda": return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True); ev.record(stream or torch.cuda.current_stream(self.device)); return ev
 
 def _stage(self: GpuLoader, stage: str, start, stream, n: int):
     if self.time_device: self.device_events.append((stage, start, _mark(self, stream), n))
@@ -316,7 +319,8 @@ def __iter__(self: GpuLoader):
             yield batch
         self._state = None
         return
-    if self.device.type == "cuda" and self._stream is None: self._stream = torch.cuda.Stream(self.device)
+    if self.device.type == "cuda" and self._stream is None:  # high priority: its few small kernels go first, the step's fill in
+        self._stream = torch.cuda.Stream(self.device, priority=-1)
     first = next(source, _END)  # the workers start from the caller's thread, the only one then
     q, stop = queue.Queue(self.prefetch), threading.Event()
     th = threading.Thread(target=_produce, args=(self, first, source, q, stop), name="shardkit-gpu-prefetch", daemon=True)
