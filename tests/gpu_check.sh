@@ -16,8 +16,9 @@ mkdir -p "$WORK" "$OUT"
 export PYTHONUNBUFFERED=1 SHARDKIT_HOME=$WORK/home PYTHONDONTWRITEBYTECODE=1
 PY=${PYTHON:-python3}
 if ! $PY -c "import webdataset, braceexpand, fastcore" 2>/dev/null; then  # the GPU machine: carried wheels
-    ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: webdataset etc. missing and no wheels in .whl/ (see facts.md)"; exit 1; }
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl || exit 1
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: webdataset etc. missing, no .whl/ (facts.md)"; exit 1; }
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+        || exit 1
     export PYTHONPATH=$ROOT:$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 else
     export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -25,11 +26,13 @@ fi
 if [ "$DEV" = cpu ]; then  # the dry run: the same steps, tiny
     N=64; W=160; H=120; BENCH="--device cpu --step small --size 32 --batch-size 16 --samples 32"; WORKERS="1 2"
 else
-    N=4000; W=500; H=375; BENCH="--device cuda --step resnet50 --size 224 --batch-size 128 --samples 3000"; WORKERS="4 15"
+    N=4000; W=500; H=375; WORKERS="4 15"
+    BENCH="--device cuda --step resnet50 --size 224 --batch-size 128 --samples 3000"
 fi
 DATA=$WORK/shards-$N-${W}x$H
 T0=$(date +%s)
-echo "== gpu_check on $DEV: $($PY -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")')"
+echo "== gpu_check on $DEV: $($PY -c 'import torch, torchvision as tv; print("torch", torch.__version__, "torchvision",
+    tv.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")')"
 
 echo "== data: $N photo-like ${W}x$H JPEGs (q90) in shards of 100 -> $DATA"
 timeout 90 $PY - "$DATA" "$N" "$W" "$H" <<'PY' || { echo "gpu_check: making the data failed"; exit 1; }
@@ -53,10 +56,12 @@ else: print("already there")
 PY
 
 echo "== tests/test_gpu.py"
-timeout 180 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" | grep -v "Warning\|warnings.warn\|^  "
+timeout 180 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" \
+    | grep -v "Warning\|warnings.warn\|^  "
 for w in $WORKERS; do
     echo "== shardkit bench gpu $BENCH --workers $w"
-    PYTHONWARNINGS=ignore timeout 100 $PY -m shardkit.cli bench gpu "$DATA" --image jpg $BENCH --workers "$w" --json "$OUT/bench-w$w.json" 2>&1 \
+    PYTHONWARNINGS=ignore timeout 100 $PY -m shardkit.cli bench gpu "$DATA" --image jpg $BENCH --workers "$w" \
+        --json "$OUT/bench-w$w.json" 2>&1 \
         | grep -v "Warning\|warnings.warn"
 done
 
@@ -65,13 +70,15 @@ $PY - "$OUT" $WORKERS <<'PY' | tee "$OUT/summary.txt"
 import json, re, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-tail = (out / "pytest.txt").read_text().strip().splitlines() if (out / "pytest.txt").exists() else ["(no pytest output)"]
+log = out / "pytest.txt"
+tail = log.read_text().strip().splitlines() if log.exists() and log.read_text().strip() else ["(no pytest output)"]
 print("tests:", next((l for l in reversed(tail) if re.search(r"passed|failed|error", l)), tail[-1]))
 for w in sys.argv[2:]:
     f = out / f"bench-w{w}.json"
     if not f.exists(): print(f"bench with {w} workers: no result"); continue
     d = json.loads(f.read_text())
-    print(f"bench, {w} workers ({d['setup']['step']}, batch {d['setup']['batch_size']}, {d['setup']['gpu'] or d['setup']['device']}):")
+    s = d["setup"]
+    print(f"bench, {w} workers ({s['step']}, batch {s['batch_size']}, {s['gpu'] or s['device']}):")
     for r in d["rows"]:
         print(f"  {r['name']:<58} {r['rate']:>8.0f} samples/s  {r.get('vs_step', r.get('vs_cpu', 0)):.2f}x  "
               f"main CPU {r['cpu_ms']:.3f} ms/sample")
