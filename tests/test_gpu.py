@@ -262,24 +262,23 @@ def test_cuda_seeded_and_normalized(shards):
 
 @cuda
 def test_cuda_next_batch_is_made_beside_a_long_step(shards):
-    "With work queued on the caller's stream, the loader's batches still come: made on its own stream, not after it."
+    "While a long kernel runs on the caller's stream, the loader's batches still come: made on its own stream."
     dl = _loader(shards * 8, device="cuda", batch_size=8, size=224, num_workers=2, prefetch=2)
     it = iter(dl)
     next(it)
-    a = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(10): a @ a
+    torch.cuda._sleep(100_000_000)  # a kernel that spins on one SM for a number of clock cycles
     torch.cuda.synchronize()
-    step = time.perf_counter() - t
-    for _ in range(int(4.0 / max(step / 10, 1e-4))): a @ a  # ~4 s of work queued on the default stream, not waited for
+    per_s = 100_000_000 / (time.perf_counter() - t)
+    torch.cuda._sleep(int(4 * per_s))  # a 4 s "step" on the default stream, not waited for
     t = time.perf_counter()
-    got = [next(it) for _ in range(4)]  # at least two made after the queue filled
+    got = [next(it) for _ in range(4)]  # at least two made after the step began
     took = time.perf_counter() - t
-    assert torch.cuda.current_stream().query() is False, "the long step is still running"
+    assert torch.cuda.current_stream().query() is False, "the step is still running"
     assert took < 2.0, f"{took:.2f} s for 4 batches while the step ran: the loader waited for the step"
     torch.cuda.synchronize()
-    assert all(b[2].device.type == "cuda" for b in got)
+    assert all(b[2].device.type == "cuda" and b[2].shape[1:] == (3, 224, 224) for b in got)
 
 
 @cuda
