@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib, functools, io, queue, secrets, threading, time, warnings
 from functools import partial
 from typing import NamedTuple, Sequence
+import numpy as np
 import torch
 import torchvision
 import webdataset as wds
@@ -133,6 +134,7 @@ def _column(col: tuple):
     if x is None: return None
     if isinstance(x, (bool, int, float)): return torch.tensor(col)
     if isinstance(x, torch.Tensor): return torch.stack(col)
+    if isinstance(x, np.ndarray) and all(v.shape == x.shape for v in col): return torch.from_numpy(np.stack(col))
     return list(col)
 
 def pack_jpegs(samples: list[tuple]) -> JpegBatch:
