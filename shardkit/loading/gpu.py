@@ -181,11 +181,21 @@ def _groups(areas: list[int], per_group: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 # %% ../../nbs/29_gpu.ipynb
+def _padded(views: list[torch.Tensor], dtype, H: int, W: int, nested: bool = True) -> torch.Tensor:
+    "The views zero-padded into one B x 3 x H x W tensor of `dtype`: one torch.nested call (else, a copy per view)."
+    if nested:
+        try: return torch.nested.nested_tensor(views, dtype=dtype).to_padded_tensor(0.0, (len(views), 3, H, W))
+        except (RuntimeError, NotImplementedError) as e:  # a torch without this op for these tensors: slower
+            warnings.warn(f"torch.nested cannot pad these crops ({str(e).splitlines()[0]}); copying them one by one")
+    x = views[0].new_zeros((len(views), 3, H, W), dtype=dtype)
+    for i, v in enumerate(views): x[i, :, :v.shape[1], :v.shape[2]] = v
+    return x
+
 def _resize_group(views: list[torch.Tensor], crops: torch.Tensor, flips: torch.Tensor, size: int, dtype
                  ) -> torch.Tensor:
     "float32 B x 3 x size x size: the crops `views` (3 x h x w each) resized together in `dtype`, flipped at `flips`."
     H, W = max(v.shape[1] for v in views), max(v.shape[2] for v in views)
-    x = torch.nested.nested_tensor(views, dtype=dtype).to_padded_tensor(0.0, (len(views), 3, H, W))  # one padding op
+    x = _padded(views, dtype, H, W)
     wy = resize_weights(crops[:, 2].float(), size, H).to(dtype)
     wx = resize_weights(crops[:, 3].float(), size, W)
     wx = torch.where(flips[:, None, None], wx.flip(1), wx).to(dtype)  # a flipped crop reads its columns right to left
