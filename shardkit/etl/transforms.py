@@ -6,6 +6,7 @@
 from __future__ import annotations
 import random, sys, zlib
 import numpy as np
+from ..errors import UsageError
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 
 # %% auto 0
@@ -62,7 +63,8 @@ def to_tensor(x):
     if x.dtype == np.float32:
         if not x.flags.writeable: x = x.copy()  # np.load of a tar member gives a read-only array
         return torch.from_numpy(x).permute(2, 0, 1)
-    if x.dtype != np.uint8: raise TypeError(f"expected a float32 or uint8 HWC array, got {x.dtype}")
+    if x.dtype != np.uint8:
+        raise UsageError(f"to_tensor takes a float32 or uint8 HWC array, got {x.dtype}: convert it (x.astype) first")
     if "affine" not in _TV: _TV["affine"] = _affine()
     scale, shift = _TV["affine"]
     # uint8 CHW first, then one float pass with a fused scale-and-shift: 5x cheaper than ToTensor + Normalize

@@ -21,7 +21,7 @@ from .sources import EpochShards, LoaderError, seed_for
 
 # %% auto 0
 __all__ = ['decode_rgb', 'decode_value', 'TrainTransform', 'train_transform', 'crop_box', 'eval_transform', 'normalize_batch',
-           'sample_to_tuple']
+           'MissingField', 'sample_to_tuple']
 
 # %% ../../nbs/23_transforms.ipynb
 def decode_rgb(data: bytes) -> torch.Tensor:
@@ -174,14 +174,18 @@ def _field(key: str, data, allow_pickle: bool, encoded: bool):
     return decode_value(key, data, allow_pickle)
 
 # %% ../../nbs/23_transforms.ipynb
+class MissingField(LoaderError, KeyError):
+    "A sample lacks a field that `keys` asks for; the message lists the fields it has."
+    __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
+
 def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None,
                     allow_pickle: bool = False) -> tuple:
     "Decode `keys` of a raw sample (and nothing else), apply `transform` to the tuple, return plain tensors and values."
     missing = [k for k in keys if k not in sample]
     if missing:
         have = sorted(k for k in sample if not k.startswith("__"))
-        raise KeyError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; it has {have}. "
-                       f"Pass keys= with fields the shards hold")
+        raise MissingField(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; "
+                           f"it has {have}. Pass keys= with fields the shards hold")
     encoded = isinstance(transform, TrainTransform) and transform.takes_encoded()
     bad = lambda e: LoaderError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: {e}")
     try: values = tuple(_field(k, sample[k], allow_pickle, encoded) for k in keys)
