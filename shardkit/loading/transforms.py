@@ -14,8 +14,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
 from .jpeg import EncodedJpeg, JpegError, why_no_window_decode
-from ..shards.fields import (IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size,
-                                    is_mask_key)
+from ..shards.fields import (IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_image_key,
+                                    is_jpeg_key, is_mask_key)
 import contextlib
 from .sources import EpochShards, LoaderError, seed_for
 
@@ -31,8 +31,7 @@ def decode_rgb(data: bytes) -> torch.Tensor:
 def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = MAX_PIXELS):
     "Field `key` of a sample, decoded: images to uint8 tv_tensors, labels to int, other known types by WebDataset."
     if key.startswith("__") or not isinstance(data, (bytes, bytearray)): return data
-    ext = key.rsplit(".", 1)[-1].lower()
-    if ext in IMAGE_EXTS:
+    if is_image_key(key):
         image_size(data, max_pixels)  # a decompression bomb is refused before its pixels are allocated
         if is_mask_key(key):
             raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -168,7 +167,7 @@ def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
 
 def _field(key: str, data, allow_pickle: bool, encoded: bool):
     "decode_value, but a JPEG for a transform that takes it encoded: its header read (a bomb refused), not its pixels."
-    if encoded and isinstance(data, (bytes, bytearray)) and key.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg") and \
+    if encoded and isinstance(data, (bytes, bytearray)) and is_jpeg_key(key) and \
             not is_mask_key(key) and data[:2] == b"\xff\xd8":
         return EncodedJpeg(data, *image_size(data))
     return decode_value(key, data, allow_pickle)
