@@ -83,7 +83,7 @@ def trimap_overlay(image, trimap, alpha: float = 0.2, dim: float = 0.45) -> np.n
     if img.max() > 1.0: img = img / 255
     tri = _as_trimap(trimap)
     if tri.shape != img.shape[:2]:
-        raise ValueError(f"trimap {tri.shape} and image {img.shape[:2]} differ in size; pass the trimap of this image")
+        raise UsageError(f"trimap {tri.shape} and image {img.shape[:2]} differ in size; pass the trimap of this image")
     out = img * dim
     fg = tri == 1
     out[fg] = (1 - alpha) * img[fg] + alpha * np.array(TRIMAP_COLORS[1])
@@ -189,7 +189,7 @@ def display_loader_images(loader, objects: int = 4, class_names=None, denormaliz
     "Draw the first `objects` images (and trimaps) of `loader`'s first batch, titled with key and class name."
     parts = batch_parts(batch if batch is not None else _first_batch(loader))
     if "images" not in parts:
-        raise ValueError(f"no image tensor (N x C x H x W) in the batch; "
+        raise UsageError(f"no image tensor (N x C x H x W) in the batch; "
                          f"it holds {sorted(parts) or 'nothing recognisable'}")
     ims, tris = parts["images"], parts.get("trimaps")
     n = min(objects, len(ims))

@@ -10,9 +10,10 @@ from pathlib import Path
 import yaml
 from PIL import Image
 from fastcore.script import store_true
+from .errors import ShardkitError, UsageError
 
 # %% auto 0
-__all__ = ['PACKAGES', 'find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'project_root',
+__all__ = ['PACKAGES', 'find_notebooks', 'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'DocsError', 'project_root',
            'process_notebook', 'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem',
            'render_offline', 'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed',
            'shrink_image', 'shrink_outputs', 'shrink_notebook', 'docs_cli', 'pipeline_diagram', 'save_pipeline_diagram']
@@ -158,13 +159,16 @@ def _in_project(root):
     finally: get_config.cache_clear()
 
 # %% ../nbs/98_docs.ipynb
+class DocsError(ShardkitError):
+    "The docs site could not be built; the message says why and what to do."
+
 def project_root(start: str | Path = ".") -> Path:
     "The folder holding the nbdev project's `settings.ini`, searching up from `start`."
     start = Path(start).resolve()
     for d in [start, *start.parents]:
         if (d / "settings.ini").is_file(): return d
-    raise FileNotFoundError(f"no settings.ini in {start} or above it: "
-                            "run this inside the shardkit checkout (or pass its nbs folder)")
+    raise DocsError(f"no settings.ini in {start} or above it: "
+                    "run this inside the shardkit checkout (or pass its nbs folder)")
 
 def _doc_url(root: Path) -> str:
     from configparser import ConfigParser
@@ -313,7 +317,8 @@ def _copy_images(nbs: Path, docs: Path):
 def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Path:
     "Build the docs site of the notebooks under `nbs` into `out` with mkdocs-material + mkdocs-jupyter, offline."
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
-    if out_problem(out, nbs): raise ValueError(f"cannot build the site into {out}: it {out_problem(out, nbs)}")
+    if out_problem(out, nbs):
+        raise UsageError(f"cannot build the site into {out}: it {out_problem(out, nbs)}; pass a new or empty folder")
     root = project_root(nbs)
     build = Path(tempfile.mkdtemp(prefix="shardkit-docs-"))
     docs = build / "docs"
@@ -331,11 +336,11 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
         env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
         r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--clean", "-f",
                             str(build / "mkdocs.yml")], cwd=build, env=env, capture_output=True, text=True)
-        if r.returncode: raise RuntimeError(f"mkdocs build failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+        if r.returncode: raise DocsError(f"mkdocs build failed (exit {r.returncode}); its errors:\n{r.stderr[-3000:]}")
         n = strip_external(out)
         if not quiet: print(f"removed {n} tags that would load from other hosts (MathJax, mermaid loaders)")
         left = external_refs(out)
-        if left: raise RuntimeError("pages still load from other hosts:\n" + "\n".join(left[:10]))
+        if left: raise DocsError("pages still load from other hosts (extend strip_external):\n" + "\n".join(left[:10]))
         bad = broken_links(out)
         if bad: print(f"warning: {len(bad)} broken link(s) between pages:\n  " + "\n  ".join(bad), file=sys.stderr)
     finally:
@@ -352,7 +357,8 @@ def render_quarto(nbs: str | Path, out: str | Path) -> Path:
     "Build the docs site with nbdev's pipeline and Quarto (`quarto` must be on PATH) into `out`."
     from nbdev.quarto import _pre_docs
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
-    if out_problem(out, nbs): raise ValueError(f"cannot build the site into {out}: it {out_problem(out, nbs)}")
+    if out_problem(out, nbs):
+        raise UsageError(f"cannot build the site into {out}: it {out_problem(out, nbs)}; pass a new or empty folder")
     with _in_project(project_root(nbs)):
         cache, cfg, _ = _pre_docs(nbs, n_workers=0)
         subprocess.run(["quarto", "render", "--no-cache"], cwd=cache, check=True)
@@ -466,7 +472,7 @@ def docs_cli(out: str = "_site",                 # Folder to write the site into
              execute: store_true = False):       # First execute in place the tutorials and notebooks saved with outputs
     "Render the documentation site: with Quarto when `quarto` is on PATH, otherwise offline with mkdocs."
     try: nbs = Path(nbs) if nbs else project_root() / "nbs"
-    except FileNotFoundError as e:
+    except DocsError as e:
         print(f"shardkit docs: {e}", file=sys.stderr); return 2
     if not nbs.is_dir():
         print(f"shardkit docs: notebooks folder {str(nbs)!r} does not exist: pass --nbs PATH/TO/nbs", file=sys.stderr)

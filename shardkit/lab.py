@@ -8,6 +8,7 @@ import json, os, secrets, signal, socket, subprocess, sys, tempfile
 from importlib.util import find_spec
 from pathlib import Path
 from fastcore.script import store_true
+from .errors import ShardkitError, UsageError
 
 # %% auto 0
 __all__ = ['MissingExtra', 'JupyterLabMissing', 'check_lab', 'tutorials_dir', 'write_kernel', 'lab_command', 'lab_url', 'lab',
@@ -60,7 +61,7 @@ def write_kernel(folder: str | Path) -> Path:
 def lab_command(dir: str | Path, port: int = 8888, *, token: str, kernels: str | Path | None = None,
                 open_browser: bool = False) -> tuple[list[str], dict]:
     "The argv and environment that start JupyterLab on `dir` at 127.0.0.1:`port` with `token`."
-    if not token: raise ValueError("an empty token turns Jupyter's login off: pass a token (lab() makes a random one)")
+    if not token: raise UsageError("an empty token turns Jupyter's login off: pass a token (lab() makes a random one)")
     argv = [sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={int(port)}",
             "--ServerApp.port_retries=0", f"--ServerApp.root_dir={Path(dir).resolve()}"]
     if not open_browser: argv.append("--no-browser")
@@ -97,9 +98,9 @@ def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = Non
     check_lab()
     dir = Path(dir).resolve() if dir else tutorials_dir()
     if not dir.is_dir():
-        raise FileNotFoundError(f"no folder {str(dir)!r} to open in JupyterLab: pass an existing --dir")
+        raise UsageError(f"no folder {str(dir)!r} to open in JupyterLab: pass an existing --dir")
     if not _port_free(port):
-        raise OSError(f"port {port} on 127.0.0.1 is in use (another Jupyter?): pass --port with a free one")
+        raise UsageError(f"port {port} on 127.0.0.1 is in use (another Jupyter?): pass --port with a free one")
     token = token or secrets.token_hex(24)
     with tempfile.TemporaryDirectory(prefix="shardkit-lab-") as kernels:
         argv, env = lab_command(dir, port, token=token, kernels=write_kernel(kernels), open_browser=open_browser)
@@ -114,5 +115,5 @@ def lab_cli(dir: str = None,          # Folder to open (default: the checkout's 
             open_browser: store_true = False):  # Open a browser on this machine too
     "Open the tutorials in JupyterLab on 127.0.0.1."
     try: return lab(dir, port, token, open_browser)
-    except (MissingExtra, FileNotFoundError, OSError) as e:
+    except (MissingExtra, ShardkitError, OSError) as e:  # OSError: the server could not start
         print(f"shardkit lab: {e}", file=sys.stderr); return 2

@@ -37,7 +37,7 @@ SPECIES = ("cat", "dog")  # index = 0-based species
 
 def pet_ids(breed: str) -> tuple[int, int, int]:
     "list.txt's (CLASS-ID, SPECIES, BREED-ID) of `breed`, all 1-based as in the file."
-    if breed not in CLASS_NAMES: raise ValueError(f"unknown breed {breed!r}; expected one of the 37 in CLASS_NAMES")
+    if breed not in CLASS_NAMES: raise UsageError(f"unknown breed {breed!r}; pass one of the 37 in CLASS_NAMES")
     breeds = CAT_BREEDS if breed in CAT_BREEDS else DOG_BREEDS
     return CLASS_NAMES.index(breed) + 1, 1 if breeds is CAT_BREEDS else 2, breeds.index(breed) + 1
 
@@ -100,7 +100,7 @@ def _quirk_bytes(quirk: str, jpg: bytes) -> bytes | None:
     elif quirk == "empty": return b""
     elif quirk == "missing_image": return None
     elif quirk == "missing_trimap": return jpg  # the image is fine; the writer leaves out the trimap
-    else: raise ValueError(f"unknown quirk {quirk!r}; expected one of {list(PET_QUIRKS)}")
+    else: raise UsageError(f"unknown quirk {quirk!r}; pass one of {list(PET_QUIRKS)}")
     return buf.getvalue()
 
 # %% ../nbs/09_pets.ipynb

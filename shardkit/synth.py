@@ -7,6 +7,7 @@ from __future__ import annotations
 import colorsys, io, math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+from .errors import UsageError
 
 # %% auto 0
 __all__ = ['SHAPES', 'TEXTURES', 'class_style', 'draw_animal', 'jpeg_bytes', 'png_bytes']
@@ -17,7 +18,7 @@ TEXTURES = ("plain", "stripes", "dots", "checks")
 
 def class_style(cls: int) -> dict:
     "The visual signature of class `cls` (0-based): body shape, coat texture and hue in [0, 1)."
-    if cls < 0: raise ValueError(f"class index must be >= 0, got {cls}")
+    if cls < 0: raise UsageError(f"class index must be >= 0, got {cls}: classes count from 0")
     return dict(shape=SHAPES[cls % len(SHAPES)], texture=TEXTURES[(cls // len(SHAPES)) % len(TEXTURES)],
                 hue=(cls * 0.6180339887) % 1.0)
 
@@ -39,7 +40,7 @@ def _body_mask(shape: str, w: int, h: int, box: tuple[int, int, int, int]) -> Im
         pts = [(cx + (rx if i % 2 == 0 else rx * 0.45) * math.sin(i * math.pi / 5),
                 cy - (ry if i % 2 == 0 else ry * 0.45) * math.cos(i * math.pi / 5)) for i in range(10)]
         d.polygon(pts, fill=255)
-    else: raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+    else: raise UsageError(f"unknown shape {shape!r}; pass one of {SHAPES}")
     return m
 
 # %% ../nbs/08_synth.ipynb
@@ -51,7 +52,7 @@ def _coat(texture: str, rgb: np.ndarray, w: int, h: int, period: int) -> np.ndar
     elif texture == "dots":
         pattern = (((xx % period) - period / 2) ** 2 + ((yy % period) - period / 2) ** 2 < (period / 3.2) ** 2)
     elif texture == "checks": pattern = ((xx // period) + (yy // period)) % 2
-    else: raise ValueError(f"unknown texture {texture!r}; expected one of {TEXTURES}")
+    else: raise UsageError(f"unknown texture {texture!r}; pass one of {TEXTURES}")
     return rgb[None, None, :] * (1 - 0.55 * pattern[..., None])
 
 # %% ../nbs/08_synth.ipynb

@@ -16,7 +16,7 @@ from shardkit.store import shown_path
 from shardkit.shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from shardkit.shards.read import count_samples, list_shards, read_samples
 from shardkit.shards.write import write_shards
-from shardkit.errors import StoreError
+from shardkit.errors import StoreError, UsageError
 from shardkit.store import open_store
 from conftest import main_cli
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
@@ -153,7 +153,7 @@ def test_image_tensors():
     np.testing.assert_allclose(to_hwc(u8[:1]), np.repeat(ref[..., :1], 3, -1))  # one channel: grey
     ax = show_image_tensor(norm, denormalize=True, title="t")
     np.testing.assert_allclose(ax.images[0].get_array(), ref, atol=1e-5)
-    with pytest.raises(ValueError, match=r"1 or 3 channels, got shape \(2, 4, 4\)"): to_hwc(torch.zeros(2, 4, 4))
+    with pytest.raises(UsageError, match=r"1 or 3 channels, got shape \(2, 4, 4\)"): to_hwc(torch.zeros(2, 4, 4))
 
 
 def _batch(n=4, size=64):
@@ -191,7 +191,7 @@ def test_loader_trimaps_of_another_size_and_errors():
     cls, ims, tris = _batch()
     fig = display_loader_images([(cls, ims, tris[:, :32, :32])], objects=2)
     assert fig.axes[2].get_title() == "trimap 32x32"
-    with pytest.raises(ValueError, match="no image tensor"): display_loader_images([(cls,)])
+    with pytest.raises(UsageError, match="no image tensor"): display_loader_images([(cls,)])
 
 
 def test_class_names():

@@ -4,7 +4,7 @@ import pytest
 import torch
 import webdataset as wds
 from shardkit.loader import create_dataloader, create_dataset
-from shardkit.loading.transforms import train_transform
+from shardkit.loading.transforms import MissingField, train_transform
 from shardkit.loading.sources import split_count
 from conftest import write_pet_shards
 
@@ -119,8 +119,14 @@ def test_bad_arguments_say_what_to_do(shards):
     with pytest.raises(ValueError, match="give epoch_samples=N"): create_dataset(shards, resampled=True)
     with pytest.raises(ValueError, match="needs resampled=True"): create_dataset(shards, epoch_samples=10)
     with pytest.raises(ValueError, match="rank 3 is not in 0..1"): list(_dataset(shards, rank=3, world_size=2))
-    with pytest.raises(KeyError, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, keys=("cls", "image.png"))))
+    with pytest.raises(MissingField, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, keys=("cls", "image.png"))))
     with pytest.raises(TypeError, match="needs a dataset from create_dataset"): create_dataloader(wds.WebDataset(shards, shardshuffle=False))
+
+
+def test_skip_counts_samples_missing_a_field(shards, capsys):
+    assert list(create_dataset(shards, keys=("cls", "image.png"), handler="skip", batch_size=None)) == []
+    err = capsys.readouterr().err  # the epoch's report: counted by the error's type
+    assert f"skipped {len(ALL)} bad samples" in err and f"{len(ALL)} x MissingField, e.g. sample" in err, err
 
 
 def test_reads_from_aistore_exactly_once(shards, ais_endpoint):

@@ -8,7 +8,7 @@ import os, shutil, tempfile, time
 from pathlib import Path
 from typing import Callable
 from ..etl import run_etl
-from ..etl.dask import _connect, run_etl_dask
+from ..etl.dask import dask_client, run_etl_dask
 from .core import cpu_seconds, format_bench
 
 # %% auto 0
@@ -50,7 +50,7 @@ def bench_dask_etl(src,                     # Store of ImageNet-style shards: a 
             t0, c0 = time.perf_counter(), cpu_seconds()
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, cpu_seconds() - c0))
-        client, close = _connect(cluster, workers)
+        client, close = dask_client(cluster, workers)
         try: rows.append(_warm_row(client, fn, src, root / "warm", pattern, seed))
         finally: close()
     finally: shutil.rmtree(root, ignore_errors=True)

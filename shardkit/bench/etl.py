@@ -9,7 +9,7 @@ import requests
 import torch
 import webdataset as wds
 from ..store import open_store, shown_path
-from ..etl.transforms import _rgb, _tv, to_tensor
+from ..etl.transforms import imagenet_pipeline, to_rgb, to_tensor
 from ..etl.sidecar import Sidecar
 from .core import BenchError, cpu_seconds, format_bench
 
@@ -43,7 +43,7 @@ def _client_side(urls: list[str]):
     "The post's client-side pipeline over `urls`: decode, augment, normalise; (dataset, byte counter)."
     box = dict(bytes=0)
     return (wds.WebDataset(urls, shardshuffle=False).map(_payload_counter(box)).decode("pil")
-            .to_tuple("jpg", "cls").map_tuple(lambda im: _tv("train")(_rgb(im)), lambda c: c)), box
+            .to_tuple("jpg", "cls").map_tuple(lambda im: imagenet_pipeline("train")(to_rgb(im)), lambda c: c)), box
 
 def _offloaded(urls: list[str]):
     "A pipeline over a sidecar's `urls`: its output only wrapped as a tensor; (dataset, byte counter)."
@@ -70,7 +70,7 @@ def bench_etl(src, pattern: str = "*.tar", repeat: int = 1) -> list[dict]:
     if not names:
         raise BenchError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; "
                          f"check the pattern (shardkit ls {shown_path(store.spec)})")
-    _tv("train")  # build the torchvision pipeline before timing
+    imagenet_pipeline("train")  # build the torchvision pipeline before timing
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker; a busy-waiting thread pool would inflate the client's CPU
     sidecars = {k: Sidecar(f"shardkit.etl.transforms:{fn}", store) for k, fn in OFFLOADS.items()}

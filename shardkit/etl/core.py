@@ -86,7 +86,9 @@ def apply(self: SampleTransform, sample: dict, keep_raw: bool = False) -> dict |
     if self.seed is not None: seed_sample(self.seed, sample.get("__key__", ""))
     out = self.fn(dict(dec))
     if out is None: return None
-    if not isinstance(out, dict): raise TypeError(f"the transform must return a dict or None, not {type(out).__name__}")
+    if not isinstance(out, dict):
+        raise ETLError(f"transform {getattr(self.fn, '__name__', self.fn)} returned a {type(out).__name__}: "
+                       "return the sample as a dict (or None to drop it)")
     out["__key__"] = sample["__key__"]
     if keep_raw:
         out = {k: sample[k] if (k in dec and v is dec[k] and isinstance(sample.get(k), bytes)) else v

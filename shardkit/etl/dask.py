@@ -14,7 +14,7 @@ from .core import ShardTransform
 from .manifest import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 
 # %% auto 0
-__all__ = ['DaskUnavailable', 'SchedulerUnreachable', 'local_cluster', 'transform_shard', 'run_etl_dask']
+__all__ = ['DaskUnavailable', 'SchedulerUnreachable', 'local_cluster', 'dask_client', 'transform_shard', 'run_etl_dask']
 
 # %% ../../nbs/18_etl_dask.ipynb
 class DaskUnavailable(ShardkitError):
@@ -38,8 +38,11 @@ def local_cluster(workers: int | None = None):  # Worker processes (default: one
                           host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
 
 # %% ../../nbs/18_etl_dask.ipynb
-def _connect(scheduler, workers: int | None = None, timeout: float = 5):
-    "A client for `scheduler` (None: a new local cluster; an address; a Client; a cluster object) and a close function."
+def dask_client(scheduler,                    # None (a new local cluster), an address, a Client or a cluster object
+                workers: int | None = None,   # Workers of the new local cluster (default: one per core)
+                timeout: float = 5,           # Seconds to wait for the scheduler at an address
+               ) -> tuple:                    # (client, close): close() ends what this call started, nothing else
+    "A Dask client for `scheduler`, and the function that closes what was opened for it."
     d = _distributed()
     if isinstance(scheduler, d.Client): return scheduler, lambda: None
     if scheduler is None:
@@ -132,7 +135,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
     todo = [n for n in names if n not in done]
     t0, results, failed, where = time.perf_counter(), {}, {}, None
     if not todo: return _summary(src_store, dest_store, names, done, results, failed, t0, where)
-    client, close = _connect(scheduler, workers)  # before the manifest is touched: a bad address changes nothing
+    client, close = dask_client(scheduler, workers)  # before the manifest is touched: a bad address changes nothing
     bar = tqdm(total=len(names), initial=len(done), unit="shard", disable=not progress,
                desc=f"dask etl {shown_path(src_store.spec)} -> {shown_path(dest_store.spec)}")
     try:

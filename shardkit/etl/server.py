@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
+from ..errors import UsageError
 from ..store import ais_client
 from ..shards.fields import ShardError
 from .core import ETLError, ShardTransform, resolve_fn
@@ -37,7 +38,7 @@ class ShardETLServer(FastAPIServer):
     sample_fn, decode, strict, seed = None, "pil", False, None
 
     def __init__(self, host: str = "0.0.0.0", port: int = 8000):
-        if self.sample_fn is None: raise TypeError("ShardETLServer needs a sample function: use etl_server_class(fn)")
+        if self.sample_fn is None: raise UsageError("ShardETLServer needs a sample function: use etl_server_class(fn)")
         super().__init__(host=host, port=port)
         self.shards = ShardTransform(type(self).sample_fn, self.decode, "strict" if self.strict else "skip", self.seed)
         from starlette.exceptions import HTTPException

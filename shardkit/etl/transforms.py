@@ -6,15 +6,17 @@
 from __future__ import annotations
 import random, sys, zlib
 import numpy as np
+from ..errors import UsageError
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 
 # %% auto 0
-__all__ = ['imagenet_train_npy', 'imagenet_val_npy', 'imagenet_train_uint8', 'imagenet_train_jpg', 'to_tensor', 'seed_sample']
+__all__ = ['imagenet_pipeline', 'to_rgb', 'imagenet_train_npy', 'imagenet_val_npy', 'imagenet_train_uint8', 'imagenet_train_jpg',
+           'to_tensor', 'seed_sample']
 
 # %% ../../nbs/13_etl_transforms.ipynb
 _TV = {}
-def _tv(name: str):
-    "The posts' torchvision pipelines, built on first use."
+def imagenet_pipeline(name: str):
+    "The posts' torchvision pipeline `name`: 'train', 'val' (to a normalised tensor); 'train_crop', 'val_crop' (PIL)."
     if name not in _TV: _TV[name] = _build_tv(name)
     return _TV[name]
 
@@ -25,27 +27,31 @@ def _build_tv(name: str):
     if name.endswith("_crop"): return T.Compose(crop[name[:-5]])
     return T.Compose(crop[name] + [T.ToTensor(), normalize])
 
-def _rgb(img): return img.convert("RGB") if img.mode != "RGB" else img
+def to_rgb(img):
+    "PIL image `img` in RGB mode (grayscale, CMYK, RGBA converted), as the pipelines expect."
+    return img.convert("RGB") if img.mode != "RGB" else img
 
+
+# %% ../../nbs/13_etl_transforms.ipynb
 def imagenet_train_npy(sample: dict) -> dict:
     "The ETL post's `wd_transform`: RandomResizedCrop(224), flip, ToTensor, Normalize of `jpg` -> float32 HWC `npy`."
-    sample["npy"] = _tv("train")(_rgb(sample.pop("jpg"))).permute(1, 2, 0).numpy().astype("float32")
+    sample["npy"] = imagenet_pipeline("train")(to_rgb(sample.pop("jpg"))).permute(1, 2, 0).numpy().astype("float32")
     return sample
 
 def imagenet_val_npy(sample: dict) -> dict:
     "The ETL post's `wd_val_transform`: Resize(256), CenterCrop(224), ToTensor, Normalize -> float32 HWC `npy`."
-    sample["npy"] = _tv("val")(_rgb(sample.pop("jpg"))).permute(1, 2, 0).numpy().astype("float32")
+    sample["npy"] = imagenet_pipeline("val")(to_rgb(sample.pop("jpg"))).permute(1, 2, 0).numpy().astype("float32")
     return sample
 
 def imagenet_train_uint8(sample: dict) -> dict:
     "Compact: the training crop and flip as a uint8 HWC `npy` (4x smaller than float32); normalise on the client."
     # np.array, not asarray: writable (asarray of an image is read-only)
-    sample["npy"] = np.array(_tv("train_crop")(_rgb(sample.pop("jpg"))), dtype=np.uint8)
+    sample["npy"] = np.array(imagenet_pipeline("train_crop")(to_rgb(sample.pop("jpg"))), dtype=np.uint8)
     return sample
 
 def imagenet_train_jpg(sample: dict) -> dict:
     "Compact: the training crop and flip re-encoded as a 224x224 JPEG `jpg`; decode and normalise on the client."
-    sample["jpg"] = _tv("train_crop")(_rgb(sample["jpg"]))
+    sample["jpg"] = imagenet_pipeline("train_crop")(to_rgb(sample["jpg"]))
     return sample
 
 # %% ../../nbs/13_etl_transforms.ipynb
@@ -58,11 +64,12 @@ def _affine():
 def to_tensor(x):
     "A normalised CHW float tensor from a float32 HWC array (already normalised), a uint8 HWC array, or a PIL image."
     import torch
-    if not isinstance(x, np.ndarray): x = np.asarray(_rgb(x), dtype=np.uint8)
+    if not isinstance(x, np.ndarray): x = np.asarray(to_rgb(x), dtype=np.uint8)
     if x.dtype == np.float32:
         if not x.flags.writeable: x = x.copy()  # np.load of a tar member gives a read-only array
         return torch.from_numpy(x).permute(2, 0, 1)
-    if x.dtype != np.uint8: raise TypeError(f"expected a float32 or uint8 HWC array, got {x.dtype}")
+    if x.dtype != np.uint8:
+        raise UsageError(f"to_tensor takes a float32 or uint8 HWC array, got {x.dtype}: convert it (x.astype) first")
     if "affine" not in _TV: _TV["affine"] = _affine()
     scale, shift = _TV["affine"]
     # uint8 CHW first, then one float pass with a fused scale-and-shift: 5x cheaper than ToTensor + Normalize

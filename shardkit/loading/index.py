@@ -12,7 +12,7 @@ from ..config import shardkit_home
 from ..shards.fields import split_key
 from ..store import AISStore, open_store, shown_path
 from ..errors import ShardkitError, UsageError
-from ..shards.read import _META, scan_tar
+from ..shards.read import is_meta_member, scan_tar
 from .sources import shard_urls
 
 # %% auto 0
@@ -167,7 +167,7 @@ def sample_index(source,                                   # A directory, tar pa
 
 # %% ../../nbs/26_sample_index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
-    members = sorted((m for m in members if not _META.match(m[0])), key=lambda m: split_key(m[0])[0] or "")
+    members = sorted((m for m in members if not is_meta_member(m[0])), key=lambda m: split_key(m[0])[0] or "")
     return group_members([m[0] for m in members], np.full(len(members), -1, np.int64), [m[1] for m in members], shard)
 
 def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:

@@ -14,14 +14,14 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
 from .jpeg import EncodedJpeg, JpegError, why_no_window_decode
-from ..shards.fields import (IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size,
-                                    is_mask_key)
+from ..shards.fields import (IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_image_key,
+                                    is_jpeg_key, is_mask_key)
 import contextlib
 from .sources import EpochShards, LoaderError, seed_for
 
 # %% auto 0
 __all__ = ['decode_rgb', 'decode_value', 'TrainTransform', 'train_transform', 'crop_box', 'eval_transform', 'normalize_batch',
-           'sample_to_tuple']
+           'MissingField', 'sample_to_tuple']
 
 # %% ../../nbs/23_transforms.ipynb
 def decode_rgb(data: bytes) -> torch.Tensor:
@@ -31,8 +31,7 @@ def decode_rgb(data: bytes) -> torch.Tensor:
 def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = MAX_PIXELS):
     "Field `key` of a sample, decoded: images to uint8 tv_tensors, labels to int, other known types by WebDataset."
     if key.startswith("__") or not isinstance(data, (bytes, bytearray)): return data
-    ext = key.rsplit(".", 1)[-1].lower()
-    if ext in IMAGE_EXTS:
+    if is_image_key(key):
         image_size(data, max_pixels)  # a decompression bomb is refused before its pixels are allocated
         if is_mask_key(key):
             raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -168,20 +167,24 @@ def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
 
 def _field(key: str, data, allow_pickle: bool, encoded: bool):
     "decode_value, but a JPEG for a transform that takes it encoded: its header read (a bomb refused), not its pixels."
-    if encoded and isinstance(data, (bytes, bytearray)) and key.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg") and \
+    if encoded and isinstance(data, (bytes, bytearray)) and is_jpeg_key(key) and \
             not is_mask_key(key) and data[:2] == b"\xff\xd8":
         return EncodedJpeg(data, *image_size(data))
     return decode_value(key, data, allow_pickle)
 
 # %% ../../nbs/23_transforms.ipynb
+class MissingField(LoaderError, KeyError):
+    "A sample lacks a field that `keys` asks for; the message lists the fields it has."
+    __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
+
 def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None,
                     allow_pickle: bool = False) -> tuple:
     "Decode `keys` of a raw sample (and nothing else), apply `transform` to the tuple, return plain tensors and values."
     missing = [k for k in keys if k not in sample]
     if missing:
         have = sorted(k for k in sample if not k.startswith("__"))
-        raise KeyError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; it has {have}. "
-                       f"Pass keys= with fields the shards hold")
+        raise MissingField(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; "
+                           f"it has {have}. Pass keys= with fields the shards hold")
     encoded = isinstance(transform, TrainTransform) and transform.takes_encoded()
     bad = lambda e: LoaderError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: {e}")
     try: values = tuple(_field(k, sample[k], allow_pickle, encoded) for k in keys)

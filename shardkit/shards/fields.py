@@ -12,9 +12,9 @@ from ..errors import ShardkitError, UsageError
 from typing import Sequence
 
 # %% auto 0
-__all__ = ['IMAGE_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError', 'SkipSample',
-           'split_key', 'is_image_key', 'is_mask_key', 'PickleRefused', 'refuse_pickle', 'decode_field',
-           'field_decoder', 'image_size', 'load_image_decoder', 'check_image']
+__all__ = ['IMAGE_EXTS', 'JPEG_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError',
+           'SkipSample', 'split_key', 'field_ext', 'is_image_key', 'is_jpeg_key', 'is_mask_key', 'PickleRefused',
+           'refuse_pickle', 'decode_field', 'field_decoder', 'image_size', 'load_image_decoder', 'check_image']
 
 # %% ../../nbs/03_fields.ipynb
 class ShardError(ShardkitError):
@@ -33,13 +33,22 @@ def split_key(member: str) -> tuple[str | None, str | None]:
 
 # %% ../../nbs/03_fields.ipynb
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "webp", "bmp"})
+JPEG_EXTS = frozenset({"jpg", "jpeg"})
 MASK_WORDS = ("trimap", "mask", "seg")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+def field_ext(key: str) -> str:
+    "The last extension of field `key`, lower case: what says its type (`image.JPG` -> `jpg`, `cls` -> `cls`)."
+    return key.rsplit(".", 1)[-1].lower()
+
 def is_image_key(key: str) -> bool:
     "Whether field `key` (`image.jpg`, `png`, ...) holds an image file."
-    return key.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
+    return field_ext(key) in IMAGE_EXTS
+
+def is_jpeg_key(key: str) -> bool:
+    "Whether field `key` (`image.jpg`, `jpeg`, ...) holds a JPEG file, by its name."
+    return field_ext(key) in JPEG_EXTS
 
 def is_mask_key(key: str) -> bool:
     "Whether field `key` holds a label map (trimap, mask, segmentation) rather than a picture."
@@ -54,7 +63,7 @@ class PickleRefused(UsageError):
 def refuse_pickle(keys: str | Sequence[str], allow_pickle: bool = False):
     "Raise PickleRefused if a field in `keys` (one key, or several) is a pickle, unless `allow_pickle`."
     for key in [keys] if isinstance(keys, str) else keys:
-        ext = key.rsplit(".", 1)[-1].lower()
+        ext = field_ext(key)
         if ext in PICKLE_EXTS and not key.startswith("__") and not allow_pickle:
             raise PickleRefused(f"field {key!r} is a pickle ({ext}): decoding it would run code from the shard; "
                                 "leave it out of the keys, or pass allow_pickle=True only for shards you trust")

@@ -16,7 +16,7 @@ from .fields import ShardError, split_key
 
 # %% auto 0
 __all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'url_samples', 'sample_digests',
-           'count_samples', 'list_shards', 'scan_tar']
+           'count_samples', 'list_shards', 'is_meta_member', 'scan_tar']
 
 # %% ../../nbs/04_read.ipynb
 def _tar_reason(e: Exception) -> str:
@@ -261,7 +261,11 @@ def list_shards(store, pattern: str = "*.tar") -> list[dict]:
     return rows
 
 # %% ../../nbs/04_read.ipynb
-_META = re.compile(r"__[^/]*__($|/)")  # WebDataset's skip_meta: members it never turns into fields
+_META = re.compile(r"__[^/]*__($|/)")  # WebDataset's skip_meta
+
+def is_meta_member(name: str) -> bool:
+    "Whether tar member `name` is one WebDataset never turns into a field (`__x__` names and `__x__/` folders)."
+    return bool(_META.match(name))
 
 def scan_tar(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
     "Names, data offsets and sizes of the regular members of tar `path`, from its headers alone (the data is skipped)."
@@ -275,7 +279,7 @@ def scan_tar(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
                                  "(e.g. `gunzip -c x.tgz > x.tar`), or read it with the streaming loader "
                                  "(access='stream'), which decompresses as it reads")
             for e in tar_entries(f, shown_path(path), data=False, head=head):
-                if e.is_file and not _META.match(e.name):
+                if e.is_file and not is_meta_member(e.name):
                     names.append(e.name); offsets.append(e.data_offset); sizes.append(e.size)
     except OSError as e: raise ShardError(f"shard {shown_path(path)} cannot be read ({e.strerror or e})") from None
     return names, np.array(offsets, np.int64), np.array(sizes, np.int64)

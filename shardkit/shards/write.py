@@ -64,8 +64,8 @@ def _encode(sample: dict) -> dict:
         elif isinstance(v, (dict, list)): out[k] = json.dumps(v, sort_keys=True).encode()
         elif isinstance(v, (int, np.integer, str)): out[k] = str(v).encode()
         else:
-            raise TypeError(f"field {k!r} of sample {sample.get('__key__')!r} is a {type(v).__name__}; "
-                            "give bytes, int, str or dict")
+            raise UsageError(f"field {k!r} of sample {sample.get('__key__')!r} is a {type(v).__name__}; "
+                             "give bytes, int, str or dict (encode it first, e.g. np.save to bytes)")
     if unsafe_name(str(out.get("__key__", ""))):
         raise UsageError(f"sample key {out.get('__key__')!r} is {unsafe_name(str(out.get('__key__', '')))}; "
                          "shards must be safe to extract")
