@@ -17,9 +17,11 @@ def _section(title: str) -> str:
 
 
 def _shardkit_commands(text: str) -> list[str]:
-    "Every `shardkit ...` in inline code in `text` (a command may be one of several joined by &&)."
-    return [part.strip() for code in re.findall(r"`([^`]*shardkit [^`]*)`", text)
-            for part in code.split("&&") if part.strip().startswith("shardkit ")]
+    "Every `shardkit ...` in `text`'s inline code and fenced blocks (a line may join several commands with &&)."
+    blocks = re.findall(r"```[a-z]*\n(.*?)\n```", text, re.S)
+    text = re.sub(r"```[a-z]*\n.*?\n```", "", text, flags=re.S)
+    codes = re.findall(r"`([^`]*shardkit [^`]*)`", text) + [line for b in blocks for line in b.splitlines()]
+    return [part.strip() for code in codes for part in code.split("&&") if part.strip().startswith("shardkit ")]
 
 
 def test_measured_comes_first():
@@ -50,7 +52,9 @@ def test_every_measured_figure_has_a_real_command():
     for row in rows:
         assert _shardkit_commands(row.split("|")[-2]), f"a row without a reproducing `shardkit ...` command: {row}"
     commands = _shardkit_commands(measured)
-    assert any(" bench loader " in c and "--peers" in c for c in commands), "the chart's command is not under it"
+    chart = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", measured)[0]
+    assert any(" bench loader " in c and "--peers" in c and chart in c for c in commands), \
+        f"the command that made {chart} (`shardkit bench loader ... --peers --out {chart}`) is not under it"
     for c in commands:
         cmd, _ = find_command(shlex.split(c)[1:])
         assert cmd in COMMANDS, f"`{c}` is not a shardkit command; `shardkit --help` lists them"
