@@ -69,8 +69,12 @@ def pytest_collection_finish(session):
 
 
 def _wait_for_aisnode_build():
-    "Wait for the background build, if any; ais_up then finds the binary (or, if the build failed, builds and says why)."
-    if proc := _BUILD.pop("proc", None): proc.wait()
+    """Wait for the background build, if any, at normal priority now that a test waits for it (where permitted: root);
+    ais_up then finds the binary (or, if the build failed, builds it again and says why)."""
+    if proc := _BUILD.pop("proc", None):
+        try: os.setpriority(os.PRIO_PGRP, proc.pid, 0)
+        except (PermissionError, ProcessLookupError): pass  # not root: it goes on at low priority; or it is done
+        proc.wait()
 
 
 def pytest_sessionfinish(session):
