@@ -59,13 +59,13 @@ def pytest_collection_finish(session):
     """On a machine without an aisnode build (a fresh clone), start building it now, at the lowest CPU priority, when
     the selected tests need the cluster: the ~2.5 min build then uses the cores the tests before them leave idle,
     instead of holding up the first AIStore test. Serial runs only (under xdist each worker would build)."""
-    if hasattr(session.config, "workerinput") or not any("ais_cluster" in getattr(i, "fixturenames", ()) for i in session.items):
-        return
+    needs_cluster = any("ais_cluster" in getattr(i, "fixturenames", ()) for i in session.items)
+    if hasattr(session.config, "workerinput") or not needs_cluster: return
     from shardkit.cluster import aisnode_path
     if aisnode_path().exists(): return
-    code = "from shardkit.cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds again
-    _BUILD["proc"] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: os.nice(19))
+    code = "from shardkit.cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds
+    _BUILD["proc"] = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: os.nice(19))
 
 
 def _wait_for_aisnode_build():

@@ -101,7 +101,7 @@ def test_outputs_show_no_machine_paths(nb):
 # Library notebooks committed without outputs, each with why. Every other library notebook runs with no server and is
 # committed executed (`python -m shardkit.docs execute nbs/NN_name.ipynb`: 1x figures, nbdev_clean's form), so that its
 # page shows what its examples print and draw.
-NEEDS_SERVER = {"07_cluster.ipynb": "its examples build aisnode with Go and start a local AIStore cluster (minutes, a server)"}
+NEEDS_SERVER = {"07_cluster.ipynb": "its examples build aisnode with Go and start a local AIStore cluster (a server)"}
 SHOWS_NOTHING = {  # checked below: no cell of theirs prints, draws or ends in a value
     "00_errors.ipynb": "the error types; its cells only check (test_eq, test_fail)",
     "01_config.ipynb": "SHARDKIT_HOME and the trust rule; its cells only check",
@@ -120,7 +120,7 @@ def _has_outputs(nb: Path) -> bool:
 
 
 def _shows(source: str) -> bool:
-    "Whether a code cell shows something when run: it prints, displays or plots, or ends in an expression that is not a call."
+    "Whether a code cell shows something when run: it prints, displays or plots, or ends in a value (not a call)."
     code = "\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("#|", "!", "%")))
     try: tree = ast.parse(code)
     except SyntaxError: return True  # cell magics and the like: assume it shows something
@@ -139,10 +139,11 @@ EXECUTED = [p for p in LIBRARY if p.name not in {**NEEDS_SERVER, **SHOWS_NOTHING
 @pytest.mark.parametrize("nb", EXECUTED, ids=[p.name for p in EXECUTED])
 def test_library_notebook_committed_with_outputs(nb):
     "A library page whose examples need no server is committed executed; the exceptions are listed above, with why."
-    assert _has_outputs(nb), (f"{nb.relative_to(ROOT)} is committed without outputs, so its page shows none of its examples' "
-                              f"results: run `python -m shardkit.docs execute {nb.relative_to(ROOT)}` (test-sized where the "
-                              f"full size is slow, saying so on the page) and commit it; a notebook that needs a server "
-                              f"goes in NEEDS_SERVER in {Path(__file__).name}, with why")
+    rel = nb.relative_to(ROOT)
+    assert _has_outputs(nb), (f"{rel} is committed without outputs, so its page shows none of its examples' results: "
+                              f"run `python -m shardkit.docs execute {rel}` (test-sized where the full size is slow, "
+                              f"saying so on the page) and commit it; a notebook that needs a server goes in "
+                              f"NEEDS_SERVER in {Path(__file__).name}, with why")
 
 
 def test_output_exceptions_hold():

@@ -251,13 +251,14 @@ def _cpu_model() -> str:
     "The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.exists() else []
-    return next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), platform.processor() or platform.machine())
+    names = [l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 def machine_summary() -> str:
     "This machine in one line: CPU model, cores, memory, Python and torch versions, and the 1-minute load average."
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
 
 # %% ../../nbs/35_bench_loader.ipynb
 def bench_loader_cli(src: str,                      # Shards: a directory, ais://bucket, a brace template, or a .tar
@@ -283,9 +284,9 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
     plot_bench(res, out)
     print(f"plot: {shown_path(out)}")
     if json:
-        flags = [f"--workers {workers}", f"--repeats {repeats}", f"--samples {samples}"] + ["--peers"] * peers + ["--cold"] * cold
-        flags += [f"--max-shards {max_shards}"] * (max_shards is not None)
-        res = dict(res, run=dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine_summary(),
-                                 command=" ".join(["shardkit bench loader", shown_path(src)] + flags)))
-        Path(json).write_text(dumps(res, indent=1, default=str)); print(f"result: {shown_path(json)}")
+        flags = [f"--workers {workers}", f"--repeats {repeats}", f"--samples {samples}"] + ["--peers"] * peers
+        flags += ["--cold"] * cold + [f"--max-shards {max_shards}"] * (max_shards is not None)
+        run = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine_summary(),
+                   command=" ".join(["shardkit bench loader", shown_path(src)] + flags))
+        Path(json).write_text(dumps(dict(res, run=run), indent=1, default=str)); print(f"result: {shown_path(json)}")
     return res

@@ -298,7 +298,8 @@ class _WidsSamples(torch.utils.data.Dataset):
     def __init__(self, index: str, fields: dict):
         import wids
         cache = str(Path(index).parent / "cache")  # wids' copies of the shards it opens, beside its index (not in /tmp)
-        self.ds, self.image, self.label = wids.ShardListDataset(index, transformations=[], cache_dir=cache), "." + fields["image"], "." + fields["label"]
+        self.ds = wids.ShardListDataset(index, transformations=[], cache_dir=cache)
+        self.image, self.label = "." + fields["image"], "." + fields["label"]
     def __len__(self): return len(self.ds)
     def __getitem__(self, i):
         s = self.ds[i]
