@@ -236,9 +236,12 @@ def plot_bench(result: dict, path: str | Path | None = None):
     shown = [k + (" (not exactly once)" if result.get("rows", {}).get(k, {}).get("exact") is False else "") for k in names]
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.32 * len(names)), squeeze=False)
     for i, (ax, (label, vals, fmt)) in enumerate(zip(axes[0], panels)):
-        ax.barh(shown[::-1], vals[::-1], color=colors)
-        for y, v in enumerate(vals[::-1]): ax.text(v, y, " " + fmt.format(v), va="center", fontsize=8)
-        ax.set_xlabel(label); ax.set_xlim(0, max(vals) * 1.25)
+        top = max(v for v in vals if v <= 4 * statistics.median(vals))  # a bar far beyond the rest is cut, and says so
+        bars = [min(v, top * 1.15) for v in vals]
+        ax.barh(shown[::-1], bars[::-1], color=colors)
+        for y, (v, b) in enumerate(zip(vals[::-1], bars[::-1])):
+            ax.text(b, y, " " + fmt.format(v) + (" (cut)" if b < v else ""), va="center", fontsize=8)
+        ax.set_xlabel(label); ax.set_xlim(0, top * 1.6)
         if i: ax.set_yticklabels([])
     fig.suptitle(f"Loaders on the same data and work: {result['num_workers']} workers, {result['cores']} cores, {result['samples']} samples "
                  f"x{result['passes']} per epoch (load average {result['load_end']:.1f})", fontsize=10)
