@@ -3,7 +3,7 @@ two tiers. `slow` marks notebooks, AIStore, browsers, torchrun, the demo and ben
 that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier, run in
 two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's fast-test command); the whole suite runs serially on
 2 cores (a second worker starves the local cluster's nodes there), and with `--dist loadgroup` on bigger machines."""
-import contextlib, os, shutil, subprocess, sys, tempfile
+import contextlib, os, shutil, signal, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
@@ -23,12 +23,17 @@ def _free_base_port(start=28080, step=10, nodes=4):
 def pytest_collection_modifyitems(config, items):
     """Tests on the session's AIStore are slow, and share one worker under pytest-xdist (`--dist loadgroup`): one
     cluster per session. Tests with a wall-clock bound (`timed`) share another, so no two of them run at once."""
+    ais_modules = set()
     for item in items:
         if "ais_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("aistore"))
+            ais_modules.add(item.nodeid.split("::")[0])
         elif item.get_closest_marker("timed"):
             item.add_marker(pytest.mark.xdist_group("timed"))
+    # The test files that use the cluster run after the others (each file's own order kept, so its module fixtures are
+    # set up once): on a fresh machine, aisnode builds in the background meanwhile (pytest_collection_finish).
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in ais_modules)
 
 
 class _OneRunPerNotebook:
@@ -47,11 +52,44 @@ def pytest_configure(config):
     config.pluginmanager.register(_OneRunPerNotebook(), "shardkit-one-run-per-notebook")
 
 
+_BUILD = {}  # the background aisnode build of this session, if one was started
+
+
+def pytest_collection_finish(session):
+    """On a machine without an aisnode build (a fresh clone), start building it now, at the lowest CPU priority, when
+    the selected tests need the cluster: the ~2.5 min build then uses the cores the tests before them leave idle,
+    instead of holding up the first AIStore test. Serial runs only (under xdist each worker would build)."""
+    needs_cluster = any("ais_cluster" in getattr(i, "fixturenames", ()) for i in session.items)
+    if hasattr(session.config, "workerinput") or not needs_cluster: return
+    from shardkit.cluster import aisnode_path
+    if aisnode_path().exists(): return
+    code = "from shardkit.cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds
+    _BUILD["proc"] = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: os.nice(19))
+
+
+def _wait_for_aisnode_build():
+    """Wait for the background build, if any, at normal priority now that a test waits for it (where permitted: root);
+    ais_up then finds the binary (or, if the build failed, builds it again and says why)."""
+    if proc := _BUILD.pop("proc", None):
+        try: os.setpriority(os.PRIO_PGRP, proc.pid, 0)
+        except (PermissionError, ProcessLookupError): pass  # not root: it goes on at low priority; or it is done
+        proc.wait()
+
+
+def pytest_sessionfinish(session):
+    "A background build still running when the session ends (no cluster test ran, -x) is stopped, with its compilers."
+    if (proc := _BUILD.pop("proc", None)) and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # KeyboardInterrupt: build_aisnode removes its partial binary
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def ais_cluster(tmp_path_factory):
     """A real local AIStore (1 proxy, 2 targets, dSort built in) for the whole session.
     Skips with a how-to when it cannot start, unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure."""
     from shardkit.cluster import ais_up, ais_down
+    _wait_for_aisnode_build()
     root, port = tmp_path_factory.mktemp("ais"), _free_base_port()
     try:
         try: endpoint = ais_up(targets=2, root=root, port=port, quiet=True)

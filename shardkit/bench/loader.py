@@ -4,7 +4,9 @@
 
 # %% ../../nbs/35_bench_loader.ipynb 2
 from __future__ import annotations
-import gc, os, shutil, statistics, time
+import gc, os, platform, shutil, statistics, time
+from datetime import datetime, timezone
+from json import dumps
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -19,7 +21,7 @@ from .peers import LOADER_ROWS, PEER_LOADERS, _MAKERS, _convert, _folder_items, 
 
 # %% auto 0
 __all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'bench_ratios', 'loader_table',
-           'plot_bench', 'bench_loader_cli']
+           'plot_bench', 'machine_summary', 'bench_loader_cli']
 
 # %% ../../nbs/35_bench_loader.ipynb
 def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
@@ -234,15 +236,32 @@ def plot_bench(result: dict, path: str | Path | None = None):
     shown = [k + (" (not exactly once)" if result.get("rows", {}).get(k, {}).get("exact") is False else "") for k in names]
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.32 * len(names)), squeeze=False)
     for i, (ax, (label, vals, fmt)) in enumerate(zip(axes[0], panels)):
-        ax.barh(shown[::-1], vals[::-1], color=colors)
-        for y, v in enumerate(vals[::-1]): ax.text(v, y, " " + fmt.format(v), va="center", fontsize=8)
-        ax.set_xlabel(label); ax.set_xlim(0, max(vals) * 1.25)
+        top = max(v for v in vals if v <= 4 * statistics.median(vals))  # a bar far beyond the rest is cut, and says so
+        bars = [min(v, top * 1.15) for v in vals]
+        ax.barh(shown[::-1], bars[::-1], color=colors)
+        for y, (v, b) in enumerate(zip(vals[::-1], bars[::-1])):
+            ax.text(b, y, " " + fmt.format(v) + (" (cut)" if b < v else ""), va="center", fontsize=8)
+        ax.set_xlabel(label); ax.set_xlim(0, top * 1.6)
         if i: ax.set_yticklabels([])
     fig.suptitle(f"Loaders on the same data and work: {result['num_workers']} workers, {result['cores']} cores, {result['samples']} samples "
                  f"x{result['passes']} per epoch (load average {result['load_end']:.1f})", fontsize=10)
     fig.tight_layout()
     if path is not None: fig.savefig(path, dpi=110)
     return fig
+
+# %% ../../nbs/35_bench_loader.ipynb
+def _cpu_model() -> str:
+    "The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+def machine_summary() -> str:
+    "This machine in one line: CPU model, cores, memory, Python and torch versions, and the 1-minute load average."
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
 
 # %% ../../nbs/35_bench_loader.ipynb
 def bench_loader_cli(src: str,                      # Shards: a directory, ais://bucket, a brace template, or a .tar
@@ -253,7 +272,8 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
                      cold: store_true = False,      # Drop the page cache before each run (where permitted)
                      max_shards: int = None,        # Use only the first N shards
                      cache: str = "",               # Folder for the converted copies (ImageFolder, peers' formats); default ~/.cache/shardkit/bench
-                     out: str = "bench-loader.png"):  # Where to save the bar chart
+                     out: str = "bench-loader.png",  # Where to save the bar chart (PNG)
+                     json: str = ""):               # Also write the result, the date, the machine and the command to this JSON file
     "Benchmark shardkit's loaders against webdataset, ImageFolder, the AIStore post's pipeline and (--peers) LitData, MDS, DALI, FFCV: same data, same work per sample."
     if workers < 0: raise UsageError(f"--workers must be >= 0, got {workers}")
     if repeats < 1: raise UsageError(f"--repeats must be >= 1, got {repeats}")
@@ -266,4 +286,10 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
     print(loader_table(res))
     plot_bench(res, out)
     print(f"plot: {shown_path(out)}")
+    if json:
+        flags = [f"--workers {workers}", f"--repeats {repeats}", f"--samples {samples}"] + ["--peers"] * peers
+        flags += ["--cold"] * cold + [f"--max-shards {max_shards}"] * (max_shards is not None)
+        run = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine_summary(),
+                   command=" ".join(["shardkit bench loader", shown_path(src)] + flags))
+        Path(json).write_text(dumps(dict(res, run=run), indent=1, default=str)); print(f"result: {shown_path(json)}")
     return res

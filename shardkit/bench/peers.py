@@ -297,7 +297,9 @@ class _WidsSamples(torch.utils.data.Dataset):
     "wids' indexed dataset over the same tars (raw bytes: wids decodes nothing), each sample decoded and augmented as every row does."
     def __init__(self, index: str, fields: dict):
         import wids
-        self.ds, self.image, self.label = wids.ShardListDataset(index, transformations=[]), "." + fields["image"], "." + fields["label"]
+        cache = str(Path(index).parent / "cache")  # wids' copies of the shards it opens, beside its index (not in /tmp)
+        self.ds = wids.ShardListDataset(index, transformations=[], cache_dir=cache)
+        self.image, self.label = "." + fields["image"], "." + fields["label"]
     def __len__(self): return len(self.ds)
     def __getitem__(self, i):
         s = self.ds[i]
