@@ -50,9 +50,8 @@ def compare_packages(committed: Path, exported: Path) -> list[str]:
 def test_modules_match_notebooks(tmp_path):
     exported = export_fresh(tmp_path)
     assert {"etl/core.py", "loading/stream.py", "shards/write.py", "bench/loader.py", "cli.py"} <= package_files(exported)
-    problems = compare_packages(ROOT / "shardkit", exported)
-    assert not problems, "shardkit/ is not what the notebooks export (edit the notebook, run nbdev_export, commit both):\n" \
-        + "\n".join(problems)
+    problems = "\n".join(compare_packages(ROOT / "shardkit", exported))
+    assert not problems, f"shardkit/ is not what the notebooks export (edit the notebook, nbdev_export, commit both):\n{problems}"
 
 
 def test_sync_sees_every_subpackage(tmp_path):
@@ -64,7 +63,8 @@ def test_sync_sees_every_subpackage(tmp_path):
     (committed / "loading" / "stray.py").write_text("")
     (exported / "shards" / "write.py").unlink()
     assert compare_packages(committed, exported) == [
-        "loading/stray.py: committed, but no notebook exports it", "shards/write.py: committed, but no notebook exports it",
+        "loading/stray.py: committed, but no notebook exports it",
+        "shards/write.py: committed, but no notebook exports it",
         "etl/core.py: differs from what its notebook exports"]
 
 
