@@ -52,7 +52,7 @@ def test_modules_match_notebooks(tmp_path):
     some = {"cli.py", "etl/core.py", "loading/stream.py", "shards/write.py", "bench/loader.py"}
     assert some <= package_files(exported), "nbdev_export wrote no modules into the subpackages: is it nbdev 2?"
     problems = "\n".join(compare_packages(ROOT / "shardkit", exported))
-    assert not problems, f"shardkit/ is not what the notebooks export (edit the notebook, nbdev_export, commit):\n{problems}"
+    assert not problems, f"shardkit/ differs from what the notebooks export (edit the notebook, export):\n{problems}"
 
 
 def test_sync_sees_every_subpackage(tmp_path):
