@@ -225,6 +225,31 @@ def test_missing_field_is_named(shards):
         sample_index(shards, ("cls", "depth.png"))
 
 
+def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
+    "`bench_ais_index`: the loader measured on a bucket without, then with, AIStore's shard index; and its command."
+    from shardkit import cli
+    from shardkit.bench.random import bench_ais_index
+    name = f"shardkit-bench-index-{uuid.uuid4().hex[:8]}"
+    store = open_store(f"ais://{name}", create=True)
+    try:
+        for p in shards: store.put_file(p)
+        res = bench_ais_index(f"ais://{name}", keys=("cls", "image.jpg"), num_workers=0, samples=24, batch_size=8)
+        assert set(res) == {"without index", "with index", "build_s"} and res["build_s"] > 0, res
+        for when in ("without index", "with index"):
+            for mode in ("read", "decode"):
+                r = res[when][mode]
+                assert (r["samples"], r["read_only"]) == (24, mode == "read") and r["rate"] > 0 and r["cpu_ms"] > 0, r
+        # with the index in place, the bucket still reads as the same samples, batch for batch
+        assert _keys(_loader(f"ais://{name}", batch_size=5, seed=3)) == _keys(_loader(shards, batch_size=5, seed=3))
+        args = ["bench", "random", f"ais://{name}", "--shard-index", "--workers", "0", "--samples", "24", "--batch-size", "8"]
+        assert cli.main(args) == 0
+        out = capsys.readouterr().out
+        for row in ("read, without index", "decode, without index", "read, with index", "decode, with index"):
+            assert row in out, out
+    finally:
+        for n in store.list(): store.delete(n)
+
+
 def test_on_aistore_a_shard_replaced_after_indexing_is_named(shards, ais_endpoint, tmp_path):
     "GetBatch with and without AIStore's shard index is the notebook's (nbs/27_random); this guards the error path."
     name = f"shardkit-random-{uuid.uuid4().hex[:8]}"
