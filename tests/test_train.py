@@ -102,7 +102,7 @@ def test_ddp_too_few_shards_fails_fast(tmp_path):
     assert r.returncode != 0
     assert "1 shards cannot feed 2 ranks" in r.stderr, r.stderr[-2000:]
     took = time.time() - t0  # fast: the ranks refuse before training, not when a collective times out (minutes)
-    assert took < 90, f"the ranks took {took:.0f} s to refuse 1 shard for 2 ranks"
+    assert took < 120, f"the ranks took {took:.0f} s to refuse 1 shard for 2 ranks (about 15-40 s here)"
 
 
 @contextlib.contextmanager
