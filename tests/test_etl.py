@@ -220,7 +220,7 @@ def test_server_class_under_uvicorn_push_and_pull(src, ais_endpoint):
 
 
 class RecordingClient:
-    "An AIStore client for `init_etl` that says the cluster runs ETL and records the init request instead of sending it."
+    "An AIStore client for `init_etl`: says the cluster runs ETL, and records the init request instead of sending it."
     base_url = "http://aistore-on-kubernetes.invalid/v1"
 
     def __init__(self): self.sent, self._request_client = [], self

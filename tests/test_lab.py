@@ -225,8 +225,8 @@ def test_lab_serves_with_token_and_stops(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as e: _api(base, "wrong-token", "contents")
         assert e.value.code == 403
         proc.terminate()  # SIGTERM to `lab`, as a service manager or `kill` would send
-        # `lab` forwards SIGTERM to Jupyter and exits with its status: 0 when it stopped cleanly; a `lab` that the signal
-        # killed instead (no handler) exits with -15 and leaves the server running (caught just below, too)
+        # `lab` forwards SIGTERM to Jupyter and exits with its status: 0 when it stopped cleanly; a `lab` that the
+        # signal killed instead (no handler) exits with -15 and leaves the server running (caught just below, too)
         code = proc.wait(60)
         assert code == 0, f"`lab` exited {code} after SIGTERM (-15: killed by it):\n{log.read_text()[-2000:]}"
         def down():

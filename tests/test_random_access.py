@@ -241,8 +241,8 @@ def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
                 assert (r["samples"], r["read_only"]) == (24, mode == "read") and r["rate"] > 0 and r["cpu_ms"] > 0, r
         # with the index in place, the bucket still reads as the same samples, batch for batch
         assert _keys(_loader(f"ais://{name}", batch_size=5, seed=3)) == _keys(_loader(shards, batch_size=5, seed=3))
-        args = ["bench", "random", f"ais://{name}", "--shard-index", "--workers", "0", "--samples", "24", "--batch-size", "8"]
-        assert cli.main(args) == 0
+        args = ["--shard-index", "--workers", "0", "--samples", "24", "--batch-size", "8"]
+        assert cli.main(["bench", "random", f"ais://{name}", *args]) == 0
         out = capsys.readouterr().out
         for row in ("read, without index", "decode, without index", "read, with index", "decode, with index"):
             assert row in out, out
