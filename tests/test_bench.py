@@ -41,7 +41,8 @@ def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not importable("litdata"), reason="litdata is not installed (pip install \"shardkit[peers]\")")
+@pytest.mark.skipif(not importable("litdata"), reason="litdata is in the peers extra, not in dev: to run this row, "
+                    "pip install -e \".[dev,peers]\" then python -m pytest tests/test_bench.py -k litdata")
 def test_bench_loader_litdata_row(shards, tmp_path):
     from shardkit.bench.peers import LOADER_ROWS
     from shardkit.bench.loader import bench_loader, loader_table
@@ -71,7 +72,11 @@ def test_bench_scale_cli_on_aistore(tmp_path, ais_endpoint):
     assert by[300, "verify"]["read_mb"] > by[300, "convert"]["written_mb"] / 2 > 300 * 2000 / 2e6  # every shard read back
     assert by[300, "index"]["index_b_per_sample"] <= 32
     assert all(r["cluster_cpu_ms"] > 0 for r in rows if r["stage"] in ("ais getbatch", "ais getbatch+index"))  # ~1 ms a member
-    assert all(r["cluster_cpu_ms"] >= 0 for r in rows if r["stage"] == "ais stream")  # 300 samples streamed: under the clock's 10 ms
+    # streaming costs the cluster far less per sample than GetBatch (0.004 vs ~1-3 ms in the facts); a stream of 300
+    # samples may take under the clock's 10 ms tick, so its figure can be 0, but it is measured and below GetBatch's
+    for n in (150, 300):
+        stream, batch = by[n, "ais stream"]["cluster_cpu_ms"], by[n, "ais getbatch"]["cluster_cpu_ms"]
+        assert stream is not None and stream < batch, (n, stream, by[n, "ais getbatch"])
     assert "ais getbatch+index at 300: " in out and "x the streaming rate from the same bucket" in out, out
     assert (tmp_path / "scale.png").stat().st_size > 10_000
     r = main_cli("bench", "scale", tmp_path, "--n", "1e3")

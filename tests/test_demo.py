@@ -6,27 +6,42 @@ import pytest
 FILES = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt", "demo-state.json")
 
 
+# 296 synthetic images (148 to train on, 148 to test) and 3 epochs: the smallest run here whose small CNN meets the
+# learning check with a margin (6.5x chance measured; 74 images and 1 epoch reach only 2x, so the check was printed
+# "not met" and not asserted). The loader's speed goal is not asserted here: 111 samples read once, in one run on two
+# shared cores, say nothing about speed. `shardkit bench loader SRC --peers --repeats 3` is where it is measured
+# (nbs/35_bench_loader: its "Measured here" table and goal verdicts).
+N, EPOCHS = 296, 3
+
+
 @pytest.mark.timed
 @pytest.mark.slow
 def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     out = tmp_path / "demo"
+    args = ("demo", "--out", out, "--n", N, "--epochs", EPOCHS, "--bench-samples", "100")
     t0 = time.time()
-    r = cli("demo", "--out", out, "--n", "74", "--epochs", "1", "--bench-samples", "100", timeout=300)
+    r = cli(*args, timeout=900)
     first = time.time() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     for f in FILES:
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     summary = (out / "summary.txt").read_text()
-    for line in ("shardkit demo: done", "74 synthetic Oxford-IIIT Pet images", "37 train samples", "37 test samples",
-                 "by local", "sidecar running shardkit.demo:shrink_pets", "test accuracy", "learning check >= 3x",
-                 "AIStore post's pipeline", "webdataset, done well", "goal: default >= 1.10x the fastest exactly-once peer"):
+    for line in ("shardkit demo: done", f"{N} synthetic Oxford-IIIT Pet images", f"{N // 2} train samples",
+                 f"{N // 2} test samples", "by local", "sidecar running shardkit.demo:shrink_pets", "test accuracy",
+                 "AIStore post's pipeline", "webdataset, done well"):
         assert line in summary, (line, summary)
     assert summary.strip() in r.stdout
     state = json.loads((out / "demo-state.json").read_text())
     assert set(state) == {"data", "shuffle", "train", "bench"}
+    accuracy = state["train"]["result"]["accuracy"]
+    assert accuracy * 37 >= 3, f"the small CNN did not learn: accuracy {accuracy:.1%} < 3x chance (8.1%)\n{summary}"
+    assert "(learning check >= 3x: met)" in summary, summary
+    rates = state["bench"]["result"]["rates"]  # figures, not speed: the rows were measured, each at a real rate
+    assert {"shardkit default", "webdataset, done well", "AIStore post's pipeline"} <= set(rates), rates
+    assert all(v > 0 for v in rates.values()), rates
 
     t0 = time.time()
-    r2 = cli("demo", "--out", out, "--n", "74", "--epochs", "1", "--bench-samples", "100", timeout=300)
+    r2 = cli(*args, timeout=300)
     assert r2.returncode == 0, r2.stderr[-3000:]
     for step in ("data: reusing", "shuffle: reusing", "train: reusing", "bench: reusing"):
         assert step in r2.stdout, (step, r2.stdout)

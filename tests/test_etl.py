@@ -1,14 +1,23 @@
 """ETL: one transform run five ways must agree; the server under a real ASGI server; bad input and faults.
 
+The five ways: 1 a loader stage, 2 shard by shard, 3 AIStore's own ETL (`init_etl`, `run_in_cluster`), 4 the sidecar
+(`shardkit etl serve`), 5 offline store to store (`shardkit etl run`). Way 3 needs AIStore on Kubernetes (its ETL code
+is built only with the `etl` tag and runs only in a pod; /work/shared/facts.md), which the suite's local cluster is
+not. So here way 3 runs as far as it can without Kubernetes: `init_etl` builds its request (recorded, not sent), and
+the server class it ships runs as AIStore's pod runs it, in a fresh Python where shardkit is not installed, under
+uvicorn, behind the routes a target calls, pulling from a real HTTP "target". Only AIStore's own routing to the pod
+is left out; `test_run_in_cluster_on_kubernetes` runs it where SHARDKIT_K8S_AIS_ENDPOINT names such a cluster.
+
 Data: 3 classes x 4 training images as 3 shards of 4 samples (val-style transform) -- seconds, not minutes."""
-import io, os, socket, subprocess, sys, tarfile, threading, time, warnings
+import contextlib, functools, http.server, io, os, socket, subprocess, sys, tarfile, threading, time, warnings
+from types import SimpleNamespace
 from pathlib import Path
 import numpy as np
 import pytest
 import requests
 import webdataset as wds
 from shardkit.etl.core import ShardTransform, SampleError, etl_stage
-from shardkit.etl.server import etl_unavailable
+from shardkit.etl.server import etl_unavailable, init_etl
 from shardkit.etl.transforms import imagenet_val_npy, imagenet_train_npy
 from shardkit.etl import run_etl
 from shardkit.shards.fields import ShardError
@@ -208,6 +217,105 @@ def test_server_class_under_uvicorn_push_and_pull(src, ais_endpoint):
             runner.should_exit = True; th.join(10)
     finally:
         for n in ais.list(): ais.delete(n)
+
+
+class RecordingClient:
+    "An AIStore client for `init_etl`: says the cluster runs ETL, and records the init request instead of sending it."
+    base_url = "http://aistore-on-kubernetes.invalid/v1"
+
+    def __init__(self): self.sent, self._request_client = [], self
+    def cluster(self): return SimpleNamespace(list_etls=lambda: [])  # the answer of a cluster that runs ETL
+    def etl(self, name):
+        from aistore.sdk.etl.etl import Etl
+        return Etl(self, name)  # the SDK's own ETL object: init_class serializes the class and builds the request
+    def request(self, method, path, **kw): self.sent.append((method, path, kw)); return SimpleNamespace(text="etl-job")
+
+
+# AIStore's runtime_python pod: the SDK and the PACKAGES init_etl names, not shardkit (nor fastcore, which shardkit
+# needs); it unpickles ETL_CLASS_PAYLOAD, makes the server with no arguments and runs its app under uvicorn.
+POD = """import base64, importlib.abc, os, sys
+class NotInThePod(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("shardkit", "fastcore"): raise ImportError(name + " is not installed in the ETL pod")
+sys.meta_path.insert(0, NotInThePod())
+import cloudpickle, uvicorn
+server = cloudpickle.loads(base64.b64decode(os.environ["ETL_CLASS_PAYLOAD"]))()
+uvicorn.run(server.app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+@contextlib.contextmanager
+def http_target(folder: Path):
+    "A tiny HTTP server on a free 127.0.0.1 port answering GET /<name> with `folder`'s file: the AIS target's stand-in."
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True); th.start()
+    try: yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally: srv.shutdown(); srv.server_close(); th.join(10)
+
+
+def test_init_etl_ships_a_server_that_runs_without_shardkit(src):
+    "Way 3 without Kubernetes: the request init_etl makes, and its server class run as AIStore's pod would run it."
+    client = RecordingClient()
+    assert init_etl("shardkit-val", imagenet_val_npy, client=client) == "shardkit-val"
+    (method, path, kw), = client.sent
+    spec = kw["json"]
+    assert (method, path, spec["name"], spec["communication"]) == ("put", "etl", "shardkit-val", "hpull://"), spec
+    assert spec["runtime"]["image"].startswith("aistorage/runtime_python:"), spec["runtime"]
+    pod_env = {e["name"]: e["value"] for e in spec["runtime"]["env"]}
+    assert set(pod_env["PACKAGES"].split(",")) >= {"webdataset", "torch", "torchvision", "pillow", "numpy"}, pod_env
+    shard, name = src.read_bytes("imagenet-train-000000.tar"), "imagenet-train-000000.tar"
+    want = ShardTransform(imagenet_val_npy)(shard, name)
+    port = _free_port()
+    with http_target(src.root) as target:
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "AIS_TARGET_URL": target,
+               "ETL_CLASS_PAYLOAD": pod_env["ETL_CLASS_PAYLOAD"]}
+        pod = subprocess.Popen([sys.executable, "-c", POD, str(port)], env=env, cwd=src.root, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_http(f"{base}/health", pod, timeout=120)
+            pulled = requests.get(f"{base}/{name}", timeout=120)  # hpull: the server GETs AIS_TARGET_URL/<name>
+            pushed = requests.put(f"{base}/bucket/{name}", data=shard, timeout=120)  # hpush: the target sends the shard
+            assert pulled.status_code == pushed.status_code == 200, (pulled.text[:300], pushed.text[:300])
+            assert pulled.content == pushed.content == want
+            assert requests.get(f"{base}/nope.tar", timeout=60).status_code == 404  # the target's 404, passed on
+            bad = requests.put(f"{base}/bucket/bad.tar", data=b"not a tar", timeout=60)
+            assert bad.status_code == 422 and "bad.tar" in bad.text, (bad.status_code, bad.text[:300])
+        finally:
+            pod.terminate()
+            try: out = pod.communicate(timeout=20)[0].decode(errors="replace")
+            except subprocess.TimeoutExpired: pod.kill(); out = pod.communicate()[0].decode(errors="replace")
+    assert "not installed in the ETL pod" not in out, out[-3000:]
+    assert f"{name}: 4 samples in, 4 out, 0 skipped" in out, out[-3000:]  # the server's own log line, per shard
+
+
+@pytest.mark.slow
+def test_run_in_cluster_on_kubernetes(src, monkeypatch):
+    """Way 3 for real: `run_etl` between two buckets of an AIStore that runs ETL, which starts our ETL and AIStore's
+    bucket-to-bucket transform job (`run_in_cluster`). That needs AIStore on Kubernetes; the suite's local cluster has
+    no ETL, so this runs only where SHARDKIT_K8S_AIS_ENDPOINT names such a cluster (its pods pull
+    aistorage/runtime_python and pip-install the PACKAGES, so they need a registry and PyPI)."""
+    endpoint = os.environ.get("SHARDKIT_K8S_AIS_ENDPOINT")
+    if not endpoint:
+        pytest.skip("AIStore runs ETL only on Kubernetes (built with the etl tag, in a pod); the local cluster cannot. "
+                    "Set SHARDKIT_K8S_AIS_ENDPOINT=http://HOST:PORT of an AIStore on Kubernetes to run this")
+    why = etl_unavailable(endpoint)
+    if why: pytest.fail(f"SHARDKIT_K8S_AIS_ENDPOINT={endpoint} names a cluster without ETL: {why}")
+    monkeypatch.setenv("AIS_ENDPOINT", endpoint)
+    tag = f"{os.getpid()}-{int(time.time())}"
+    a = open_store(f"ais://shardkit-test-k8s-src-{tag}", create=True)
+    b = open_store(f"ais://shardkit-test-k8s-dest-{tag}", create=True)
+    try:
+        for n in src.list("*.tar"): a.put_file(src.path(n), n)
+        s = run_etl(imagenet_val_npy, a.spec, b.spec, progress=False, etl_name=f"shardkit-test-{os.getpid()}")
+        assert s["way"] == "aistore" and s["written"] == s["shards"] == 3 and not s["failed"], s
+        for n in src.list("*.tar"):
+            same_samples(decoded(b.read_bytes(n)), decoded(ShardTransform(imagenet_val_npy)(src.read_bytes(n), n)))
+    finally:
+        for st in (a, b):
+            for n in st.list(): st.delete(n)
 
 
 def test_offline_between_buckets_falls_back_to_local_workers(src, ais_endpoint, capsys):

@@ -98,10 +98,11 @@ def test_ddp_folder_ranks_disjoint(tmp_path):
 def test_ddp_too_few_shards_fails_fast(tmp_path):
     shards = write_shards(tmp_path / "shards", [10])
     t0 = time.time()
-    r = torchrun("--shards", shards, "--size", 32, "--batch-size", 4, "--workers", 0, timeout=90)
+    r = torchrun("--shards", shards, "--size", 32, "--batch-size", 4, "--workers", 0, timeout=600)  # a hang guard only
     assert r.returncode != 0
     assert "1 shards cannot feed 2 ranks" in r.stderr, r.stderr[-2000:]
-    assert time.time() - t0 < 90
+    took = time.time() - t0  # fast: the ranks refuse before training, not when a collective times out (minutes)
+    assert took < 120, f"the ranks took {took:.0f} s to refuse 1 shard for 2 ranks (about 15-40 s here)"
 
 
 @contextlib.contextmanager

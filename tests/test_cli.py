@@ -1,0 +1,110 @@
+"""The command table as it is: every command shardkit has, and every `shardkit X Y` the README and the notebooks tell a
+reader to type, resolves in cli.COMMANDS to a function that imports and parses its options. No test adds or replaces a
+command (the last test checks the suite for it), so deleting an entry from the table fails here."""
+import json, re
+from pathlib import Path
+import pytest
+from shardkit.cli import COMMANDS, command_parser, find_command, load_command
+from conftest import main_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every command shardkit has. A new command goes into cli.py (nbs/99_cli) and here; one removed from here on purpose.
+SHARDKIT_COMMANDS = {
+    ("demo",), ("ais", "up"), ("ais", "down"), ("ais", "status"), ("ais", "build"),
+    ("pets", "synth"), ("pets", "download"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
+    ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
+    ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "loader"),
+    ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),
+}
+
+
+def test_the_command_table_has_every_command():
+    missing, unlisted = SHARDKIT_COMMANDS - set(COMMANDS), set(COMMANDS) - SHARDKIT_COMMANDS
+    lost = " ".join(min(missing)) if missing else ""
+    assert not missing, f"cli.COMMANDS lost {sorted(missing)}: `shardkit {lost}` answers 'unknown command'"
+    assert not unlisted, f"new commands {sorted(unlisted)}: add them to SHARDKIT_COMMANDS in tests/test_cli.py"
+
+
+@pytest.mark.parametrize("cmd", sorted(SHARDKIT_COMMANDS), ids=" ".join)
+def test_each_command_imports_and_parses(cmd):
+    "The function behind each command imports, and `--help` builds its parser from the signature and answers 0."
+    assert cmd in COMMANDS, f"`shardkit {' '.join(cmd)}` is not in cli.COMMANDS"
+    assert callable(load_command(cmd))
+    command_parser(cmd)
+    r = main_cli(*cmd, "--help")
+    assert r.returncode == 0 and f"usage: shardkit {' '.join(cmd)}" in r.stdout, (r.stdout, r.stderr)
+
+
+# `shardkit W1 [W2] [| W3 | W4]` (the README writes `shardkit ais up | down | status` for three commands)
+_MENTION = re.compile(r"shardkit((?: [a-z][\w-]*){1,2})((?: \| [a-z][\w-]*)*)")
+_SPAN = re.compile(r"`([^`\n]+)`")  # inline code
+
+
+def _texts():
+    "(where, text, is_code) for README.md and every cell of every notebook under nbs/, tutorials included."
+    yield "README.md", (ROOT / "README.md").read_text(), False
+    for nb in sorted((ROOT / "nbs").rglob("*.ipynb")):
+        if ".ipynb_checkpoints" in nb.parts: continue
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            yield f"{nb.relative_to(ROOT)} cell {i}", "".join(cell["source"]), cell["cell_type"] == "code"
+
+
+def command_lines(text: str, is_code: bool) -> list[str]:
+    "The pieces of `text` written as something to type: inline code, fenced blocks, `!` lines of a code cell."
+    pieces, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"): fenced = not fenced; continue
+        if fenced or (is_code and line.lstrip().startswith("!")): pieces.append(line.lstrip(" !"))
+        else: pieces += _SPAN.findall(line)
+    return pieces
+
+
+def mentioned_commands(text: str, is_code: bool) -> list[list[str]]:
+    """Each `shardkit ...` in `text` as the words a user types: the ones written as something to type, and wherever
+    else its first word names a command or group (prose such as "shardkit is" is not a command)."""
+    groups = {k[0] for k in SHARDKIT_COMMANDS | set(COMMANDS)}
+    typed = "\n".join(command_lines(text, is_code))
+    found = []
+    for source, all_of_it in ((typed, True), (text, False)):
+        for m in _MENTION.finditer(source):
+            words = m.group(1).split()
+            if not all_of_it and words[0] not in groups: continue
+            found += [words] + [words[:1] + [alt] for alt in m.group(2).split(" | ")[1:]]
+    return [list(w) for w in dict.fromkeys(map(tuple, found))]  # once each, in order
+
+
+def test_mentions_are_found():
+    "The scanner itself, on the README's way of writing commands."
+    assert mentioned_commands("```bash\nshardkit ais up | down | status   a cluster\n```", False) == [
+        ["ais", "up"], ["ais", "down"], ["ais", "status"]]
+    assert mentioned_commands("`shardkit lab` opens; shardkit is a kit", False) == [["lab"]]
+    assert mentioned_commands('!shardkit ls data/x\nprint("shardkit bench gpu: nothing")', True) == [
+        ["ls", "data"], ["bench", "gpu"]]
+
+
+def _resolves(words: list[str]) -> bool:
+    "A command, or a group asked for its list (`shardkit etl --help`)."
+    cmd, _ = find_command(words)
+    is_group = any(len(k) == 2 and k[0] == words[0] for k in COMMANDS)
+    return cmd is not None or (is_group and (len(words) == 1 or words[1].startswith("-")))
+
+
+def test_every_documented_command_exists():
+    mentions = [(where, words) for where, text, is_code in _texts() for words in mentioned_commands(text, is_code)]
+    assert len(mentions) > 100, "the scanner found too few commands in the README and notebooks"
+    unknown = sorted({f"shardkit {' '.join(w)}  ({where})" for where, w in mentions if not _resolves(w)})
+    assert not unknown, "documented commands that cli.COMMANDS does not have:\n" + "\n".join(unknown)
+    used = {find_command(w)[0] for _, w in mentions} - {None}
+    readme = {find_command(w)[0] for w in mentioned_commands((ROOT / "README.md").read_text(), False)}
+    assert {("demo",), ("ais", "up"), ("convert", "pets"), ("bench", "loader"), ("lab",)} <= readme
+    assert len(used) >= 25, f"only {len(used)} commands documented: {sorted(used)}"
+
+
+def test_no_test_edits_the_command_table():
+    "CLI tests run the real table: a test that registers the command it tests passes with the command deleted."
+    edit = re.compile(r"COMMANDS\s*\[[^\]]*\]\s*=|setitem\([^,]*COMMANDS|delitem\([^,]*COMMANDS|"
+                      r"COMMANDS\.(update|pop|popitem|setdefault|clear)\(|setattr\([^,]*,\s*['\"]COMMANDS")
+    offenders = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").glob("*.py")) if p.name != "test_cli.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if edit.search(line)]
+    assert not offenders, f"tests that change cli.COMMANDS (use the real table): {offenders}"
