@@ -37,7 +37,7 @@ def test_each_command_imports_and_parses(cmd):
 
 
 # `shardkit W1 [W2] [| W3 | W4]` (the README writes `shardkit ais up | down | status` for three commands)
-_MENTION = re.compile(r"shardkit((?: [a-z][\w-]*){1,2})((?: \| [a-z][\w-]*)*)")
+_MENTION = re.compile(r"(?<![\w.])(?<!from )shardkit((?: (?!import\b)[a-z][\w-]*){1,2})((?: \| [a-z][\w-]*)*)")
 _SPAN = re.compile(r"`([^`\n]+)`")  # inline code
 
 
