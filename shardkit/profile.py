@@ -180,6 +180,9 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
                                                "and only the crop's window of each JPEG")
         todo.append(f"decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): {v['wall']:.2f} ms/sample "
                     f"off the workers, up to {_without(p, v['wall']):,.0f} samples/s")
+    elif b == "shuffle" and p.kind == "gpu":
+        todo.append("the GPU loader's shuffle buffer holds JPEG bytes, cheap to move: its time here is mostly waiting "
+                    "(for reads, or for a core)")
     elif b == "augment":
         todo.append(f"keep images uint8 and normalise on the device (normalize_batch); offload the resize to the store (the ETL "
                     f"tutorial): up to {_without(p, v['wall']):,.0f} samples/s without this stage")
@@ -220,8 +223,12 @@ def verdicts(p: Profile) -> list[str]:
     if p.device_stages:
         dev = sum(p.device_stages.values())
         parts = ", ".join(f"{k} {v:.3f}" for k, v in p.device_stages.items())
-        out.append(f"the loader's device stages take {dev:.3f} ms/sample in the main process ({parts}): "
-                   f"at most {1000 / max(dev, 1e-9):,.0f} samples/s from them alone")
+        line = (f"the loader's device stages take {dev:.3f} ms/sample in the main process ({parts}): "
+                f"at most {1000 / max(dev, 1e-9):,.0f} samples/s from them alone")
+        if p.workers and p.worker_ms > 0 and 1000 / max(dev, 1e-9) < p.workers * 1000 / p.worker_ms:
+            line += (f", fewer than its workers could deliver ({p.workers * 1000 / p.worker_ms:,.0f}/s): "
+                     f"{max(p.device_stages, key=p.device_stages.get)} on the device limits the loader")
+        out.append(line)
     if (b := p.bottleneck) is not None:
         v = p.stages[b]
         whose = "the workers'" if p.workers else "the pipeline's"
