@@ -88,6 +88,7 @@ class Profile:
     load: float                 # the machine's load average (1 min) at the end: runnable processes, other jobs' included
     steady_rate: float | None = None  # samples/s after the first batch (None: one batch)
     device_stages: dict = field(default_factory=dict)  # the GPU loader's copy, decode, augment on its device: ms per sample
+    device_beside: bool = False  # its device stages ran in a thread beside the loop (batches made ahead), not inside next()
     timeline: dict = field(default_factory=dict, repr=False)
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
@@ -109,22 +110,23 @@ def _windows(acc, kind: str) -> str:
     why = jpeg.why_no_window_decode()
     return "used" if acc[:, _S["decode"], 3].sum() else "available but off" if why is None else f"unavailable: {why}"
 
-def _profile(raw: dict, kind: str, workers: int, label: str, device_s: dict) -> Profile:
-    "A Profile from `_loop`'s raw numbers and the loader's device stages (seconds each)."
+def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, beside: bool) -> Profile:
+    "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample each; `beside`: in a thread of their own)."
     acc, n, ms = raw["acc"], max(raw["samples"], 1), lambda s: 1000 * s / max(raw["samples"], 1)
     rows = slice(1, None) if workers else slice(0, 1)
     made = acc[rows, _S["collate"], 2].sum() if workers else n  # what the workers made (a few batches may still be on their way)
     stages = _per_sample(acc, rows, max(made, 1))
     stages["rebatch"] = _per_sample(acc, slice(0, 1), n)["rebatch"]
-    on_dev = {k: ms(s) for k, s in device_s.items()}
-    pipeline, dev = sum(v["wall"] for v in stages.values()), sum(on_dev.values())  # dev: inside next(), in the main process
+    pipeline, dev = sum(v["wall"] for v in stages.values()), sum(on_dev.values())
+    apart = workers > 0 or beside  # the stages run beside the loop (workers, a prefetching thread), not inside next()
     in_next, reb = ms(raw["next_wall"]), stages["rebatch"]
-    receive = max(ms(raw["next_cpu"]) - reb["cpu"] - dev, 0.0) if workers else 0.0
-    main = dict(wait=max(in_next - receive - reb["wall"] - dev, 0.0) if workers else 0.0, receive=receive, rebatch=reb["wall"],
+    inside = dict(wall=0.0, cpu=0.0) if beside else dict(wall=reb["wall"] + dev, cpu=reb["cpu"] + dev)  # main-thread work in next()
+    receive = max(ms(raw["next_cpu"]) - inside["cpu"], 0.0) if apart else 0.0
+    main = dict(wait=max(in_next - receive - inside["wall"], 0.0) if apart else 0.0, receive=receive, rebatch=reb["wall"],
                 device=ms(raw["device"]), step=ms(raw["step"]))
-    main["untimed"] = ms(raw["wall"]) - (in_next if workers else pipeline + dev) - main["device"] - main["step"]
+    main["untimed"] = ms(raw["wall"]) - (in_next if apart else pipeline + dev) - main["device"] - main["step"]
     busy = pipeline - reb["wall"]
-    capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(in_next, 1e-9)
+    capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(busy + dev if beside else in_next, 1e-9)
     if workers and dev > 0: capacity = min(capacity, 1000 / dev)
     read_s, read_b = acc[rows, _S["read"], 0].sum(), acc[rows, _S["read"], 2].sum()
     first_end = raw["main_ev"][0, 3] - raw["t0"] if raw["batches"] else raw["wall"]
@@ -133,10 +135,16 @@ def _profile(raw: dict, kind: str, workers: int, label: str, device_s: dict) -> 
                    raw["samples"] / raw["wall"],
                    stages, main, ms(raw["cpu"]), capacity, raw["samples"] / raw["step"] if raw["stepped"] and raw["step"] > 0 else None,
                    raw["next_wall"] / raw["wall"], read_b / 1e6 / read_s if read_b and read_s > 0 else None,
-                   _windows(acc, kind), os.getloadavg()[0], steady, on_dev,
+                   _windows(acc, kind), os.getloadavg()[0], steady, on_dev, beside,
                    dict(ev=raw["ev"][1:] if workers else raw["ev"][:1], main=raw["main_ev"], t0=raw["t0"]))
 
 # %% ../nbs/42_profile.ipynb
+def _device_ms(loader) -> dict:
+    "The GPU loader's device stages, ms per sample of the batches it timed (made ahead ones included); one wait for the device."
+    made = {}
+    for stage, _, _, n in list(loader.device_events): made[stage] = made.get(stage, 0) + n
+    return {k: 1000 * s / max(made.get(k, 0), 1) for k, s in loader.device_seconds().items()}
+
 def profile_pipeline(loader,                         # Any iterable of batches: shardkit's loaders, a WebLoader, a DataLoader
                      step: Callable | None = None,   # The training step, run on each batch (on `device`)
                      batches: int | None = None,     # Stop after this many batches (None: the whole epoch)
@@ -151,9 +159,10 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
     with instrumented(loader, clocks) as kind:
         gpu = kind == "gpu"  # the GPU loader's batches are on its device already: no copy, and its own clocks
         raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks, move=not gpu)
-        device_s = loader.device_seconds() if gpu and hasattr(loader, "device_seconds") else {}
+        on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
-    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, device_s)
+    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev,
+                    gpu and getattr(loader, "prefetch", 0) > 0)
 
 # %% ../nbs/42_profile.ipynb
 def _without(p: Profile, ms: float) -> float:
@@ -201,7 +210,7 @@ def _in_next(p: Profile) -> str:
     "The time in next() split: waiting for the workers, receiving, rebatching, the loader's device stages; shares of the loop."
     m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
     parts = [("waiting for the workers", m["wait"]), ("receiving their batches", m["receive"]),
-             ("rebatching", m["rebatch"]), ("the loader's device stages", sum(p.device_stages.values()))]
+             ("rebatching", m["rebatch"]), ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
     return ", ".join(f"{name} {share(v)}" for name, v in parts if v > 0.0005) or "nothing timed"
 
 def verdicts(p: Profile) -> list[str]:
@@ -223,7 +232,8 @@ def verdicts(p: Profile) -> list[str]:
     if p.device_stages:
         dev = sum(p.device_stages.values())
         parts = ", ".join(f"{k} {v:.3f}" for k, v in p.device_stages.items())
-        line = (f"the loader's device stages take {dev:.3f} ms/sample in the main process ({parts}): "
+        where = "in a thread of the main process, beside the loop" if p.device_beside else "in the main process, inside next()"
+        line = (f"the loader's device stages take {dev:.3f} ms/sample {where} ({parts}): "
                 f"at most {1000 / max(dev, 1e-9):,.0f} samples/s from them alone")
         if p.workers and p.worker_ms > 0 and 1000 / max(dev, 1e-9) < p.workers * 1000 / p.worker_ms:
             line += (f", fewer than its workers could deliver ({p.workers * 1000 / p.worker_ms:,.0f}/s): "
