@@ -208,6 +208,7 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
 # %% ../nbs/42_profile.ipynb
 def _in_next(p: Profile) -> str:
     "The time in next() split: waiting for the workers, receiving, rebatching, the loader's device stages; shares of the loop."
+    if not p.workers and not p.device_beside: return "no workers: the pipeline itself runs inside next()"
     m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
     parts = [("waiting for the workers", m["wait"]), ("receiving their batches", m["receive"]),
              ("rebatching", m["rebatch"]), ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
