@@ -1,13 +1,17 @@
-"""Decoding on the GPU: the CPU run of the same code path (exact epochs over workers and ranks, shapes, seeds, errors),
-and the CUDA checks, which skip with the reason where there is no GPU that decodes JPEGs."""
+"""Decoding on the GPU: the CPU run of the same code path (exact epochs over workers and ranks, the batched crops
+against the per-image reference, resuming, the profiler's hooks, errors, the bench), and the CUDA checks, which skip
+with the reason where there is no GPU that decodes JPEGs."""
+import json, time
 import numpy as np
 import pytest
 import torch
 import webdataset as wds
 from shardkit.cli import main as cli_main
-from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
+from shardkit.loading.gpu import (GpuLoader, augment_batch, create_gpu_loader, crop_batch, decode_batch, draw_crop,
+                                  jpeg_sample, pack_jpegs, why_no_gpu)
 from shardkit.bench.gpu import bench_gpu_decode
-from shardkit.loading.sources import LoaderError
+from shardkit.loading.sources import LoaderError, seed_for
+from shardkit.loading.stream import ShardLoader
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
 N_SHARDS, PER_SHARD = 6, 5
@@ -34,6 +38,20 @@ def _loader(shards, **kw):
     return create_gpu_loader(shards, **kw)
 
 
+def _images(n, rng, noise=False, lo=40, hi=200):
+    "n uint8 3 x H x W test images of random sizes: synthetic animals (photo-like) or uniform noise."
+    hw = [(int(rng.integers(lo, hi)), int(rng.integers(lo, hi))) for _ in range(n)]
+    if noise: return [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in hw]
+    return [torch.from_numpy(np.asarray(draw_animal(i % 37, rng, size=(w, h))[0])).permute(2, 0, 1).contiguous()
+            for i, (h, w) in enumerate(hw)]
+
+
+def _draws(images, seed=0, epoch=0):
+    keys = [f"k{i}" for i in range(len(images))]
+    d = [draw_crop(im.shape[-2], im.shape[-1], seed_for(seed, epoch, "augment", k)) for im, k in zip(images, keys)]
+    return keys, torch.tensor([x[:4] for x in d]), torch.tensor([x[4] for x in d])
+
+
 @pytest.mark.parametrize("workers", [0, 2, 3])
 def test_every_sample_exactly_once_per_epoch(shards, workers):
     dl = _loader(shards, num_workers=workers)
@@ -49,14 +67,14 @@ def test_ranks_split_an_epoch(shards):
 
 
 def test_shapes_dtypes_and_labels(shards):
-    batches = list(_loader(shards))
+    batches = list(_loader(shards, num_workers=0))
     assert [len(b[0]) for b in batches] == [7, 7, 7, 7, 2]
     keys, cls, images = batches[0]
     assert images.dtype == torch.uint8 and images.shape == (7, 3, 32, 32) and images.device.type == "cpu"
     truth = {s["__key__"]: int(s["cls"]) for s in wds.WebDataset(shards, shardshuffle=False)}
     assert cls.dtype == torch.int64 and cls.tolist() == [truth[k] for k in keys]
-    (x,) = next(iter(_loader(shards, keys=("image.jpg",), normalize=True)))
-    assert x.dtype == torch.float32 and x.shape == (7, 3, 32, 32)
+    (x,) = next(iter(_loader(shards, keys=("image.jpg",), normalize=True, channels_last=True)))
+    assert x.dtype == torch.float32 and x.shape == (7, 3, 32, 32) and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_seeded_repeatability(shards):
@@ -68,6 +86,100 @@ def test_seeded_repeatability(shards):
     list(dl), list(dl)
     dl.set_epoch(0)
     assert [x[0] for x in dl] == [x[0] for x in a]
+
+
+def test_prefetch_changes_nothing_but_timing(shards):
+    a, b = list(_loader(shards, prefetch=0)), list(_loader(shards, prefetch=2))
+    assert [x[0] for x in a] == [x[0] for x in b]
+    assert all(torch.equal(x[2], y[2]) for x, y in zip(a, b))
+
+
+def test_worker_crops_are_the_cpu_loaders_and_the_references(shards):
+    "The workers draw each crop from the JPEG header, seeded by (seed, epoch, key): the reference's crops and flips."
+    raw = {s["__key__"]: s["image.jpg"] for s in wds.WebDataset(shards, shardshuffle=False)}
+    dl = _loader(shards, keys=("__key__", "image.jpg"), seed=3, num_workers=2)
+    for epoch in range(2):
+        for keys, images in dl:
+            decoded = [torch.from_numpy(np.frombuffer(raw[k], np.uint8).copy()) for k in keys]
+            ref = augment_batch(decode_batch(decoded, keys, "cpu"), keys, 3, epoch, 32)
+            assert (ref.float() - images.float()).abs().mean() < 0.5
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["animals", "noise"])
+def test_batched_crops_match_the_per_image_reference(noise):
+    images = _images(32, np.random.default_rng(2), noise=noise)
+    keys, crops, flips = _draws(images)
+    ref, got = augment_batch(images, keys, 0, 0, 64), crop_batch(images, crops, flips, 64)
+    d = (ref.float() - got.float()).abs()
+    assert d.mean() < 0.5 and d.max() <= 2, f"mean {d.mean():.3f}, max {d.max():.0f} levels"  # measured: ~0.2 and 1
+
+
+def test_batched_crops_enlarge_and_shrink_alike():
+    images = _images(8, np.random.default_rng(3), lo=300, hi=400)
+    keys, crops, flips = _draws(images)
+    for size in (32, 224, 480):  # shrinking a lot, about even, enlarging
+        d = (augment_batch(images, keys, 0, 0, size).float() - crop_batch(images, crops, flips, size).float()).abs()
+        assert d.mean() < 0.5 and d.max() <= 2, (size, d.mean(), d.max())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_gives_the_remaining_batches(shards, workers):
+    make = lambda: _loader(shards, keys=("__key__", "image.jpg"), batch_size=3, num_workers=workers, seed=11)
+    full = list(make())
+    for k in (1, 4):
+        dl = make()
+        it = iter(dl)
+        head = [next(it) for _ in range(k)]
+        state = json.loads(json.dumps(dl.state_dict()))  # saved as a checkpoint would be
+        assert sum(state["batches"]) == k, "batches made ahead (prefetch) do not count"
+        del it
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert [b[0] for b in head + rest] == [b[0] for b in full]
+        assert all(torch.equal(x[1], y[1]) for x, y in zip(head + rest, full)), "the same pixels"
+
+
+def test_resume_in_a_later_epoch(shards):
+    make = lambda: _loader(shards, keys=("__key__", "image.jpg"), batch_size=4, num_workers=2, seed=2)
+    ref = make()
+    list(ref)
+    second = [b[0] for b in ref]
+    dl = make()
+    list(dl)
+    it = iter(dl)
+    head = [next(it)[0] for _ in range(2)]
+    state = dl.state_dict()
+    assert state["epoch"] == 1
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [b[0] for b in resumed] == second
+
+
+def test_a_loader_left_mid_epoch_starts_cleanly(shards):
+    dl = _loader(shards)
+    it = iter(dl)
+    next(it)
+    del it  # the prefetching thread stops
+    assert sorted(k for keys, _, _ in dl for k in keys) == ALL
+
+
+def test_profiler_hooks(shards):
+    dl = _loader(shards)
+    assert isinstance(dl, GpuLoader) and isinstance(dl.loader, ShardLoader) and GpuLoader.time_device is False
+    named = lambda s: ([getattr(a, "func", a) for a in s.args] + [getattr(v, "func", v) for v in s.kw.values()]
+                       if hasattr(s, "f") else [getattr(s, "func", s)])  # webdataset's map/batched hold their functions
+    stages = [f for s in dl.loader.dataset.pipeline for f in named(s)]
+    assert jpeg_sample in stages and pack_jpegs in stages, stages
+    list(dl)
+    assert dl.device_events == [] and dl.device_seconds() == {}, "nothing recorded unless asked"
+    dl.time_device = True
+    n = sum(len(keys) for keys, _, _ in dl)
+    assert {e[0] for e in dl.device_events} == {"copy", "decode", "augment"}
+    assert sum(e[3] for e in dl.device_events if e[0] == "decode") == n
+    secs = dl.device_seconds()
+    assert set(secs) == {"copy", "decode", "augment"} and all(v >= 0 for v in secs.values()) and secs["decode"] > 0
+    assert dl.device_events == [] and dl.device_seconds() == {}
 
 
 def test_errors_say_what_to_do(shards, tmp_path):
@@ -93,22 +205,45 @@ def test_without_a_gpu_cuda_is_refused_with_the_reason(shards, capsys):
     assert err.count("\n") == 1 and err.startswith("shardkit bench gpu: nothing to measure") and NO_GPU in err
 
 
-def test_bench_cli_on_cpu(shards, capsys):
+def test_bench_cli_on_cpu(shards, capsys, tmp_path):
     assert cli_main(["bench", "gpu", str(shards[0]), "--device", "cpu", "--samples", "20", "--workers", "1", "--size", "32"]) == 0
     out = capsys.readouterr().out
     assert "shardkit, decode on cpu" in out and "shardkit CPU loader" in out
+    args = ["bench", "gpu", str(shards[0]), "--device", "cpu", "--samples", "14", "--workers", "1", "--size", "32",
+            "--batch-size", "7", "--step", "small", "--json", str(tmp_path / "rows.json")]
+    assert cli_main(args) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [r["name"].split(" (")[0] for r in rows][2:] == ["shardkit GPU loader alone", "shardkit GPU loader + step",
+                                                           "shardkit CPU loader + step"]
+    assert rows[0]["vs_step"] == 1.0 and all(r["rate"] > 0 and r["cpu_ms"] > 0 for r in rows)
 
+
+# ---- CUDA: skipped here, with the reason; tests/gpu_check.sh runs them on a GPU machine ----
 
 @cuda
-def test_cuda_batches_live_on_the_device(shards):
-    batches = list(_loader(shards, device="cuda"))
+def test_cuda_batches_live_on_the_device_from_pinned_memory(shards):
+    dl = _loader(shards, device="cuda")
+    batches = list(dl)
     assert sorted(k for keys, _, _ in batches for k in keys) == ALL
     keys, cls, images = batches[0]
-    assert images.device.type == "cuda" and images.dtype == torch.uint8 and images.shape == (7, 3, 32, 32)
+    assert images.device.type == "cuda" and images.dtype == torch.uint8 and images.shape == (len(keys), 3, 32, 32)
     assert cls.device.type == "cuda" and cls.dtype == torch.int64
+    assert dl._keep is not None and dl._keep.is_pinned(), "decode reads the bytes from pinned memory"
     cpu = list(_loader(shards))
     assert [b[0] for b in cpu] == [b[0] for b in batches], "the same samples and crops; only the decoder differs"
     assert (images.float().cpu() - cpu[0][2].float()).abs().mean() < 8
+
+
+@cuda
+def test_cuda_batched_crops_match_the_per_image_reference():
+    for noise in (False, True):
+        images = [im.cuda() for im in _images(64, np.random.default_rng(4), noise=noise, lo=200, hi=500)]
+        keys, crops, flips = _draws(images)
+        ref, got = augment_batch(images, keys, 0, 0, 224), crop_batch(images, crops, flips, 224)
+        d = (ref.float() - got.float()).abs()
+        assert got.device.type == "cuda" and d.mean() < 0.5 and d.max() <= 3, (noise, d.mean(), d.max())
+        x = crop_batch(images, crops, flips, 224, normalize=True, channels_last=True)
+        assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
 
 
 @cuda
@@ -120,6 +255,42 @@ def test_cuda_seeded_and_normalized(shards):
 
 
 @cuda
-def test_cuda_bench_runs(shards):
-    rows = bench_gpu_decode(shards, batch_size=8, num_workers=2, samples=64, size=64)
-    assert rows[0]["name"].startswith("shardkit, decode on cuda") and all(r["rate"] > 0 for r in rows)
+def test_cuda_next_batch_is_made_beside_a_long_step(shards):
+    "With work queued on the caller's stream, the loader's batches still come: made on its own stream, not after it."
+    dl = _loader(shards * 8, device="cuda", batch_size=8, size=224, num_workers=2, prefetch=2)
+    it = iter(dl)
+    next(it)
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10): a @ a
+    torch.cuda.synchronize()
+    step = time.perf_counter() - t
+    for _ in range(int(2.0 / max(step / 10, 1e-4))): a @ a  # about 2 s of work queued on the default stream, not waited for
+    t = time.perf_counter()
+    got = [next(it) for _ in range(4)]  # at least two made after the queue filled
+    took = time.perf_counter() - t
+    assert torch.cuda.current_stream().query() is False, "the long step is still running"
+    assert took < 1.0, f"{took:.2f} s for 4 batches while the step ran: the loader waited for the step"
+    torch.cuda.synchronize()
+    assert all(b[2].device.type == "cuda" for b in got)
+
+
+@cuda
+def test_cuda_time_device_records_events(shards):
+    dl = _loader(shards, device="cuda")
+    dl.time_device = True
+    list(dl)
+    assert all(isinstance(e[1], torch.cuda.Event) for e in dl.device_events)
+    secs = dl.device_seconds()
+    assert set(secs) == {"copy", "decode", "augment"} and secs["decode"] > 0
+
+
+@cuda
+def test_cuda_bench_with_a_step(shards, tmp_path):
+    args = ["bench", "gpu", str(shards[0]), "--samples", "64", "--workers", "2", "--batch-size", "8", "--size", "64",
+            "--step", "resnet18", "--json", str(tmp_path / "rows.json")]
+    assert cli_main(args) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert rows[0]["name"].startswith("step alone: resnet18") and all(r["rate"] > 0 for r in rows)
+    assert any(r["name"].startswith("shardkit GPU loader + step") for r in rows)
