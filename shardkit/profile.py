@@ -189,9 +189,9 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
                                                "and only the crop's window of each JPEG")
         todo.append(f"decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): {v['wall']:.2f} ms/sample "
                     f"off the workers, up to {_without(p, v['wall']):,.0f} samples/s")
-    elif b == "shuffle" and p.kind == "gpu":
-        todo.append("the GPU loader's shuffle buffer holds JPEG bytes, cheap to move: its time here is mostly waiting "
-                    "(for reads, or for a core)")
+    elif p.kind == "gpu":
+        todo.append(f"the GPU loader's workers only parse, check JPEG headers and pack bytes: of {v['wall']:.2f} ms/sample "
+                    f"here, {v['cpu']:.2f} ms is work on a core; the rest waits (for reads, or for a core)")
     elif b == "augment":
         todo.append(f"keep images uint8 and normalise on the device (normalize_batch); offload the resize to the store (the ETL "
                     f"tutorial): up to {_without(p, v['wall']):,.0f} samples/s without this stage")
@@ -210,7 +210,8 @@ def _in_next(p: Profile) -> str:
     "The time in next() split: waiting for the workers, receiving, rebatching, the loader's device stages; shares of the loop."
     if not p.workers and not p.device_beside: return "no workers: the pipeline itself runs inside next()"
     m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
-    parts = [("waiting for the workers", m["wait"]), ("receiving their batches", m["receive"]),
+    waiting = "waiting for the loader (its workers, then its device thread)" if p.device_beside else "waiting for the workers"
+    parts = [(waiting, m["wait"]), ("receiving their batches", m["receive"]),
              ("rebatching", m["rebatch"]), ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
     return ", ".join(f"{name} {share(v)}" for name, v in parts if v > 0.0005) or "nothing timed"
 
@@ -271,7 +272,8 @@ def _rows(p: Profile) -> list[tuple]:
     "(name, wall ms/sample, CPU ms/sample or None) for the worker stages, the device stages and the main loop's parts that took time."
     w = [(f"workers: {k}" if p.workers else k, v["wall"], v["cpu"]) for k, v in p.stages.items() if k != "rebatch" and v["wall"] > 0.0005]
     d = [(f"device: {k}", v, None) for k, v in p.device_stages.items()]
-    return w + d + [(f"main: {MAIN_PARTS[k]}", v, None) for k, v in p.main.items() if v > 0.0005]
+    name = lambda k: "wait for the loader" if k == "wait" and p.device_beside else MAIN_PARTS[k]  # its workers and device thread
+    return w + d + [(f"main: {name(k)}", v, None) for k, v in p.main.items() if v > 0.0005]
 
 def report(p: Profile) -> str:
     "A text report of `p`: per stage and per loop part, ms per sample and shares; the rates; the verdicts."

@@ -204,7 +204,7 @@ def _parts(loader) -> tuple:
 
 def _jpegs_in(pack) -> int:
     "Samples in a GPU loader worker's batch, a pack of JPEGs (`batch_len` would count the bytes of its first field)."
-    return len(pack.keys) if hasattr(pack, "_fields") else len(pack[2])
+    return len(pack.keys)
 
 def _restart(dl):
     "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
