@@ -38,7 +38,7 @@ def _workers_of(loader) -> int:
 
 # %% ../nbs/42_profile.ipynb
 def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
-    "Iterate `loader` (at most `batches` batches), timing the main process's parts; the raw numbers. `move`: copy batches to `device`."
+    "Iterate `loader` (at most `batches` batches), timing the main process's parts; `move`: copy batches to `device`."
     pc, tt, main = time.perf_counter, time.thread_time, []
     n = next_w = next_c = dev = step_t = 0.0
     cpu0, self0, t0 = cpu_seconds(descendants=True), _self_cpu(), pc()
@@ -63,7 +63,9 @@ def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
     acc, ev = clocks.acc.numpy().copy(), clocks.ev.numpy().copy()
     del it
     return dict(samples=int(n), batches=len(main), wall=end - t0, first=first or end - t0, next_wall=next_w, next_cpu=next_c,
-                device=dev, step=step_t, cpu=cpu, main_cpu=self_cpu, acc=acc, ev=ev, main_ev=np.array(main).reshape(-1, 4), t0=t0,
+                device=dev, step=step_t, cpu=cpu, main_cpu=self_cpu, acc=acc, ev=ev,
+                main_ev=np.array(main).reshape(-1, 4),
+                t0=t0,
                 first_samples=int(n_first))
 
 def _self_cpu() -> float:
@@ -82,13 +84,13 @@ class Profile:
     cpu_ms: float               # CPU per sample, all processes (workers, main, their children such as curl)
     capacity: float             # samples/s the loader could deliver if nothing waited for it (not what it delivered)
     step_rate: float | None     # samples/s of the step alone (None: no step)
-    wait_share: float           # share of the loop spent in next(): waiting, receiving, rebatching, the loader's device stages
+    wait_share: float           # share of the loop in next(): waiting, receiving, rebatching, device stages inside it
     read_mb_s: float | None     # MB/s of the shard reads while reading
     windows: str                # shardkit's window decoder: "used", "available but off", "unavailable: why", or "n/a"
     load: float                 # the machine's load average (1 min) at the end: runnable processes, other jobs' included
     steady_rate: float | None = None  # samples/s after the first batch (None: one batch)
-    device_stages: dict = field(default_factory=dict)  # the GPU loader's copy, decode, augment on its device: ms per sample
-    device_beside: bool = False  # its device stages ran in a thread beside the loop (batches made ahead), not inside next()
+    device_stages: dict = field(default_factory=dict)  # the GPU loader's copy, decode, augment on its device: ms/sample
+    device_beside: bool = False  # its device stages ran in a thread beside the loop (made ahead), not inside next()
     timeline: dict = field(default_factory=dict, repr=False)
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
@@ -111,7 +113,7 @@ def _windows(acc, kind: str) -> str:
     return "used" if acc[:, _S["decode"], 3].sum() else "available but off" if why is None else f"unavailable: {why}"
 
 def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, beside: bool) -> Profile:
-    "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample each; `beside`: in a thread of their own)."
+    "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample; `beside`: in their own thread)."
     acc, n, ms = raw["acc"], max(raw["samples"], 1), lambda s: 1000 * s / max(raw["samples"], 1)
     rows = slice(1, None) if workers else slice(0, 1)
     made = acc[rows, _S["collate"], 2].sum() if workers else n  # what the workers made (a few batches may still be on their way)
@@ -120,9 +122,10 @@ def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, besid
     pipeline, dev = sum(v["wall"] for v in stages.values()), sum(on_dev.values())
     apart = workers > 0 or beside  # the stages run beside the loop (workers, a prefetching thread), not inside next()
     in_next, reb = ms(raw["next_wall"]), stages["rebatch"]
-    inside = dict(wall=0.0, cpu=0.0) if beside else dict(wall=reb["wall"] + dev, cpu=reb["cpu"] + dev)  # main-thread work in next()
+    inside = dict(wall=0.0, cpu=0.0) if beside else dict(wall=reb["wall"] + dev, cpu=reb["cpu"] + dev)  # work in next()
     receive = max(ms(raw["next_cpu"]) - inside["cpu"], 0.0) if apart else 0.0
-    main = dict(wait=max(in_next - receive - inside["wall"], 0.0) if apart else 0.0, receive=receive, rebatch=reb["wall"],
+    main = dict(wait=max(in_next - receive - inside["wall"], 0.0) if apart else 0.0, receive=receive,
+                rebatch=reb["wall"],
                 device=ms(raw["device"]), step=ms(raw["step"]))
     main["untimed"] = ms(raw["wall"]) - (in_next if apart else pipeline + dev) - main["device"] - main["step"]
     busy = pipeline - reb["wall"]
@@ -140,7 +143,7 @@ def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, besid
 
 # %% ../nbs/42_profile.ipynb
 def _device_ms(loader) -> dict:
-    "The GPU loader's device stages, ms per sample of the batches it timed (made ahead ones included); one wait for the device."
+    "The GPU loader's device stages, ms per sample of the batches it timed (those made ahead too); one device wait."
     made = {}
     for stage, _, _, n in list(loader.device_events): made[stage] = made.get(stage, 0) + n
     return {k: 1000 * s / max(made.get(k, 0), 1) for k, s in loader.device_seconds().items()}
@@ -184,13 +187,16 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
         todo.append("more readers: more workers, which can outnumber the cores while they wait on I/O; larger shards; a store closer to the GPUs")
     elif b == "decode":
         if p.windows.startswith("unavailable"): todo.append(f"window decoding is {p.windows}")
-        if p.windows == "available but off": todo.append("decode only the crop's window (train_transform(window=True), the default)")
+        if p.windows == "available but off":
+            todo.append("decode only the crop's window (train_transform(window=True), the default)")
         if p.kind == "webdataset": todo.append("decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
                                                "and only the crop's window of each JPEG")
-        todo.append(f"decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): {v['wall']:.2f} ms/sample "
+        todo.append(f"decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): "
+                    f"{v['wall']:.2f} ms/sample "
                     f"off the workers, up to {_without(p, v['wall']):,.0f} samples/s")
     elif p.kind == "gpu":
-        todo.append(f"the GPU loader's workers only parse, check JPEG headers and pack bytes: of {v['wall']:.2f} ms/sample "
+        todo.append(f"the GPU loader's workers only parse, check JPEG headers and pack bytes: "
+                    f"of {v['wall']:.2f} ms/sample "
                     f"here, {v['cpu']:.2f} ms is work on a core; the rest waits (for reads, or for a core)")
     elif b == "augment":
         todo.append(f"keep images uint8 and normalise on the device (normalize_batch); offload the resize to the store (the ETL "
@@ -207,23 +213,27 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
 
 # %% ../nbs/42_profile.ipynb
 def _in_next(p: Profile) -> str:
-    "The time in next() split: waiting for the workers, receiving, rebatching, the loader's device stages; shares of the loop."
+    "The time in next() split: waiting, receiving, rebatching, the loader's device stages; shares of the loop."
     if not p.workers and not p.device_beside: return "no workers: the pipeline itself runs inside next()"
     m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
-    waiting = "waiting for the loader (its workers, then its device thread)" if p.device_beside else "waiting for the workers"
+    waiting = "waiting for the loader (its workers, then its device thread)" if p.device_beside else \
+        "waiting for the workers"
     parts = [(waiting, m["wait"]), ("receiving their batches", m["receive"]),
-             ("rebatching", m["rebatch"]), ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
+             ("rebatching", m["rebatch"]),
+             ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
     return ", ".join(f"{name} {share(v)}" for name, v in parts if v > 0.0005) or "nothing timed"
 
 def verdicts(p: Profile) -> list[str]:
     "What limits the pipeline profiled in `p` and what to do about it, one line each, every figure measured."
     out, idle = [], max(p.cores - max(p.cores_busy, p.load), 0.0)  # cores neither this job nor others keep busy
-    cap = f"{'the workers' if p.workers and not p.device_stages else 'the loader'} could deliver {p.capacity:,.0f} samples/s (capacity)"
+    who = "the workers" if p.workers and not p.device_stages else "the loader"
+    cap = f"{who} could deliver {p.capacity:,.0f} samples/s (capacity)"
     if p.step_rate is None:
         out.append(f"no step given: the loader delivered {p.rate:,.0f} samples/s with {p.workers} workers, "
                    f"{p.cores_busy:.1f} of {p.cores} cores busy; {cap}")
     elif p.wait_share > 0.1:
-        out.append(f"input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch ({_in_next(p)}); {cap}, "
+        out.append(f"input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch ({_in_next(p)}); "
+                   f"{cap}, "
                    f"the step takes {p.step_rate:,.0f}/s")
     else:
         out.append(f"not input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch; the step "
@@ -234,7 +244,8 @@ def verdicts(p: Profile) -> list[str]:
     if p.device_stages:
         dev = sum(p.device_stages.values())
         parts = ", ".join(f"{k} {v:.3f}" for k, v in p.device_stages.items())
-        where = "in a thread of the main process, beside the loop" if p.device_beside else "in the main process, inside next()"
+        where = "in a thread of the main process, beside the loop" if p.device_beside else \
+            "in the main process, inside next()"
         line = (f"the loader's device stages take {dev:.3f} ms/sample {where} ({parts}): "
                 f"at most {1000 / max(dev, 1e-9):,.0f} samples/s from them alone")
         if p.workers and p.worker_ms > 0 and 1000 / max(dev, 1e-9) < p.workers * 1000 / p.worker_ms:
@@ -260,19 +271,21 @@ def verdicts(p: Profile) -> list[str]:
     elif p.workers and m["receive"] * p.rate / 1000 > 0.3:
         out.append(f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample ({m['receive'] * p.rate / 10:.0f}% "
                    "of its time), CPU the step may need: send less (uint8 images, only the fields the step uses)")
-    if p.kind == "opaque": out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a "
-                                      "map-style DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured")
+    if p.kind == "opaque":
+        out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a map-style "
+                   "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured")
     return out
 
 # %% ../nbs/42_profile.ipynb
-MAIN_PARTS = dict(wait="wait for workers", receive="receive batches", rebatch="rebatch", device="copy to device", step="step",
+MAIN_PARTS = dict(wait="wait for workers", receive="receive batches", rebatch="rebatch", device="copy to device",
+                  step="step",
                   untimed="untimed")  # the main loop's parts as reports name them
 
 def _rows(p: Profile) -> list[tuple]:
-    "(name, wall ms/sample, CPU ms/sample or None) for the worker stages, the device stages and the main loop's parts that took time."
+    "(name, wall ms/sample, CPU ms/sample or None) for the worker stages, device stages and loop parts that took time."
     w = [(f"workers: {k}" if p.workers else k, v["wall"], v["cpu"]) for k, v in p.stages.items() if k != "rebatch" and v["wall"] > 0.0005]
     d = [(f"device: {k}", v, None) for k, v in p.device_stages.items()]
-    name = lambda k: "wait for the loader" if k == "wait" and p.device_beside else MAIN_PARTS[k]  # its workers and device thread
+    name = lambda k: "wait for the loader" if k == "wait" and p.device_beside else MAIN_PARTS[k]  # and its thread
     return w + d + [(f"main: {name(k)}", v, None) for k, v in p.main.items() if v > 0.0005]
 
 def report(p: Profile) -> str:
@@ -280,27 +293,32 @@ def report(p: Profile) -> str:
     rows = [dict(stage=n, wall=w, cpu=c) for n, w, c in _rows(p)]
     steady = "" if p.steady_rate is None else f", then {p.steady_rate:,.0f} samples/s"
     title = (f"{p.label}: {p.samples} samples in {p.batches} batches, {p.workers} workers, {p.cores} cores; {p.rate:,.0f} samples/s "
-             f"overall; the first batch after {p.first_batch:.2f} s{steady}; CPU {p.cpu_ms:.2f} ms/sample (all processes); "
+             f"overall; the first batch after {p.first_batch:.2f} s{steady}; CPU {p.cpu_ms:.2f} ms/sample "
+             "(all processes); "
              f"windows: {p.windows}")
     cols = {"stage": ("stage", "{}"), "wall": ("ms/sample", "{:.3f}"), "cpu": ("CPU ms/sample", "{:.3f}")}
     return format_bench(rows, cols, title, ["verdict: " + v for v in verdicts(p)])
 
 def compare(profiles: list[Profile]) -> str:
-    "Profiles side by side: samples/s, its change against the first, the first batch, CPU, time in next(), each stage's ms/sample."
+    "Profiles side by side: samples/s, change vs the first, first batch, CPU, time in next(), each stage's ms/sample."
     names = sorted({n for p in profiles for n, _, _ in _rows(p)}, key=lambda n: (n.startswith("main"), n))
     get = lambda p, n: next((w for m, w, _ in _rows(p) if m == n), None)
-    fmt = {"samples/s": "{:,.0f}", "change vs first": "{:+.0%}", "share in next()": "{:.0%}", "first batch, s": "{:.2f}",
+    fmt = {"samples/s": "{:,.0f}", "change vs first": "{:+.0%}", "share in next()": "{:.0%}",
+           "first batch, s": "{:.2f}",
            "samples/s after it": "{:,.0f}"}
     table = [("samples/s", [p.rate for p in profiles]), ("change vs first", [p.rate / profiles[0].rate - 1 for p in profiles]),
-             ("first batch, s", [p.first_batch for p in profiles]), ("samples/s after it", [p.steady_rate for p in profiles]),
+             ("first batch, s", [p.first_batch for p in profiles]),
+             ("samples/s after it", [p.steady_rate for p in profiles]),
              ("CPU ms/sample", [p.cpu_ms for p in profiles]), ("share in next()", [p.wait_share for p in profiles])]
     table += [(n, [get(p, n) for p in profiles]) for n in names]
     rows = [dict(what=w, **{f"p{i}": None if v is None else fmt.get(w, "{:.3f}").format(v) for i, v in enumerate(vals)}) for w, vals in table]
     return format_bench(rows, {"what": ("ms/sample unless named", "{}"), **{f"p{i}": (p.label, "{}") for i, p in enumerate(profiles)}})
 
 # %% ../nbs/42_profile.ipynb
-COLORS = dict(read="#4c72b0", parse="#64b5cd", shuffle="#8172b3", header="#55a868", decode="#dd8452", augment="#c44e52", collate="#937860",
-              other="#bbbbbb", wait="#d62728", receive="#9467bd", rebatch="#8c564b", device="#17becf", step="#2ca02c", untimed="#dddddd",
+COLORS = dict(read="#4c72b0", parse="#64b5cd", shuffle="#8172b3", header="#55a868", decode="#dd8452", augment="#c44e52",
+              collate="#937860",
+              other="#bbbbbb", wait="#d62728", receive="#9467bd", rebatch="#8c564b", device="#17becf", step="#2ca02c",
+              untimed="#dddddd",
               **{"device copy": "#6baed6", "device decode": "#fdae6b", "device augment": "#e7969c"})
 
 def plot_stages(profiles: list[Profile], path=None):
@@ -309,7 +327,8 @@ def plot_stages(profiles: list[Profile], path=None):
     profiles = [profiles] if isinstance(profiles, Profile) else list(profiles)
     fig, axes = plt.subplots(1, 2, figsize=(10, 1.5 + 0.4 * len(profiles)), squeeze=False)
     panels = [("workers: ms of worker time per sample", lambda p: {k: v["wall"] for k, v in p.stages.items() if k != "rebatch"}),
-              ("main loop: ms per sample", lambda p: {**{f"device {k}": v for k, v in p.device_stages.items()}, **p.main})]
+              ("main loop: ms per sample", lambda p: {**{f"device {k}": v for k, v in p.device_stages.items()},
+                                                     **p.main})]
     for ax, (title, parts) in zip(axes[0], panels):
         seen = set()
         for y, p in enumerate(profiles):
@@ -377,8 +396,8 @@ def build_loader(src,                    # Shards: a directory, ais://bucket, a 
                  workers: int = 2,       # Loader worker processes
                  batch_size: int = 64,   # Samples per batch
                  seed: int = 0,          # Seed of shard order, shuffles and crops
-                 device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu for the same path there
-    "A loader over shards `src` by name: shardkit's `default`, it decoding `whole` JPEGs, the AIStore `post`'s, or the `gpu` loader."
+                 device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu (the same path)
+    "A loader over shards `src` by name: shardkit's `default`, it decoding `whole` JPEGs, the AIStore `post`'s, `gpu`."
     from shardkit.loader import create_dataloader, create_dataset
     from shardkit.loading.gpu import create_gpu_loader
     from shardkit.loading.transforms import train_transform
@@ -388,7 +407,9 @@ def build_loader(src,                    # Shards: a directory, ais://bucket, a 
     f = shard_fields(urls[0])
     if pipeline == "post": return post_loader(urls, num_workers=workers, image=f["image"], trimap=f["trimap"])
     if pipeline == "gpu":  # one JPEG per sample is what it decodes: the trimap stays out
-        return create_gpu_loader(urls, keys=(f["label"], f["image"]), batch_size=batch_size, num_workers=workers, seed=seed, device=device)
+        return create_gpu_loader(urls, keys=(f["label"], f["image"]), batch_size=batch_size, num_workers=workers,
+                                 seed=seed,
+                                 device=device)
     keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
     ds = create_dataset(urls, keys=keys, transform=train_transform(window=pipeline == "default"), seed=seed)
     return create_dataloader(ds, num_workers=workers, batch_size=batch_size)
@@ -419,8 +440,8 @@ def _changes(text: str) -> dict:
     return out
 
 def profile_cli(src: str,                    # Shards: a directory, ais://bucket, a brace template, or a .tar
-                pipeline: str = "default",   # default (shardkit's), whole (it, decoding whole JPEGs), post (the AIStore post's), gpu
-                device: str = "auto",        # Where batches go, and where `gpu` decodes: cuda, cpu, or auto (cuda if there is one)
+                pipeline: str = "default",   # default (shardkit's), whole (whole JPEGs), post (the AIStore post's), gpu
+                device: str = "auto",        # Where batches go and `gpu` decodes: cuda, cpu, auto (cuda if any)
                 workers: int = 2,            # Loader worker processes
                 batches: int = 0,            # Batches to profile (0: a whole epoch)
                 batch_size: int = 64,        # Samples per batch
@@ -443,7 +464,8 @@ def profile_cli(src: str,                    # Shards: a directory, ais://bucket
         print(f"\ntried {label(changed)}: {profiles[0].rate:,.0f} -> {profiles[1].rate:,.0f} samples/s "
               f"({profiles[1].rate / profiles[0].rate - 1:+.0%}), measured\n" + compare(profiles))
     if overhead:
-        o = profile_overhead(lambda: build_loader(src, **base, device=device), batches or None, 3, simulated_step(step_ms))
+        o = profile_overhead(lambda: build_loader(src, **base, device=device), batches or None, 3,
+                             simulated_step(step_ms))
         print(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput (median of 3 side-by-side pairs: {o['plain']:,.0f} samples/s plain, "
               f"{o['profiled']:,.0f} profiled), {o['cpu_overhead']:+.1%} of CPU per sample ({o['cpu_plain']:.2f} vs {o['cpu_profiled']:.2f} ms)")
     d = Path(out); d.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,13 @@ from .loading.transforms import sample_to_tuple
 __all__ = ['SLOTS', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'instrumented']
 
 # %% ../nbs/41_stage_timing.ipynb
-SLOTS = ("read", "parse", "shuffle", "header", "decode", "augment", "collate", "other", "rebatch")  # "rebatch": in the main process
+SLOTS = ("read", "parse", "shuffle", "header", "decode", "augment", "collate", "other", "rebatch")  # rebatch: main
 _S = {s: i for i, s in enumerate(SLOTS)}
 _PID = [os.getpid()]  # this process's id, kept without a system call per clock reading
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 class ProfileClocks:
-    "Shared-memory accumulators: per process (row 0 main, 1 + i worker i), per slot: wall s, CPU s, count, calls; the first batches."
+    "Shared-memory sums per process (row 0 main, 1 + i worker i) and slot: wall s, CPU s, count, calls; first batches."
     def __init__(self, workers: int, events: int = 64):
         self.acc = torch.zeros(workers + 1, len(SLOTS), 4, dtype=torch.float64).share_memory_()
         self.ev = torch.zeros(workers + 1, events, 2, dtype=torch.float64).share_memory_()
@@ -70,8 +70,9 @@ def _switch(enter: tuple | None = None):
     if enter is None: _STACK.pop()
     else: _STACK.append(enter)
 
-def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable | None = None, calls: bool = False) -> Callable:
-    "`fn`, its time (less timed calls inside it) added to `slot`, `count(result)` to the slot's count; `calls`: count the calls."
+def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable | None = None,
+               calls: bool = False) -> Callable:
+    "`fn`, its time (less timed calls inside it) added to `slot`, `count(result)` to its count; `calls`: count calls."
     part = (clocks, _S[slot])
     def call(*args, **kw):
         _switch(part)
@@ -101,8 +102,10 @@ def _apart(it, clocks):
 
 class TimedStage:
     "A pipeline stage whose own time (not upstream's, not timed calls') goes to `slot`; `last`: it counts samples and logs batches."
-    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False, count: Callable = batch_len):
-        self.stage, self.slot, self.clocks, self.last, self.apart, self.count = stage, _S[slot], clocks, last, apart, count
+    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False,
+                 count: Callable = batch_len):
+        self.stage, self.slot, self.clocks, self.last, self.apart = stage, _S[slot], clocks, last, apart
+        self.count = count
     def __repr__(self): return f"TimedStage({self.stage!r}, {SLOTS[self.slot]!r})"
 
     def __call__(self, *src):
@@ -165,7 +168,7 @@ def _timed_transform(tf, clocks):
     return timed_call(tf, "augment", clocks)
 
 def _gpu_stage(fn) -> bool:
-    "Whether `fn` (or what a partial wraps) is the GPU loader's own: its per-sample stage reads headers and draws crop boxes."
+    "Whether `fn` (or what a partial wraps) is the GPU loader's: its per-sample stage reads headers, draws crops."
     return getattr(getattr(fn, "func", fn), "__module__", None) == gpu.__name__
 
 def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
@@ -194,7 +197,7 @@ def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
 # %% ../nbs/41_stage_timing.ipynb
 def _parts(loader) -> tuple:
     "(the torch DataLoader that runs the workers or None, the pipeline they run or None, the main process's stages after them)."
-    if isinstance(loader, gpu.GpuLoader): return _parts(loader.loader)  # its workers' loader; the device work is its own
+    if isinstance(loader, gpu.GpuLoader): return _parts(loader.loader)  # its workers' loader; the device work: its own
     if isinstance(loader, wds.WebLoader):
         dl = loader.pipeline[0]
         return dl, dl.dataset if isinstance(getattr(dl, "dataset", None), wds.DataPipeline) else None, loader
@@ -247,7 +250,7 @@ def instrumented(loader, clocks: ProfileClocks):
     if pipe is not None:
         stages = [t for s in pipe.pipeline for t in stage_plan(s, clocks)]
         stages[-1].last = True
-        if isinstance(loader, gpu.GpuLoader): stages[-1].count = _jpegs_in  # its workers' batches are packs of JPEG bytes
+        if isinstance(loader, gpu.GpuLoader): stages[-1].count = _jpegs_in  # its workers' batches: packs of JPEG bytes
         kind = "shardkit" if isinstance(pipe.pipeline[0], EpochShards) else "webdataset"
         swap(pipe, "pipeline", stages)
     elif isinstance(loader, RandomAccessLoader): kind = _random_access(loader.dataset, clocks, swap)
@@ -260,7 +263,7 @@ def instrumented(loader, clocks: ProfileClocks):
         swap(main, "pipeline", main.pipeline[:1] + [TimedStage(s, "rebatch", clocks, apart=i == 0) for i, s in enumerate(main.pipeline[1:])])
     if isinstance(loader, gpu.GpuLoader):
         kind = "gpu"
-        if hasattr(loader, "time_device"): swap(loader, "time_device", True)  # its device stages, timed by the loader itself
+        if hasattr(loader, "time_device"): swap(loader, "time_device", True)  # device stages, timed by the loader
         if getattr(loader, "device_events", None): loader.device_seconds()  # events from before: not this run's
     if kind == "shardkit":  # its window decoder, its calls counted (forked workers inherit it)
         swap(jpeg, "decode_window", timed_call(jpeg.decode_window, "decode", clocks, calls=True))

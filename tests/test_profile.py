@@ -174,11 +174,12 @@ def test_the_transfer_to_the_device_is_timed_and_the_step_gets_the_moved_batch(s
 
 
 def _made_up(kind="shardkit", workers=2, cores=2, load=99.0, windows="used", **stages):
-    "A Profile with the numbers a test chooses (from a real one): by default decode-bound, on cores other jobs keep busy."
+    "A Profile with the numbers a test chooses (from a real one): by default decode-bound, on cores kept busy."
     st = {s: dict(wall=0.1, cpu=0.1) for s in SLOTS}
     st["decode"] = dict(wall=2.0, cpu=2.0)
     st.update(stages)
-    return replace(_made_up.base, kind=kind, workers=workers, cores=cores, load=load, windows=windows, stages=st, cpu_ms=0.01)
+    return replace(_made_up.base, kind=kind, workers=workers, cores=cores, load=load, windows=windows, stages=st,
+                   cpu_ms=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -188,29 +189,33 @@ def _base_profile(shards):
 
 def test_suggested_change_follows_the_verdicts(_base_profile):
     "What `--try auto` profiles, for each situation the verdicts name: it must change with the numbers, not be fixed."
-    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=1.0))) == dict(workers=4)  # reads that wait: twice the readers
+    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=1.0))) == dict(workers=4)  # reads that wait: 2x readers
     assert suggested_change(_made_up(workers=0, read=dict(wall=50.0, cpu=1.0))) == dict(workers=2)
-    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=45.0))) != dict(workers=4)  # reads on a core are work, not waiting
+    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=45.0))) != dict(workers=4)  # reads on a core: work
     assert suggested_change(_made_up(load=0.0, workers=1, cores=8)) == dict(workers=8)  # idle cores: a worker each
     assert suggested_change(_made_up(load=7.8, workers=1, cores=8)) != dict(workers=8)  # cores busy with other jobs
     assert suggested_change(_made_up(kind="webdataset")) == dict(pipeline="default")
     assert suggested_change(_made_up(windows="available but off")) == dict(pipeline="default")
-    on_gpu = dict(pipeline="gpu") if why_no_gpu() is None else dict(workers=3)  # decode-bound: the GPU where there is one
+    on_gpu = dict(pipeline="gpu") if why_no_gpu() is None else dict(workers=3)  # decode-bound: the GPU if any
     assert suggested_change(_made_up()) == on_gpu
-    assert suggested_change(_made_up(kind="gpu", decode=dict(wall=0.0, cpu=0.0), header=dict(wall=3.0, cpu=3.0))) == dict(workers=3)
+    header_bound = _made_up(kind="gpu", decode=dict(wall=0.0, cpu=0.0), header=dict(wall=3.0, cpu=3.0))
+    assert suggested_change(header_bound) == dict(workers=3)
 
 
 def test_report_says_whether_windows_were_used(shards):
     "`windows: used` when the crop windows were decoded; `available but off` for the same loader decoding whole JPEGs."
     why = why_no_window_decode()
-    used, whole = (profile_pipeline(build_loader(shards, p, workers=0, batch_size=8), batches=2) for p in ("default", "whole"))
-    assert (used.windows, whole.windows) == (("used", "available but off") if why is None else (f"unavailable: {why}",) * 2)
+    used, whole = (profile_pipeline(build_loader(shards, p, workers=0, batch_size=8), batches=2)
+                   for p in ("default", "whole"))
+    expected = ("used", "available but off") if why is None else (f"unavailable: {why}",) * 2
+    assert (used.windows, whole.windows) == expected
     assert "windows: " + used.windows in report(used) and "the first batch after" in report(used)
     assert used.steady_rate is not None and whole.kind == used.kind == "shardkit"
 
 
 def _gpu_keys(urls, device, profiled: bool, **kw):
-    g = create_gpu_loader(urls, keys=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3, device=device, **kw)
+    g = create_gpu_loader(urls, keys=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3, device=device,
+                          **kw)
     got = []
     if not profiled: return [k for b in g for k in b[0]], None
     return got, (profile_pipeline(g, step=lambda b: got.extend(b[0]), label=f"gpu loader on {device}"), g)
@@ -223,14 +228,15 @@ def _check_gpu_profile(shards, device):
     assert p.kind == "gpu" and p.workers == 2 and p.samples == 60, report(p)
     for s in ("read", "parse", "header", "collate"): assert p.stages[s]["wall"] > 0, (s, report(p))
     assert p.stages["decode"]["wall"] == 0 and "not visible" not in report(p), report(p)
-    assert {"copy", "decode", "augment"} <= set(p.device_stages) and all(v > 0 for v in p.device_stages.values()), report(p)
+    assert {"copy", "decode", "augment"} <= set(p.device_stages), report(p)
+    assert all(v > 0 for v in p.device_stages.values()), report(p)
     assert g.time_device is False and not g.device_events, "profiling leaves the loader's timing as it found it"
     assert "device: decode" in report(p) and "workers: header" in report(p), report(p)
     return p
 
 
 def test_the_gpu_loader_on_the_cpu_is_profiled_stage_by_stage(shards):
-    "The GPU loader's path on the CPU: its workers' stages timed and counted, its samples unchanged, its device stages where it times them."
+    "The GPU loader's path on the CPU: its workers' stages timed and counted, its samples unchanged, its device stages."
     _check_gpu_profile(shards, "cpu")
 
 
@@ -242,7 +248,8 @@ def test_the_gpu_loader_on_cuda_is_profiled_stage_by_stage(shards):
 
 
 def test_cli_profiles_the_gpu_pipeline_on_the_cpu(shards, tmp_path):
-    r = main_cli("profile", str(Path(shards[0]).parent), "--pipeline", "gpu", "--device", "cpu", "--batches", "3", "--batch-size", "8",
-                 "--try", "pipeline=default", "--out", str(tmp_path / "out"))
+    r = main_cli("profile", str(Path(shards[0]).parent), "--pipeline", "gpu", "--device", "cpu", "--batches", "3",
+                 "--batch-size", "8", "--try", "pipeline=default", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
-    assert "gpu, 2 workers on cpu: " in r.stdout and "workers: header" in r.stdout and "tried default, 2 workers" in r.stdout, r.stdout
+    assert "gpu, 2 workers on cpu: " in r.stdout and "workers: header" in r.stdout, r.stdout
+    assert "tried default, 2 workers" in r.stdout, r.stdout
