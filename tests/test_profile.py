@@ -214,8 +214,8 @@ def test_report_says_whether_windows_were_used(shards):
 
 
 def _gpu_keys(urls, device, profiled: bool, **kw):
-    g = create_gpu_loader(urls, keys=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3, device=device,
-                          **kw)
+    g = create_gpu_loader(urls, keys=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3,
+                          device=device, **kw)
     got = []
     if not profiled: return [k for b in g for k in b[0]], None
     return got, (profile_pipeline(g, step=lambda b: got.extend(b[0]), label=f"gpu loader on {device}"), g)
