@@ -97,9 +97,13 @@ class Profile:
     @property
     def cores_busy(self) -> float: return self.cpu_ms * self.samples / 1000 / self.wall
     @property
+    def costs(self) -> dict:
+        "Each worker stage's cost, ms/sample: its CPU time (its wall time counts waits for a core too); reading's wall time."
+        return {k: v["wall"] if k == "read" else v["cpu"] for k, v in self.stages.items() if k != "rebatch"}
+    @property
     def bottleneck(self) -> str | None:
-        "The worker stage with the most time per sample (None: no stage was timed)."
-        timed = {k: v["wall"] for k, v in self.stages.items() if k != "rebatch" and v["wall"] > 0}
+        "The worker stage that costs the most per sample (`costs`; None: no stage was timed)."
+        timed = {k: c for k, c in self.costs.items() if c > 0}
         return max(timed, key=timed.get) if timed else None
 
 # %% ../nbs/42_profile.ipynb
@@ -255,7 +259,8 @@ def verdicts(p: Profile) -> list[str]:
     if (b := p.bottleneck) is not None:
         v = p.stages[b]
         whose = "the workers'" if p.workers else "the pipeline's"
-        head = f"{b} is {v['wall'] / p.worker_ms:.0%} of {whose} time at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
+        share = p.costs[b] / sum(p.costs.values())
+        head = f"{b} is {share:.0%} of {whose} work at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
         if b == "read" and v["wall"] > 0:
             head += f"; reads wait {1 - v['cpu'] / v['wall']:.0%} of it" + (f", at {p.read_mb_s:.1f} MB/s" if p.read_mb_s else "")
         out.append(f"{head}: " + "; or ".join(_stage_advice(p, b, idle)))

@@ -198,6 +198,8 @@ def test_suggested_change_follows_the_verdicts(_base_profile):
     assert suggested_change(_made_up(windows="available but off")) == dict(pipeline="default")
     on_gpu = dict(pipeline="gpu") if why_no_gpu() is None else dict(workers=3)  # decode-bound: the GPU if any
     assert suggested_change(_made_up()) == on_gpu
+    waited = _made_up(other=dict(wall=12.0, cpu=0.1))  # a stage that mostly waited for a core: not the one to blame
+    assert waited.bottleneck == "decode" and suggested_change(waited) == on_gpu
     header_bound = _made_up(kind="gpu", decode=dict(wall=0.0, cpu=0.0), header=dict(wall=3.0, cpu=3.0))
     assert suggested_change(header_bound) == dict(workers=3)
 
