@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU loader's device check, for a session with a GPU machine (H100/H200, 16 cores, Python 3.12 with torch, no
+# network). From the checkout's root, with webdataset, braceexpand, fastcore and wids as wheels in .whl/:
+#     bash tests/gpu_check.sh                      # on the GPU machine: under 8 minutes
+#     GPU_CHECK_DEVICE=cpu bash tests/gpu_check.sh # a dry run of the same steps with tiny sizes on a CPU
+# It writes 4,000 photo-like 500 x 375 JPEGs into shards (shardkit.synth), runs tests/test_gpu.py, then
+# `shardkit bench gpu --step resnet50` with 4 and with 15 workers, and prints a summary. $OUT (if set) receives
+# pytest.txt, bench-w4.json, bench-w15.json and summary.txt.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+DEV=${GPU_CHECK_DEVICE:-cuda}
+WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+export PYTHONUNBUFFERED=1 SHARDKIT_HOME=$WORK/home PYTHONDONTWRITEBYTECODE=1
+PY=${PYTHON:-python3}
+if ! $PY -c "import webdataset, braceexpand, fastcore" 2>/dev/null; then  # the GPU machine: carried wheels
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: webdataset etc. missing, no .whl/ (facts.md)"; exit 1; }
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=$ROOT:$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+else
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ "$DEV" = cpu ]; then  # the dry run: the same steps, tiny
+    N=64; W=160; H=120; BENCH="--device cpu --step small --size 32 --batch-size 16 --samples 32"; WORKERS="1 2"
+else
+    N=4000; W=500; H=375; WORKERS="4 15"
+    BENCH="--device cuda --step resnet50 --size 224 --batch-size 128 --samples 3000"
+fi
+DATA=$WORK/shards-$N-${W}x$H
+T0=$(date +%s)
+echo "== gpu_check on $DEV: $($PY -c 'import torch, torchvision as tv; print("torch", torch.__version__, "torchvision",
+    tv.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")')"
+
+echo "== data: $N photo-like ${W}x$H JPEGs (q90) in shards of 100 -> $DATA"
+timeout 90 $PY - "$DATA" "$N" "$W" "$H" <<'PY' || { echo "gpu_check: making the data failed"; exit 1; }
+import os, sys, time
+from multiprocessing import Pool
+from pathlib import Path
+import numpy as np
+from shardkit.shards.write import write_shards
+from shardkit.synth import draw_animal, jpeg_bytes
+dest, n, w, h = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def sample(i):
+    cls = i % 37
+    img, _ = draw_animal(cls, np.random.default_rng(i), size=(w, h))
+    return {"__key__": f"img{i:06d}", "jpg": jpeg_bytes(img, 90), "cls": str(cls).encode()}
+if len(list(dest.glob("*.tar"))) * 100 < n:
+    t = time.time()
+    with Pool(os.cpu_count()) as pool:
+        write_shards(pool.imap(sample, range(n), chunksize=16), str(dest), prefix="gpu-", maxcount=100, progress=False)
+    print(f"wrote {n} samples in {time.time() - t:.1f} s")
+else: print("already there")
+PY
+
+echo "== tests/test_gpu.py"
+timeout 180 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" \
+    | grep -v "Warning\|warnings.warn\|^  "
+for w in $WORKERS; do
+    echo "== shardkit bench gpu $BENCH --workers $w"
+    PYTHONWARNINGS=ignore timeout 100 $PY -m shardkit.cli bench gpu "$DATA" --image jpg $BENCH --workers "$w" \
+        --json "$OUT/bench-w$w.json" 2>&1 \
+        | grep -v "Warning\|warnings.warn"
+done
+
+echo "== summary ($(( $(date +%s) - T0 )) s)"
+$PY - "$OUT" $WORKERS <<'PY' | tee "$OUT/summary.txt"
+import json, re, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+log = out / "pytest.txt"
+tail = log.read_text().strip().splitlines() if log.exists() and log.read_text().strip() else ["(no pytest output)"]
+print("tests:", next((l for l in reversed(tail) if re.search(r"passed|failed|error", l)), tail[-1]))
+for w in sys.argv[2:]:
+    f = out / f"bench-w{w}.json"
+    if not f.exists(): print(f"bench with {w} workers: no result"); continue
+    d = json.loads(f.read_text())
+    s = d["setup"]
+    print(f"bench, {w} workers ({s['step']}, batch {s['batch_size']}, {s['gpu'] or s['device']}):")
+    for r in d["rows"]:
+        print(f"  {r['name']:<58} {r['rate']:>8.0f} samples/s  {r.get('vs_step', r.get('vs_cpu', 0)):.2f}x  "
+              f"main CPU {r['cpu_ms']:.3f} ms/sample")
+PY
