@@ -261,7 +261,8 @@ def test_the_gpu_loaders_device_stages_inside_next_are_accounted(shards):
     """No workers and no prefetching: the GPU loader's whole path runs inside `next()`, its worker stages and its device
     stages one after the other, so together with the step they leave little of the loop untimed (the same bound as
     the CPU pipeline's); device stages counted twice would make the rest negative, left out would make it large."""
-    g = create_gpu_loader(shards, keys=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu", prefetch=0)
+    g = create_gpu_loader(shards, keys=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu",
+                          prefetch=0)
     p = profile_pipeline(g, step=lambda b: time.sleep(0.003))
     assert not p.device_beside and p.workers == 0 and p.samples == 60, report(p)
     assert p.device_stages["decode"] > 0 and p.device_stages["augment"] > 0, report(p)
