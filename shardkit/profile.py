@@ -13,13 +13,14 @@ import torch
 from fastcore.script import store_true
 from .errors import UsageError
 from .loading import jpeg
+from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
 from .stage_timing import _S, ProfileClocks, batch_len, instrumented, _parts, _restart
 from .bench.core import cpu_seconds, format_bench
 
 # %% auto 0
-__all__ = ['COLORS', 'PIPELINES', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'compare', 'plot_stages', 'plot_timeline',
-           'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_cli']
+__all__ = ['MAIN_PARTS', 'COLORS', 'PIPELINES', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'compare', 'plot_stages',
+           'plot_timeline', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_cli']
 
 # %% ../nbs/42_profile.ipynb
 def _on_device(batch, device):
@@ -36,12 +37,12 @@ def _workers_of(loader) -> int:
     return int(getattr(dl, "num_workers", 0) or 0) if dl is not None else int(getattr(loader, "num_workers", 0) or 0)
 
 # %% ../nbs/42_profile.ipynb
-def _loop(loader, step, batches, device, clocks) -> dict:
-    "Iterate `loader` (at most `batches` batches), timing the main process's parts; the raw numbers."
+def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
+    "Iterate `loader` (at most `batches` batches), timing the main process's parts; `move`: copy batches to `device`."
     pc, tt, main = time.perf_counter, time.thread_time, []
     n = next_w = next_c = dev = step_t = 0.0
     cpu0, self0, t0 = cpu_seconds(descendants=True), _self_cpu(), pc()
-    it, first = iter(loader), None
+    it, first, n_first = iter(loader), None, 0
     while batches is None or len(main) < batches:
         a, c = pc(), tt()
         try: batch = next(it)
@@ -49,19 +50,23 @@ def _loop(loader, step, batches, device, clocks) -> dict:
         b = pc(); next_w += b - a; next_c += tt() - c
         first = b - t0 if first is None else first
         n += batch_len(batch)
-        if device is not None: batch, d = _on_device(batch, device); dev += d
+        if device is not None and move: batch, d = _on_device(batch, device); dev += d
         s = pc()
         if step is not None:
             step(batch)
             if device is not None and torch.device(device).type == "cuda": torch.cuda.synchronize(device)
         e = pc(); step_t += e - s
         main.append((a, b, s, e))
+        if len(main) == 1: n_first = n
     end = pc()
     cpu, self_cpu = cpu_seconds(descendants=True) - cpu0, _self_cpu() - self0
     acc, ev = clocks.acc.numpy().copy(), clocks.ev.numpy().copy()
     del it
     return dict(samples=int(n), batches=len(main), wall=end - t0, first=first or end - t0, next_wall=next_w, next_cpu=next_c,
-                device=dev, step=step_t, cpu=cpu, main_cpu=self_cpu, acc=acc, ev=ev, main_ev=np.array(main).reshape(-1, 4), t0=t0)
+                device=dev, step=step_t, cpu=cpu, main_cpu=self_cpu, acc=acc, ev=ev,
+                main_ev=np.array(main).reshape(-1, 4),
+                t0=t0,
+                first_samples=int(n_first))
 
 def _self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
@@ -73,56 +78,80 @@ class Profile:
     label: str; kind: str; workers: int; cores: int; samples: int; batches: int
     wall: float                 # s, the whole loop, start-up included
     first_batch: float          # s, from asking for the first batch to having it
-    rate: float                 # samples/s over the whole loop
+    rate: float                 # samples/s delivered over the whole loop
     stages: dict                # slot -> dict(wall=, cpu=): worker time per sample (with no workers: the main process's)
     main: dict                  # wait, receive, rebatch, device, step, untimed: the main loop's wall time per sample
     cpu_ms: float               # CPU per sample, all processes (workers, main, their children such as curl)
-    capacity: float             # samples/s the workers deliver when nothing waits for them
+    capacity: float             # samples/s the loader could deliver if nothing waited for it (not what it delivered)
     step_rate: float | None     # samples/s of the step alone (None: no step)
-    wait_share: float           # share of the loop spent waiting in next()
+    wait_share: float           # share of the loop in next(): waiting, receiving, rebatching, device stages inside it
     read_mb_s: float | None     # MB/s of the shard reads while reading
-    windows: str                # "on", "off: why", or "n/a" (not shardkit's decoder)
+    windows: str                # shardkit's window decoder: "used", "available but off", "unavailable: why", or "n/a"
     load: float                 # the machine's load average (1 min) at the end: runnable processes, other jobs' included
+    steady_rate: float | None = None  # samples/s after the first batch (None: one batch)
+    device_stages: dict = field(default_factory=dict)  # the GPU loader's copy, decode, augment on its device: ms/sample
+    device_beside: bool = False  # its device stages ran in a thread beside the loop (made ahead), not inside next()
     timeline: dict = field(default_factory=dict, repr=False)
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
     @property
     def cores_busy(self) -> float: return self.cpu_ms * self.samples / 1000 / self.wall
     @property
+    def costs(self) -> dict:
+        "Each worker stage's cost, ms/sample: its CPU time (its wall time counts waits for a core too); reading's wall time."
+        return {k: v["wall"] if k == "read" else v["cpu"] for k, v in self.stages.items() if k != "rebatch"}
+    @property
     def bottleneck(self) -> str | None:
-        "The worker stage with the most time per sample (None: no stage was timed)."
-        timed = {k: v["wall"] for k, v in self.stages.items() if k != "rebatch" and v["wall"] > 0}
+        "The worker stage that costs the most per sample (`costs`; None: no stage was timed)."
+        timed = {k: c for k, c in self.costs.items() if c > 0}
         return max(timed, key=timed.get) if timed else None
 
 # %% ../nbs/42_profile.ipynb
 def _per_sample(acc, rows, n) -> dict:
     return {s: dict(wall=1000 * acc[rows, i, 0].sum() / n, cpu=1000 * acc[rows, i, 1].sum() / n) for s, i in _S.items()}
 
-def _profile(raw: dict, kind: str, workers: int, label: str) -> Profile:
-    "A Profile from `_loop`'s raw numbers."
+def _windows(acc, kind: str) -> str:
+    "Whether shardkit's window decoder was used (its calls were counted), available but off, or unavailable here."
+    if kind != "shardkit": return "n/a"
+    why = jpeg.why_no_window_decode()
+    return "used" if acc[:, _S["decode"], 3].sum() else "available but off" if why is None else f"unavailable: {why}"
+
+def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, beside: bool) -> Profile:
+    "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample; `beside`: in their own thread)."
     acc, n, ms = raw["acc"], max(raw["samples"], 1), lambda s: 1000 * s / max(raw["samples"], 1)
     rows = slice(1, None) if workers else slice(0, 1)
     made = acc[rows, _S["collate"], 2].sum() if workers else n  # what the workers made (a few batches may still be on their way)
     stages = _per_sample(acc, rows, max(made, 1))
     stages["rebatch"] = _per_sample(acc, slice(0, 1), n)["rebatch"]
-    pipeline = sum(v["wall"] for v in stages.values())
+    pipeline, dev = sum(v["wall"] for v in stages.values()), sum(on_dev.values())
+    apart = workers > 0 or beside  # the stages run beside the loop (workers, a prefetching thread), not inside next()
     in_next, reb = ms(raw["next_wall"]), stages["rebatch"]
-    receive = max(ms(raw["next_cpu"]) - reb["cpu"], 0.0) if workers else 0.0
-    main = dict(wait=max(in_next - receive - reb["wall"], 0.0) if workers else 0.0, receive=receive, rebatch=reb["wall"],
+    inside = dict(wall=0.0, cpu=0.0) if beside else dict(wall=reb["wall"] + dev, cpu=reb["cpu"] + dev)  # work in next()
+    receive = max(ms(raw["next_cpu"]) - inside["cpu"], 0.0) if apart else 0.0
+    main = dict(wait=max(in_next - receive - inside["wall"], 0.0) if apart else 0.0, receive=receive,
+                rebatch=reb["wall"],
                 device=ms(raw["device"]), step=ms(raw["step"]))
-    main["untimed"] = ms(raw["wall"]) - (in_next if workers else pipeline) - main["device"] - main["step"]
+    main["untimed"] = ms(raw["wall"]) - (in_next if apart else pipeline + dev) - main["device"] - main["step"]
     busy = pipeline - reb["wall"]
-    capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(in_next, 1e-9)
+    capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(busy + dev if beside else in_next, 1e-9)
+    if workers and dev > 0: capacity = min(capacity, 1000 / dev)
     read_s, read_b = acc[rows, _S["read"], 0].sum(), acc[rows, _S["read"], 2].sum()
-    why = jpeg.why_no_window_decode()
+    first_end = raw["main_ev"][0, 3] - raw["t0"] if raw["batches"] else raw["wall"]
+    steady = (raw["samples"] - raw["first_samples"]) / (raw["wall"] - first_end) if raw["batches"] > 1 else None
     return Profile(label, kind, workers, os.cpu_count() or 1, raw["samples"], raw["batches"], raw["wall"], raw["first"],
                    raw["samples"] / raw["wall"],
                    stages, main, ms(raw["cpu"]), capacity, raw["samples"] / raw["step"] if raw["stepped"] and raw["step"] > 0 else None,
                    raw["next_wall"] / raw["wall"], read_b / 1e6 / read_s if read_b and read_s > 0 else None,
-                   ("on" if why is None else f"off: {why}") if kind == "shardkit" else "n/a", os.getloadavg()[0],
+                   _windows(acc, kind), os.getloadavg()[0], steady, on_dev, beside,
                    dict(ev=raw["ev"][1:] if workers else raw["ev"][:1], main=raw["main_ev"], t0=raw["t0"]))
 
 # %% ../nbs/42_profile.ipynb
+def _device_ms(loader) -> dict:
+    "The GPU loader's device stages, ms per sample of the batches it timed (those made ahead too); one device wait."
+    made = {}
+    for stage, _, _, n in list(loader.device_events): made[stage] = made.get(stage, 0) + n
+    return {k: 1000 * s / max(made.get(k, 0), 1) for k, s in loader.device_seconds().items()}
+
 def profile_pipeline(loader,                         # Any iterable of batches: shardkit's loaders, a WebLoader, a DataLoader
                      step: Callable | None = None,   # The training step, run on each batch (on `device`)
                      batches: int | None = None,     # Stop after this many batches (None: the whole epoch)
@@ -135,9 +164,12 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
     workers = _workers_of(loader)
     clocks = ProfileClocks(workers, events)
     with instrumented(loader, clocks) as kind:
-        raw = _loop(loader, step, batches, device, clocks)
+        gpu = kind == "gpu"  # the GPU loader's batches are on its device already: no copy, and its own clocks
+        raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks, move=not gpu)
+        on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
-    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__)
+    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev,
+                    gpu and getattr(loader, "prefetch", 0) > 0)
 
 # %% ../nbs/42_profile.ipynb
 def _without(p: Profile, ms: float) -> float:
@@ -147,6 +179,7 @@ def _without(p: Profile, ms: float) -> float:
 _ADVICE = {
     "parse": "tar parsing is per member: fewer, larger members (a sample's fields together) or a faster store",
     "shuffle": "the shuffle buffer holds decoded samples: shuffle shards and compressed samples before decoding (create_dataset)",
+    "header": "the GPU loader's workers only check JPEG headers: more workers, or larger shards",
     "collate": "keep images uint8 (a quarter of float32's bytes) and let the workers stack batches into shared memory (create_dataloader)",
     "other": "a stage the profiler does not know: look at the pipeline's own functions",
 }
@@ -157,11 +190,18 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
     if b == "read":
         todo.append("more readers: more workers, which can outnumber the cores while they wait on I/O; larger shards; a store closer to the GPUs")
     elif b == "decode":
-        if p.windows.startswith("off"): todo.append(f"window decoding is off ({p.windows[5:]})")
+        if p.windows.startswith("unavailable"): todo.append(f"window decoding is {p.windows}")
+        if p.windows == "available but off":
+            todo.append("decode only the crop's window (train_transform(window=True), the default)")
         if p.kind == "webdataset": todo.append("decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
                                                "and only the crop's window of each JPEG")
-        todo.append(f"decode on the GPU (nvJPEG, shardkit.loading.gpu): {v['wall']:.2f} ms/sample off the workers, "
-                    f"up to {_without(p, v['wall']):,.0f} samples/s")
+        todo.append(f"decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): "
+                    f"{v['wall']:.2f} ms/sample "
+                    f"off the workers, up to {_without(p, v['wall']):,.0f} samples/s")
+    elif p.kind == "gpu":
+        todo.append(f"the GPU loader's workers only parse, check JPEG headers and pack bytes: "
+                    f"of {v['wall']:.2f} ms/sample "
+                    f"here, {v['cpu']:.2f} ms is work on a core; the rest waits (for reads, or for a core)")
     elif b == "augment":
         todo.append(f"keep images uint8 and normalise on the device (normalize_batch); offload the resize to the store (the ETL "
                     f"tutorial): up to {_without(p, v['wall']):,.0f} samples/s without this stage")
@@ -176,22 +216,51 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
     return todo
 
 # %% ../nbs/42_profile.ipynb
+def _in_next(p: Profile) -> str:
+    "The time in next() split: waiting, receiving, rebatching, the loader's device stages; shares of the loop."
+    if not p.workers and not p.device_beside: return "no workers: the pipeline itself runs inside next()"
+    m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
+    waiting = "waiting for the loader (its workers, then its device thread)" if p.device_beside else \
+        "waiting for the workers"
+    parts = [(waiting, m["wait"]), ("receiving their batches", m["receive"]),
+             ("rebatching", m["rebatch"]),
+             ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
+    return ", ".join(f"{name} {share(v)}" for name, v in parts if v > 0.0005) or "nothing timed"
+
 def verdicts(p: Profile) -> list[str]:
     "What limits the pipeline profiled in `p` and what to do about it, one line each, every figure measured."
     out, idle = [], max(p.cores - max(p.cores_busy, p.load), 0.0)  # cores neither this job nor others keep busy
+    who = "the workers" if p.workers and not p.device_stages else "the loader"
+    cap = f"{who} could deliver {p.capacity:,.0f} samples/s (capacity)"
     if p.step_rate is None:
-        out.append(f"no step given: the loader alone delivers {p.rate:,.0f} samples/s with {p.workers} workers, "
-                   f"{p.cores_busy:.1f} of {p.cores} cores busy")
+        out.append(f"no step given: the loader delivered {p.rate:,.0f} samples/s with {p.workers} workers, "
+                   f"{p.cores_busy:.1f} of {p.cores} cores busy; {cap}")
     elif p.wait_share > 0.1:
-        out.append(f"input-bound: {p.wait_share:.0%} of the step time is spent waiting for the next batch; the loader delivers "
-                   f"{p.capacity:,.0f} samples/s, the step takes {p.step_rate:,.0f}/s")
+        out.append(f"input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch ({_in_next(p)}); "
+                   f"{cap}, "
+                   f"the step takes {p.step_rate:,.0f}/s")
     else:
-        out.append(f"not input-bound: {p.wait_share:.0%} of the time waits for data; the step ({p.step_rate:,.0f} samples/s) "
-                   f"limits, the loader could give {p.capacity:,.0f}/s")
+        out.append(f"not input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch; the step "
+                   f"({p.step_rate:,.0f} samples/s) limits; {cap}")
+    if p.main["device"] * p.rate / 1000 > 0.01:
+        out.append(f"copying each batch to the device takes {p.main['device'] * p.rate / 10:.0f}% of the loop "
+                   f"({p.main['device']:.3f} ms/sample): pinned memory and a copy ahead on a side stream hide it")
+    if p.device_stages:
+        dev = sum(p.device_stages.values())
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in p.device_stages.items())
+        where = "in a thread of the main process, beside the loop" if p.device_beside else \
+            "in the main process, inside next()"
+        line = (f"the loader's device stages take {dev:.3f} ms/sample {where} ({parts}): "
+                f"at most {1000 / max(dev, 1e-9):,.0f} samples/s from them alone")
+        if p.workers and p.worker_ms > 0 and 1000 / max(dev, 1e-9) < p.workers * 1000 / p.worker_ms:
+            line += (f", fewer than its workers could deliver ({p.workers * 1000 / p.worker_ms:,.0f}/s): "
+                     f"{max(p.device_stages, key=p.device_stages.get)} on the device limits the loader")
+        out.append(line)
     if (b := p.bottleneck) is not None:
         v = p.stages[b]
         whose = "the workers'" if p.workers else "the pipeline's"
-        head = f"{b} is {v['wall'] / p.worker_ms:.0%} of {whose} time at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
+        share = p.costs[b] / sum(p.costs.values())
+        head = f"{b} is {share:.0%} of {whose} work at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
         if b == "read" and v["wall"] > 0:
             head += f"; reads wait {1 - v['cpu'] / v['wall']:.0%} of it" + (f", at {p.read_mb_s:.1f} MB/s" if p.read_mb_s else "")
         out.append(f"{head}: " + "; or ".join(_stage_advice(p, b, idle)))
@@ -207,38 +276,55 @@ def verdicts(p: Profile) -> list[str]:
     elif p.workers and m["receive"] * p.rate / 1000 > 0.3:
         out.append(f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample ({m['receive'] * p.rate / 10:.0f}% "
                    "of its time), CPU the step may need: send less (uint8 images, only the fields the step uses)")
-    if p.kind == "opaque": out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline nor a "
-                                      "map-style DataLoader): only the waiting, the step and the CPU are measured")
+    if p.kind == "opaque":
+        out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a map-style "
+                   "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured")
     return out
 
 # %% ../nbs/42_profile.ipynb
+MAIN_PARTS = dict(wait="wait for workers", receive="receive batches", rebatch="rebatch", device="copy to device",
+                  step="step",
+                  untimed="untimed")  # the main loop's parts as reports name them
+
 def _rows(p: Profile) -> list[tuple]:
-    "(name, wall ms/sample, CPU ms/sample or None) for the worker stages and the main loop's parts that took time."
+    "(name, wall ms/sample, CPU ms/sample or None) for the worker stages, device stages and loop parts that took time."
     w = [(f"workers: {k}" if p.workers else k, v["wall"], v["cpu"]) for k, v in p.stages.items() if k != "rebatch" and v["wall"] > 0.0005]
-    return w + [(f"main: {k}", v, None) for k, v in p.main.items() if v > 0.0005]
+    d = [(f"device: {k}", v, None) for k, v in p.device_stages.items()]
+    name = lambda k: "wait for the loader" if k == "wait" and p.device_beside else MAIN_PARTS[k]  # and its thread
+    return w + d + [(f"main: {name(k)}", v, None) for k, v in p.main.items() if v > 0.0005]
 
 def report(p: Profile) -> str:
     "A text report of `p`: per stage and per loop part, ms per sample and shares; the rates; the verdicts."
     rows = [dict(stage=n, wall=w, cpu=c) for n, w, c in _rows(p)]
+    steady = "" if p.steady_rate is None else f", then {p.steady_rate:,.0f} samples/s"
     title = (f"{p.label}: {p.samples} samples in {p.batches} batches, {p.workers} workers, {p.cores} cores; {p.rate:,.0f} samples/s "
-             f"(the first batch after {p.first_batch:.2f} s); CPU {p.cpu_ms:.2f} ms/sample (all processes); windows: {p.windows}")
+             f"overall; the first batch after {p.first_batch:.2f} s{steady}; CPU {p.cpu_ms:.2f} ms/sample "
+             "(all processes); "
+             f"windows: {p.windows}")
     cols = {"stage": ("stage", "{}"), "wall": ("ms/sample", "{:.3f}"), "cpu": ("CPU ms/sample", "{:.3f}")}
     return format_bench(rows, cols, title, ["verdict: " + v for v in verdicts(p)])
 
 def compare(profiles: list[Profile]) -> str:
-    "Profiles side by side: samples/s, its change against the first, CPU, waiting share, each stage's ms per sample."
+    "Profiles side by side: samples/s, change vs the first, first batch, CPU, time in next(), each stage's ms/sample."
     names = sorted({n for p in profiles for n, _, _ in _rows(p)}, key=lambda n: (n.startswith("main"), n))
     get = lambda p, n: next((w for m, w, _ in _rows(p) if m == n), None)
-    fmt = {"samples/s": "{:,.0f}", "change vs first": "{:+.0%}", "waiting share": "{:.0%}"}
+    fmt = {"samples/s": "{:,.0f}", "change vs first": "{:+.0%}", "share in next()": "{:.0%}",
+           "first batch, s": "{:.2f}",
+           "samples/s after it": "{:,.0f}"}
     table = [("samples/s", [p.rate for p in profiles]), ("change vs first", [p.rate / profiles[0].rate - 1 for p in profiles]),
-             ("CPU ms/sample", [p.cpu_ms for p in profiles]), ("waiting share", [p.wait_share for p in profiles])]
+             ("first batch, s", [p.first_batch for p in profiles]),
+             ("samples/s after it", [p.steady_rate for p in profiles]),
+             ("CPU ms/sample", [p.cpu_ms for p in profiles]), ("share in next()", [p.wait_share for p in profiles])]
     table += [(n, [get(p, n) for p in profiles]) for n in names]
     rows = [dict(what=w, **{f"p{i}": None if v is None else fmt.get(w, "{:.3f}").format(v) for i, v in enumerate(vals)}) for w, vals in table]
     return format_bench(rows, {"what": ("ms/sample unless named", "{}"), **{f"p{i}": (p.label, "{}") for i, p in enumerate(profiles)}})
 
 # %% ../nbs/42_profile.ipynb
-COLORS = dict(read="#4c72b0", parse="#64b5cd", shuffle="#8172b3", decode="#dd8452", augment="#c44e52", collate="#937860",
-              other="#bbbbbb", wait="#d62728", receive="#9467bd", rebatch="#8c564b", device="#17becf", step="#2ca02c", untimed="#dddddd")
+COLORS = dict(read="#4c72b0", parse="#64b5cd", shuffle="#8172b3", header="#55a868", decode="#dd8452", augment="#c44e52",
+              collate="#937860",
+              other="#bbbbbb", wait="#d62728", receive="#9467bd", rebatch="#8c564b", device="#17becf", step="#2ca02c",
+              untimed="#dddddd",
+              **{"device copy": "#6baed6", "device decode": "#fdae6b", "device augment": "#e7969c"})
 
 def plot_stages(profiles: list[Profile], path=None):
     "Stacked bars of ms per sample by stage, one per profile: the workers' stages, and the main loop's parts; saved as PNG if `path`."
@@ -246,14 +332,16 @@ def plot_stages(profiles: list[Profile], path=None):
     profiles = [profiles] if isinstance(profiles, Profile) else list(profiles)
     fig, axes = plt.subplots(1, 2, figsize=(10, 1.5 + 0.4 * len(profiles)), squeeze=False)
     panels = [("workers: ms of worker time per sample", lambda p: {k: v["wall"] for k, v in p.stages.items() if k != "rebatch"}),
-              ("main loop: ms per sample", lambda p: p.main)]
+              ("main loop: ms per sample", lambda p: {**{f"device {k}": v for k, v in p.device_stages.items()},
+                                                     **p.main})]
     for ax, (title, parts) in zip(axes[0], panels):
         seen = set()
         for y, p in enumerate(profiles):
             left = 0.0
             for k, v in parts(p).items():
                 if v <= 0: continue
-                ax.barh(y, v, left=left, color=COLORS[k], label=None if k in seen else k); left += v; seen.add(k)
+                name = MAIN_PARTS.get(k, k) if ax is axes[0][1] else k
+                ax.barh(y, v, left=left, color=COLORS[k], label=None if k in seen else name); left += v; seen.add(k)
         ax.set_yticks(range(len(profiles)), [p.label for p in profiles] if ax is axes[0][0] else [""] * len(profiles))
         ax.invert_yaxis(); ax.set_xlabel(title, fontsize=9)
         ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=7, frameon=False, handlelength=1, columnspacing=0.8)
@@ -306,17 +394,27 @@ def profile_overhead(make_loader: Callable, batches: int | None = None, repeats:
                 cpu_overhead=med(cpu["profiled"]) / med(cpu["plain"]) - 1, runs=runs)
 
 # %% ../nbs/42_profile.ipynb
-PIPELINES = ("default", "whole", "post")
+PIPELINES = ("default", "whole", "post", "gpu")
 
-def build_loader(src, pipeline: str = "default", workers: int = 2, batch_size: int = 64, seed: int = 0):
-    "A loader over shards `src` by name: shardkit's `default`, the default decoding `whole` JPEGs, or the AIStore `post`'s pipeline."
+def build_loader(src,                    # Shards: a directory, ais://bucket, a brace template, or URLs
+                 pipeline: str = "default",  # default, whole, post, or gpu (PIPELINES)
+                 workers: int = 2,       # Loader worker processes
+                 batch_size: int = 64,   # Samples per batch
+                 seed: int = 0,          # Seed of shard order, shuffles and crops
+                 device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu (the same path)
+    "A loader over shards `src` by name: shardkit's `default`, it decoding `whole` JPEGs, the AIStore `post`'s, `gpu`."
     from shardkit.loader import create_dataloader, create_dataset
+    from shardkit.loading.gpu import create_gpu_loader
     from shardkit.loading.transforms import train_transform
     from shardkit.bench.peers import post_loader, shard_fields
     if pipeline not in PIPELINES: raise UsageError(f"pipeline must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
     urls = shard_urls(src)
     f = shard_fields(urls[0])
     if pipeline == "post": return post_loader(urls, num_workers=workers, image=f["image"], trimap=f["trimap"])
+    if pipeline == "gpu":  # one JPEG per sample is what it decodes: the trimap stays out
+        return create_gpu_loader(urls, keys=(f["label"], f["image"]), batch_size=batch_size, num_workers=workers,
+                                 seed=seed,
+                                 device=device)
     keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
     ds = create_dataset(urls, keys=keys, transform=train_transform(window=pipeline == "default"), seed=seed)
     return create_dataloader(ds, num_workers=workers, batch_size=batch_size)
@@ -326,11 +424,13 @@ def simulated_step(ms: float) -> Callable | None:
     return (lambda batch: time.sleep(ms / 1000)) if ms > 0 else None
 
 def suggested_change(p: Profile) -> dict:
-    "The change the verdicts point at that `build_loader` can make: more workers while cores idle or reads wait, else shardkit's default."
+    "The change the verdicts point at that `build_loader` can make (what `--try auto` profiles)."
     idle = p.cores - max(p.cores_busy, p.load)
     if p.bottleneck == "read" and p.stages["read"]["cpu"] < 0.5 * p.stages["read"]["wall"]: return dict(workers=2 * max(p.workers, 1))
     if idle >= 0.5 and p.workers < p.cores: return dict(workers=p.cores)
-    return dict(pipeline="default") if p.kind == "webdataset" else dict(workers=p.workers + 1)
+    if p.kind == "webdataset" or p.windows == "available but off": return dict(pipeline="default")
+    if p.bottleneck == "decode" and p.kind == "shardkit" and why_no_gpu() is None: return dict(pipeline="gpu")
+    return dict(workers=p.workers + 1)
 
 # %% ../nbs/42_profile.ipynb
 def _changes(text: str) -> dict:
@@ -345,7 +445,8 @@ def _changes(text: str) -> dict:
     return out
 
 def profile_cli(src: str,                    # Shards: a directory, ais://bucket, a brace template, or a .tar
-                pipeline: str = "default",   # default (shardkit's), whole (shardkit's, decoding whole JPEGs) or post (the AIStore post's)
+                pipeline: str = "default",   # default (shardkit's), whole (whole JPEGs), post (the AIStore post's), gpu
+                device: str = "auto",        # Where batches go and `gpu` decodes: cuda, cpu, auto (cuda if any)
                 workers: int = 2,            # Loader worker processes
                 batches: int = 0,            # Batches to profile (0: a whole epoch)
                 batch_size: int = 64,        # Samples per batch
@@ -355,9 +456,11 @@ def profile_cli(src: str,                    # Shards: a directory, ais://bucket
                 out: str = "profile"):       # Folder for the pictures (stages.png, timeline.png)
     "Profile a training input pipeline over shards: time per stage and sample, waiting, verdicts, and the measured effect of a change."
     if workers < 0 or batch_size < 1 or batches < 0: raise UsageError("--workers and --batches must be >= 0 and --batch-size >= 1")
+    if device == "auto": device = "cuda" if torch.cuda.is_available() else "cpu"
     base = dict(pipeline=pipeline, workers=workers, batch_size=batch_size)
-    label = lambda a: f"{a['pipeline']}, {a['workers']} workers"
-    run = lambda a: profile_pipeline(build_loader(src, **a), simulated_step(step_ms), batches or None, label=label(a))
+    label = lambda a: f"{a['pipeline']}, {a['workers']} workers" + (f" on {device}" if a["pipeline"] == "gpu" else "")
+    run = lambda a: profile_pipeline(build_loader(src, **a, device=device), simulated_step(step_ms), batches or None,
+                                     device=None if device == "cpu" else device, label=label(a))
     profiles = [run(base)]
     print(report(profiles[0]))
     if try_:
@@ -366,7 +469,8 @@ def profile_cli(src: str,                    # Shards: a directory, ais://bucket
         print(f"\ntried {label(changed)}: {profiles[0].rate:,.0f} -> {profiles[1].rate:,.0f} samples/s "
               f"({profiles[1].rate / profiles[0].rate - 1:+.0%}), measured\n" + compare(profiles))
     if overhead:
-        o = profile_overhead(lambda: build_loader(src, **base), batches or None, 3, simulated_step(step_ms))
+        o = profile_overhead(lambda: build_loader(src, **base, device=device), batches or None, 3,
+                             simulated_step(step_ms))
         print(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput (median of 3 side-by-side pairs: {o['plain']:,.0f} samples/s plain, "
               f"{o['profiled']:,.0f} profiled), {o['cpu_overhead']:+.1%} of CPU per sample ({o['cpu_plain']:.2f} vs {o['cpu_profiled']:.2f} ms)")
     d = Path(out); d.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from .loading import jpeg
 from .loading import random as random_access
 from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, shuffle_samples
+from .loading import gpu
 from .loading.collate import _Tagged
 from .loading.transforms import sample_to_tuple
 
@@ -28,15 +29,15 @@ from .loading.transforms import sample_to_tuple
 __all__ = ['SLOTS', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'instrumented']
 
 # %% ../nbs/41_stage_timing.ipynb
-SLOTS = ("read", "parse", "shuffle", "decode", "augment", "collate", "other", "rebatch")  # stage slots; "rebatch": in the main process
+SLOTS = ("read", "parse", "shuffle", "header", "decode", "augment", "collate", "other", "rebatch")  # rebatch: main
 _S = {s: i for i, s in enumerate(SLOTS)}
 _PID = [os.getpid()]  # this process's id, kept without a system call per clock reading
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 class ProfileClocks:
-    "Shared-memory accumulators: per process (row 0 main, 1 + i worker i), per slot: wall s, CPU s, count; and the first batches' intervals."
+    "Shared-memory sums per process (row 0 main, 1 + i worker i) and slot: wall s, CPU s, count, calls; first batches."
     def __init__(self, workers: int, events: int = 64):
-        self.acc = torch.zeros(workers + 1, len(SLOTS), 3, dtype=torch.float64).share_memory_()
+        self.acc = torch.zeros(workers + 1, len(SLOTS), 4, dtype=torch.float64).share_memory_()
         self.ev = torch.zeros(workers + 1, events, 2, dtype=torch.float64).share_memory_()
         self._pid = None
     def __getstate__(self): return dict(self.__dict__, _pid=None)  # a spawned worker maps the arrays anew
@@ -47,13 +48,15 @@ class ProfileClocks:
             info = get_worker_info()
             self.row = 0 if info is None else 1 + info.id
             acc = self.acc.numpy()[self.row]
-            self._w, self._c, self._k, self._ev, self._pid = acc[:, 0], acc[:, 1], acc[:, 2], self.ev.numpy()[self.row], _PID[0]
+            self._w, self._c, self._k, self._n = acc[:, 0], acc[:, 1], acc[:, 2], acc[:, 3]
+            self._ev, self._pid = self.ev.numpy()[self.row], _PID[0]
         return self._ev
 
-    def add(self, slot: int, wall: float, cpu: float, count: float = 0):
+    def add(self, slot: int, wall: float, cpu: float, count: float = 0, calls: int = 0):
         if self._pid != _PID[0]: self.local()
         self._w[slot] += wall; self._c[slot] += cpu
         if count: self._k[slot] += count
+        if calls: self._n[slot] += calls
 
 # %% ../nbs/41_stage_timing.ipynb
 _STACK: list = []       # this process's active parts, innermost last: (clocks, slot index or None)
@@ -67,14 +70,15 @@ def _switch(enter: tuple | None = None):
     if enter is None: _STACK.pop()
     else: _STACK.append(enter)
 
-def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable | None = None) -> Callable:
-    "`fn`, its time (less timed calls inside it) added to `slot`, and `count(result)` to the slot's count."
+def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable | None = None,
+               calls: bool = False) -> Callable:
+    "`fn`, its time (less timed calls inside it) added to `slot`, `count(result)` to its count; `calls`: count calls."
     part = (clocks, _S[slot])
     def call(*args, **kw):
         _switch(part)
         try: out = fn(*args, **kw)
         finally: _switch()
-        if count: clocks.add(part[1], 0.0, 0.0, count(out))
+        if count or calls: clocks.add(part[1], 0.0, 0.0, count(out) if count else 0, int(calls))
         return out
     call.__wrapped__ = fn
     return call
@@ -98,8 +102,10 @@ def _apart(it, clocks):
 
 class TimedStage:
     "A pipeline stage whose own time (not upstream's, not timed calls') goes to `slot`; `last`: it counts samples and logs batches."
-    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False):
+    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False,
+                 count: Callable = batch_len):
         self.stage, self.slot, self.clocks, self.last, self.apart = stage, _S[slot], clocks, last, apart
+        self.count = count
     def __repr__(self): return f"TimedStage({self.stage!r}, {SLOTS[self.slot]!r})"
 
     def __call__(self, *src):
@@ -117,7 +123,7 @@ class TimedStage:
             except StopIteration: return
             finally: _switch()
             if self.last:
-                self.clocks.add(self.slot, 0.0, 0.0, batch_len(x))
+                self.clocks.add(self.slot, 0.0, 0.0, self.count(x))
                 if n < len(ev): ev[n] = (t, _LAST[0])
             n += 1
             yield x
@@ -161,17 +167,23 @@ def _timed_transform(tf, clocks):
         return t
     return timed_call(tf, "augment", clocks)
 
+def _gpu_stage(fn) -> bool:
+    "Whether `fn` (or what a partial wraps) is the GPU loader's: its per-sample stage reads headers, draws crops."
+    return getattr(getattr(fn, "func", fn), "__module__", None) == gpu.__name__
+
 def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
     "The timed stage(s) that stand in for `stage` while profiling: the same items out, each stage's time in its slot."
     f, func = getattr(stage, "f", None), getattr(stage, "func", None)
     T = lambda s, slot: TimedStage(s, slot, clocks)
-    if func is url_samples: return [T(partial(_read_shards, clocks=clocks, **stage.keywords), "parse")]
+    if func is url_samples or stage is url_samples:
+        return [T(partial(_read_shards, clocks=clocks, **getattr(stage, "keywords", {})), "parse")]
     if isinstance(stage, StreamingOpen) or f is wt.url_opener: return [T(stage, "read"), T(partial(_timed_streams, clocks=clocks), "read")]
     if f is wt.tarfile_samples:  # webdataset's own composition of these three, split so the streams can be timed
         kw = {k: stage.kw[k] for k in ("handler",) if k in stage.kw}
         return [T(partial(wt.url_opener, **kw), "read"), T(partial(_timed_streams, clocks=clocks), "read"),
                 T(partial(wt.tar_file_expander, **stage.kw), "parse"), T(partial(wt.group_by_keys, **kw), "parse")]
     if f in (wt.tar_file_expander, wt.group_by_keys): return [T(stage, "parse")]
+    if f is wf._map and _gpu_stage(stage.args[0]): return [T(stage, "header")]
     if f is wf._map and isinstance(stage.args[0], partial) and stage.args[0].func is sample_to_tuple:
         p = stage.args[0]
         timed = partial(sample_to_tuple, *p.args, **dict(p.keywords, transform=_timed_transform(p.keywords.get("transform"), clocks)))
@@ -185,12 +197,17 @@ def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
 # %% ../nbs/41_stage_timing.ipynb
 def _parts(loader) -> tuple:
     "(the torch DataLoader that runs the workers or None, the pipeline they run or None, the main process's stages after them)."
+    if isinstance(loader, gpu.GpuLoader): return _parts(loader.loader)  # its workers' loader; the device work: its own
     if isinstance(loader, wds.WebLoader):
         dl = loader.pipeline[0]
         return dl, dl.dataset if isinstance(getattr(dl, "dataset", None), wds.DataPipeline) else None, loader
     if isinstance(loader, DataLoader): return loader, loader.dataset if isinstance(loader.dataset, wds.DataPipeline) else None, None
     if isinstance(loader, wds.DataPipeline): return None, loader, None
     return None, None, None
+
+def _jpegs_in(pack) -> int:
+    "Samples in a GPU loader worker's batch, a pack of JPEGs (`batch_len` would count the bytes of its first field)."
+    return len(pack.keys)
 
 def _restart(dl):
     "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
@@ -233,6 +250,7 @@ def instrumented(loader, clocks: ProfileClocks):
     if pipe is not None:
         stages = [t for s in pipe.pipeline for t in stage_plan(s, clocks)]
         stages[-1].last = True
+        if isinstance(loader, gpu.GpuLoader): stages[-1].count = _jpegs_in  # its workers' batches: packs of JPEG bytes
         kind = "shardkit" if isinstance(pipe.pipeline[0], EpochShards) else "webdataset"
         swap(pipe, "pipeline", stages)
     elif isinstance(loader, RandomAccessLoader): kind = _random_access(loader.dataset, clocks, swap)
@@ -243,7 +261,12 @@ def instrumented(loader, clocks: ProfileClocks):
         swap(dl, "collate_fn", timed_call(dl.collate_fn, "collate", clocks, count=batch_len))
     if main is not None and len(main.pipeline) > 1:
         swap(main, "pipeline", main.pipeline[:1] + [TimedStage(s, "rebatch", clocks, apart=i == 0) for i, s in enumerate(main.pipeline[1:])])
-    if kind == "shardkit": swap(jpeg, "decode_window", timed_call(jpeg.decode_window, "decode", clocks))  # forked workers inherit it
+    if isinstance(loader, gpu.GpuLoader):
+        kind = "gpu"
+        if hasattr(loader, "time_device"): swap(loader, "time_device", True)  # device stages, timed by the loader
+        if getattr(loader, "device_events", None): loader.device_seconds()  # events from before: not this run's
+    if kind == "shardkit":  # its window decoder, its calls counted (forked workers inherit it)
+        swap(jpeg, "decode_window", timed_call(jpeg.decode_window, "decode", clocks, calls=True))
     _restart(dl)
     try: yield kind
     finally:

@@ -10,7 +10,11 @@ import webdataset as wds
 from torch.utils.data import DataLoader, Dataset
 from shardkit.loader import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
-from shardkit.profile import profile_overhead, profile_pipeline, report, verdicts
+from dataclasses import replace
+from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
+from shardkit.loading.jpeg import why_no_window_decode
+from shardkit.profile import build_loader, profile_overhead, profile_pipeline, report, suggested_change, verdicts
+from shardkit.stage_timing import SLOTS
 from conftest import main_cli, write_pet_shards
 
 
@@ -29,13 +33,14 @@ def _loader(urls, workers=2, seed=0, batch_size=8, **kw):
     return create_dataloader(create_dataset(urls, seed=seed, transform=train_transform(64), **kw), num_workers=workers, batch_size=batch_size)
 
 
-def test_stage_times_add_up_to_the_wall_time(shards):
-    """With no workers every stage runs inside the loop: the stages' own times plus the step's and the untimed rest
-    are the loop's wall time, and the untimed rest (the loop and the generators themselves) is under 5% of it, plus
-    20 ms for one scheduler stall landing there on a machine shared with other jobs (the run takes about half a second)."""
+def test_the_stage_clocks_leave_little_of_the_loop_untimed(shards):
+    """With no workers every stage runs inside the loop. The parts add up to the loop's wall time by construction
+    (`untimed` is the wall time less the others: checked, but it cannot fail); what can fail is the size of that
+    rest: the stages' clocks claim all but 5% of the loop, plus 20 ms for one scheduler stall landing there on a
+    machine shared with other jobs (the run takes about half a second)."""
     p = profile_pipeline(_loader(shards * 2, workers=0), step=lambda b: time.sleep(0.003))
     per_sample = sum(v["wall"] for v in p.stages.values()) + p.main["device"] + p.main["step"] + p.main["untimed"]
-    assert per_sample * p.samples / 1000 == pytest.approx(p.wall, rel=1e-6)
+    assert per_sample * p.samples / 1000 == pytest.approx(p.wall, rel=1e-6)  # by construction
     untimed = p.main["untimed"] * p.samples / 1000
     assert -1e-6 < untimed < 0.05 * p.wall + 0.02, (untimed, p.wall, p.main)
     for slot in ("read", "parse", "decode", "augment", "collate"): assert p.stages[slot]["wall"] > 0, (slot, p.stages)
@@ -166,3 +171,100 @@ def test_the_transfer_to_the_device_is_timed_and_the_step_gets_the_moved_batch(s
     seen = []
     p = profile_pipeline(_loader(shards, workers=0), step=lambda b: seen.append(b[2].device.type), device="cpu")
     assert p.main["device"] > 0 and set(seen) == {"cpu"} and len(seen) == p.batches, p.main
+
+
+def _made_up(kind="shardkit", workers=2, cores=2, load=99.0, windows="used", **stages):
+    "A Profile with the numbers a test chooses (from a real one): by default decode-bound, on cores kept busy."
+    st = {s: dict(wall=0.1, cpu=0.1) for s in SLOTS}
+    st["decode"] = dict(wall=2.0, cpu=2.0)
+    st.update(stages)
+    return replace(_made_up.base, kind=kind, workers=workers, cores=cores, load=load, windows=windows, stages=st,
+                   cpu_ms=0.01)
+
+
+@pytest.fixture(scope="module")
+def _base_profile(shards):
+    _made_up.base = profile_pipeline(_loader(shards, workers=0), batches=1)
+
+
+def test_suggested_change_follows_the_verdicts(_base_profile):
+    "What `--try auto` profiles, for each situation the verdicts name: it must change with the numbers, not be fixed."
+    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=1.0))) == dict(workers=4)  # reads that wait: 2x readers
+    assert suggested_change(_made_up(workers=0, read=dict(wall=50.0, cpu=1.0))) == dict(workers=2)
+    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=45.0))) != dict(workers=4)  # reads on a core: work
+    assert suggested_change(_made_up(load=0.0, workers=1, cores=8)) == dict(workers=8)  # idle cores: a worker each
+    assert suggested_change(_made_up(load=7.8, workers=1, cores=8)) != dict(workers=8)  # cores busy with other jobs
+    assert suggested_change(_made_up(kind="webdataset")) == dict(pipeline="default")
+    assert suggested_change(_made_up(windows="available but off")) == dict(pipeline="default")
+    on_gpu = dict(pipeline="gpu") if why_no_gpu() is None else dict(workers=3)  # decode-bound: the GPU if any
+    assert suggested_change(_made_up()) == on_gpu
+    waited = _made_up(other=dict(wall=12.0, cpu=0.1))  # a stage that mostly waited for a core: not the one to blame
+    assert waited.bottleneck == "decode" and suggested_change(waited) == on_gpu
+    header_bound = _made_up(kind="gpu", decode=dict(wall=0.0, cpu=0.0), header=dict(wall=3.0, cpu=3.0))
+    assert suggested_change(header_bound) == dict(workers=3)
+
+
+def test_report_says_whether_windows_were_used(shards):
+    "`windows: used` when the crop windows were decoded; `available but off` for the same loader decoding whole JPEGs."
+    why = why_no_window_decode()
+    used, whole = (profile_pipeline(build_loader(shards, p, workers=0, batch_size=8), batches=2)
+                   for p in ("default", "whole"))
+    expected = ("used", "available but off") if why is None else (f"unavailable: {why}",) * 2
+    assert (used.windows, whole.windows) == expected
+    assert "windows: " + used.windows in report(used) and "the first batch after" in report(used)
+    assert used.steady_rate is not None and whole.kind == used.kind == "shardkit"
+
+
+def _gpu_keys(urls, device, profiled: bool, **kw):
+    g = create_gpu_loader(urls, keys=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3,
+                          device=device, **kw)
+    got = []
+    if not profiled: return [k for b in g for k in b[0]], None
+    return got, (profile_pipeline(g, step=lambda b: got.extend(b[0]), label=f"gpu loader on {device}"), g)
+
+
+def _check_gpu_profile(shards, device):
+    plain, _ = _gpu_keys(shards, device, False)
+    got, (p, g) = _gpu_keys(shards, device, True)
+    assert got == plain and len(set(got)) == 60, "profiling changed the GPU loader's samples"
+    assert p.kind == "gpu" and p.workers == 2 and p.samples == 60, report(p)
+    for s in ("read", "parse", "header", "collate"): assert p.stages[s]["wall"] > 0, (s, report(p))
+    assert p.stages["decode"]["wall"] == 0 and "not visible" not in report(p), report(p)
+    assert {"copy", "decode", "augment"} <= set(p.device_stages), report(p)
+    assert all(v > 0 for v in p.device_stages.values()), report(p)
+    assert g.time_device is False and not g.device_events, "profiling leaves the loader's timing as it found it"
+    assert "device: decode" in report(p) and "workers: header" in report(p), report(p)
+    return p
+
+
+def test_the_gpu_loader_on_the_cpu_is_profiled_stage_by_stage(shards):
+    "The GPU loader's path on the CPU: its workers' stages timed and counted, its samples unchanged, its device stages."
+    _check_gpu_profile(shards, "cpu")
+
+
+@pytest.mark.skipif(why_no_gpu() is not None, reason=f"needs a CUDA GPU with nvJPEG: {why_no_gpu()}")
+def test_the_gpu_loader_on_cuda_is_profiled_stage_by_stage(shards):
+    "On a GPU: the same, and the copy, decode and augmentation on the device timed by the loader's CUDA events."
+    p = _check_gpu_profile(shards, "cuda")
+    assert p.device_beside and p.workers == 2, report(p)  # prefetching: the device stages run beside the loop
+
+
+def test_cli_profiles_the_gpu_pipeline_on_the_cpu(shards, tmp_path):
+    r = main_cli("profile", str(Path(shards[0]).parent), "--pipeline", "gpu", "--device", "cpu", "--batches", "3",
+                 "--batch-size", "8", "--try", "pipeline=default", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "gpu, 2 workers on cpu: " in r.stdout and "workers: header" in r.stdout, r.stdout
+    assert "tried default, 2 workers" in r.stdout, r.stdout
+
+
+def test_the_gpu_loaders_device_stages_inside_next_are_accounted(shards):
+    """No workers and no prefetching: the GPU loader's whole path runs inside `next()`, its worker stages and its device
+    stages one after the other, so together with the step they leave little of the loop untimed (the same bound as
+    the CPU pipeline's); device stages counted twice would make the rest negative, left out would make it large."""
+    g = create_gpu_loader(shards, keys=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu",
+                          prefetch=0)
+    p = profile_pipeline(g, step=lambda b: time.sleep(0.003))
+    assert not p.device_beside and p.workers == 0 and p.samples == 60, report(p)
+    assert p.device_stages["decode"] > 0 and p.device_stages["augment"] > 0, report(p)
+    untimed = p.main["untimed"] * p.samples / 1000
+    assert -1e-6 < untimed < 0.05 * p.wall + 0.02, (untimed, p.wall, report(p))
