@@ -108,9 +108,7 @@ SHOWS_NOTHING = {  # checked below: no cell of theirs prints, draws or ends in a
     "16_etl_manifest.ipynb": "the ETL engines' shared manifest; its cells only check",
     "24_collate.ipynb": "batches in shared memory; its cells only check"}
 TO_DO = {  # being edited on other branches: the lead executes each after the merge and removes it from this list
-    "25_stream.ipynb": "the streaming loader (loader branch)",
-    "41_stage_timing.ipynb": "the profiler's clocks (profiler branch)",
-    "42_profile.ipynb": "the profiler (profiler branch)"}
+    "25_stream.ipynb": "the streaming loader (loader branch)"}
 LIBRARY = [p for p in NBS if p.parent == ROOT / "nbs" and p.name != "index.ipynb"]
 _SHOW_CALLS = {"print", "display", "show_doc", "pprint", "imshow"}
 
