@@ -16,8 +16,9 @@ from ..errors import UsageError
 from ..store import shown_path
 from ..loading.jpeg import why_no_window_decode
 from ..loading.sources import shard_urls
-from .core import BenchError, _warm, cpu_seconds, drop_page_cache, format_bench, run_child
-from .peers import LOADER_ROWS, PEER_LOADERS, _MAKERS, _convert, _folder_items, _importable, decode_augment, prepare_bench_data
+from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_page_cache
+from .peers import (LOADER_MAKERS, LOADER_ROWS, PEER_LOADERS, convert_to_peer_format, decode_augment,
+                                  folder_items, importable, prepare_bench_data)
 
 # %% auto 0
 __all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'bench_ratios', 'loader_table',
@@ -35,7 +36,7 @@ def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
 # %% ../../nbs/35_bench_loader.ipynb
 def _measure_epochs(spec: dict) -> dict:
     "One run of loader `spec['name']`: build it, iterate `epochs` epochs, check each; times, CPU and the checks."
-    make = _MAKERS[spec["name"]](spec)  # imports here, before the clock starts, as at the top of a training script
+    make = LOADER_MAKERS[spec["name"]](spec)  # imports here, before the clock starts, as at the top of a training script
     expected = np.array(spec["hist"], np.int64) * spec["passes"]
     n_expected, dtype = int(expected.sum()), spec.get("dtype", "uint8")
     gc.collect()
@@ -64,7 +65,7 @@ def _measure_epochs(spec: dict) -> dict:
 def _ceiling(spec: dict) -> dict:
     "Samples/s on one core, by CPU time, of `decode_augment` over up to 400 of the benchmark's JPEGs in memory."
     torch.set_num_threads(1)  # as in a loader's worker
-    blobs = [Path(p).read_bytes() for p, _ in _folder_items(Path(spec["root"]))[:400]]
+    blobs = [Path(p).read_bytes() for p, _ in folder_items(Path(spec["root"]))[:400]]
     for b in blobs[:20]: decode_augment(b)  # warm up
     c0, n = time.process_time(), 0
     while time.process_time() - c0 < spec.get("seconds", 3.0):
@@ -72,7 +73,7 @@ def _ceiling(spec: dict) -> dict:
     return dict(per_core=n / (time.process_time() - c0))
 
 # %% ../../nbs/35_bench_loader.ipynb
-_TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": _convert}
+_TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": convert_to_peer_format}
 
 def _task(spec: dict) -> dict: return _TASKS[spec["task"]](spec)
 
@@ -105,7 +106,7 @@ def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dic
     for name in names:
         if name in PEER_LOADERS:
             module, hint = PEER_LOADERS[name]
-            if not _importable(module):
+            if not importable(module):
                 rows[name] = dict(status="not installed", why=[f"not installed: {hint}"]); continue
             dest = data.root / f"{name}-x{data.passes}"
             if not dest.exists():
@@ -132,7 +133,7 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
                 workers=num_workers, seed=0, epochs=2)
     rows, specs = _plan(names, data, base, timeout)
-    _warm([Path(u) for u in data.urls if "://" not in u] + [data.root])
+    warm_page_cache([Path(u) for u in data.urls if "://" not in u] + [data.root])
     load_start, runs, ceilings, note = os.getloadavg(), {n: [] for n in specs}, [], None
     todo = [(r, n) for r in range(repeats) for n in ["ceiling"] + list(specs)]
     for r, name in tqdm(todo, desc="loader runs", disable=not progress):
