@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, os, shutil, signal, socket, subprocess, time
 from pathlib import Path
 import requests
+from fastcore.script import store_true
 from .errors import ShardkitError
 from .config import private_dir, why_untrusted, shardkit_home
 
@@ -155,7 +156,7 @@ def _ready(endpoint: str, targets: int) -> bool:
 
 def _log_tail(node: dict, n: int = 8) -> str:
     logs = sorted(Path(node["dir"], "log").glob("*.INFO")) + [Path(node["dir"], "stdout.log")]
-    lines = [l for p in logs if p.exists() for l in p.read_text(errors="replace").splitlines()]
+    lines = [line for p in logs if p.exists() for line in p.read_text(errors="replace").splitlines()]
     return "\n".join(lines[-n:])
 
 # %% ../nbs/07_cluster.ipynb
@@ -260,8 +261,6 @@ def ais_down(root: str | Path | None = None,  # the cluster's folder (default `d
     return len(live)
 
 # %% ../nbs/07_cluster.ipynb
-from fastcore.script import store_true
-
 def ais_up_cli(targets: int = 2,      # Number of storage targets
                root: str = None,      # Folder for configs, logs and mountpaths (default ~/.shardkit/ais)
                port: int = 8080,      # Public port of the proxy; targets use the next ones

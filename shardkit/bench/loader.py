@@ -282,7 +282,7 @@ def _cpu_model() -> str:
     "The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.exists() else []
-    names = [l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")]
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
     return names[0] if names else platform.processor() or platform.machine()
 
 def machine_summary() -> str:
