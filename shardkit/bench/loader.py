@@ -296,7 +296,7 @@ def bench_loader_cli(src: str,                      # Shards: a directory, ais:/
                      workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
                      repeats: int = 3,              # Runs per loader, interleaved, each a fresh process; medians shown
                      samples: int = 2000,           # Samples per epoch at least (a small set is read several times)
-                     peers: store_true = False,     # Add the peers installed: LitData, MDS, DALI (CPU), FFCV, wids
+                     peers: store_true = False,     # Add LitData, MDS, DALI, FFCV, wids: pip install "shardkit[peers]"
                      cold: store_true = False,      # Drop the page cache before each run (where permitted)
                      max_shards: int = None,        # Use only the first N shards
                      cache: str = "",               # Folder for the converted copies; default ~/.cache/shardkit/bench
