@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, os, shutil, signal, socket, subprocess, time
 from pathlib import Path
 import requests
+from fastcore.script import store_true
 from .errors import ShardkitError
 from .config import private_dir, why_untrusted, shardkit_home
 
@@ -32,17 +33,20 @@ def default_root() -> Path:
 # %% ../nbs/07_cluster.ipynb
 def _go() -> str:
     go = shutil.which("go")
-    if not go: raise ClusterError("Go is not installed (no `go` on PATH); install Go 1.26 or newer, then re-run `shardkit ais up`")
+    if not go: raise ClusterError("Go is not installed (no `go` on PATH); "
+                                  "install Go 1.26 or newer, then re-run `shardkit ais up`")
     return go
 
 def _run(cmd: list[str], what: str, **kw) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, **kw)
-    if r.returncode: raise ClusterError(f"{what} failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-1500:]}")
+    if r.returncode:
+        raise ClusterError(f"{what} failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-1500:]}")
     return r
 
 def aistore_source() -> Path:
     "The source directory of the pinned AIStore module, downloaded into Go's module cache if needed."
-    r = _run([_go(), "mod", "download", "-json", f"{AIS_MODULE}@{AIS_VERSION}"], f"downloading {AIS_MODULE}@{AIS_VERSION}")
+    r = _run([_go(), "mod", "download", "-json", f"{AIS_MODULE}@{AIS_VERSION}"],
+             f"downloading {AIS_MODULE}@{AIS_VERSION}")
     return Path(json.loads(r.stdout)["Dir"])
 
 def aisnode_path() -> Path:
@@ -58,10 +62,12 @@ def _runnable(path: Path) -> Path:
 def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
     "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
     out = aisnode_path()
-    if why := why_untrusted(private_dir(out.parent), shardkit_home()): raise ClusterError(f"refusing to build or run aisnode: {why}")
+    if why := why_untrusted(private_dir(out.parent), shardkit_home()):
+        raise ClusterError(f"refusing to build or run aisnode: {why}")
     if out.exists() and not force: return _runnable(out)
     src = aistore_source()
-    if not quiet: print(f"building aisnode {AIS_VERSION} (tags: {','.join(BUILD_TAGS)}); first time only, about 3 minutes on 2 cores...", flush=True)
+    if not quiet: print(f"building aisnode {AIS_VERSION} (tags: {','.join(BUILD_TAGS)}); "
+                        "first time only, about 3 minutes on 2 cores...", flush=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     ldflags = f"-X main.build=shardkit-{AIS_VERSION} -X main.buildtime={time.strftime('%Y-%m-%dT%H:%M:%S')}"
     t0 = time.time()
@@ -75,14 +81,17 @@ def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
 
 # %% ../nbs/07_cluster.ipynb
 def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path | None:
-    "Try to `go install` the `ais` CLI (binary `cli`, installed as `ais`); None, with a note, if the module is unavailable."
+    "Try to `go install` the `ais` CLI (binary `cli`, installed as `ais`); None, with a note, if that fails."
     bindir = private_dir(shardkit_home() / "bin")
-    if why := why_untrusted(bindir, shardkit_home()): raise ClusterError(f"refusing to install or run the ais CLI: {why}")
+    if why := why_untrusted(bindir, shardkit_home()):
+        raise ClusterError(f"refusing to install or run the ais CLI: {why}")
     if (bindir / "ais").exists(): return _runnable(bindir / "ais")
     try:
-        _run([_go(), "install", f"{AIS_MODULE}/cmd/cli@{version}"], "go install of the ais CLI", env={**os.environ, "GOBIN": str(bindir)})
+        _run([_go(), "install", f"{AIS_MODULE}/cmd/cli@{version}"], "go install of the ais CLI",
+             env={**os.environ, "GOBIN": str(bindir)})
     except ClusterError as e:
-        if not quiet: print(f"note: the ais CLI was not installed ({str(e).splitlines()[-1][:160]}); the cluster works without it")
+        if not quiet: print(f"note: the ais CLI was not installed ({str(e).splitlines()[-1][:160]}); "
+                            "the cluster works without it")
         return None
     os.replace(bindir / "cli", bindir / "ais")
     return _runnable(bindir / "ais")
@@ -101,13 +110,17 @@ def write_node_configs(root: Path, targets: int = 2, port: int = 8080, mountpath
         (d / "log").mkdir(parents=True, exist_ok=True)
         pub, ctl, data = _node_ports(port, i)
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()),
-               "AIS_CONF_DIR": str(d), "AIS_CONF_FILE": str(d / "ais.json"), "AIS_LOCAL_CONF_FILE": str(d / "ais_local.json"),
+               "AIS_CONF_DIR": str(d), "AIS_CONF_FILE": str(d / "ais.json"),
+               "AIS_LOCAL_CONF_FILE": str(d / "ais_local.json"),
                "AIS_LOG_DIR": str(d / "log"), "AIS_PRIMARY_URL": primary, "AIS_BACKEND_PROVIDERS": "",
-               "HOSTNAME_LIST": "127.0.0.1", "HOSTNAME_LIST_INTRA_CONTROL": "127.0.0.1", "HOSTNAME_LIST_INTRA_DATA": "127.0.0.1",
+               "HOSTNAME_LIST": "127.0.0.1", "HOSTNAME_LIST_INTRA_CONTROL": "127.0.0.1",
+               "HOSTNAME_LIST_INTRA_DATA": "127.0.0.1",
                "PORT": str(pub), "PORT_INTRA_CONTROL": str(ctl), "PORT_INTRA_DATA": str(data),
-               "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/", "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0),
+               "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
+               "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0),
                "INSTANCE": str(i)}
-        _run(["bash", "-c", f'source "{gen}/utils.sh" && source "{gen}/local/aisnode_config.sh"'], f"writing the config of {role}{i}", env=env)
+        _run(["bash", "-c", f'source "{gen}/utils.sh" && source "{gen}/local/aisnode_config.sh"'],
+             f"writing the config of {role}{i}", env=env)
         nodes.append(dict(role=role, name=f"{role}{i}", dir=str(d), port=pub, ports=[pub, ctl, data]))
     return nodes
 
@@ -143,7 +156,7 @@ def _ready(endpoint: str, targets: int) -> bool:
 
 def _log_tail(node: dict, n: int = 8) -> str:
     logs = sorted(Path(node["dir"], "log").glob("*.INFO")) + [Path(node["dir"], "stdout.log")]
-    lines = [l for p in logs if p.exists() for l in p.read_text(errors="replace").splitlines()]
+    lines = [line for p in logs if p.exists() for line in p.read_text(errors="replace").splitlines()]
     return "\n".join(lines[-n:])
 
 # %% ../nbs/07_cluster.ipynb
@@ -157,39 +170,19 @@ def ais_status(root: str | Path | None = None) -> dict:
     st["running"] = any(n["alive"] for n in st["nodes"])
     st["ready"] = st["running"] and _ready(st["endpoint"], st["targets"])
     du = shutil.disk_usage(root)
-    st["capacity"] = dict(total=du.total, free=du.free, used_by_mountpaths=sum(
-        p.stat().st_size for p in (root / "mountpaths").rglob("*") if p.is_file()) if (root / "mountpaths").exists() else 0)
+    mp = root / "mountpaths"
+    used = sum(p.stat().st_size for p in mp.rglob("*") if p.is_file()) if mp.exists() else 0
+    st["capacity"] = dict(total=du.total, free=du.free, used_by_mountpaths=used)
     if st["ready"]:
-        try: st["buckets"] = [b["name"] for b in requests.get(f"{st['endpoint']}/v1/buckets", timeout=3).json() or []]
+        try:
+            got = requests.get(f"{st['endpoint']}/v1/buckets", timeout=3).json()
+            st["buckets"] = [b["name"] for b in got or []]
         except (requests.RequestException, ValueError, TypeError): st["buckets"] = None
     return st
 
 # %% ../nbs/07_cluster.ipynb
-def ais_up(targets: int = 2, root: str | Path | None = None, port: int = 8080, timeout: float = 180, quiet: bool = False) -> str:
-    "Build AIStore if needed, start one proxy and `targets` targets on 127.0.0.1, wait until ready; the endpoint."
-    if targets < 1: raise ClusterError(f"a cluster needs at least one target, got --targets {targets}")
-    root = Path(root or default_root()).expanduser().resolve()
-    st = ais_status(root)
-    if st["running"]:
-        if st["ready"]:
-            if not quiet: print(f"already running: {st['endpoint']}")
-            return st["endpoint"]
-        raise ClusterError(f"a cluster under {root} is running but not ready; run `shardkit ais down --root {root}` and try again")
-    busy = [p for i in range(targets + 1) for p in _node_ports(port, i) if not _port_free(p)]
-    if busy: raise ClusterError(f"port(s) {busy} on 127.0.0.1 are in use (another cluster?); pick another base port with --port")
-    binary = build_aisnode(quiet=quiet)
-    nodes = write_node_configs(root, targets, port)
-    endpoint = f"http://127.0.0.1:{port}"
-    for n in nodes:
-        d = Path(n["dir"])
-        cmd = [str(binary), f"-config={d / 'ais.json'}", f"-local_config={d / 'ais_local.json'}", f"-role={n['role']}"]
-        if n["role"] == "proxy": cmd.append(f"-ntargets={targets}")
-        with open(d / "stdout.log", "ab") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=d, start_new_session=True)
-        n.update(pid=p.pid, cmd=cmd)
-        if n["role"] == "proxy": time.sleep(1)  # upstream's deploy gives the primary a head start too
-    _state_file(root).write_text(json.dumps(dict(endpoint=endpoint, port=port, targets=targets, root=str(root),
-                                                 version=AIS_VERSION, started=time.time(), nodes=nodes), indent=1))
+def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, timeout: float) -> None:
+    "Wait until the cluster is ready; if a node exits or `timeout` passes, stop the cluster and say why."
     deadline = time.time() + timeout
     while not _ready(endpoint, targets):
         dead = [n for n in nodes if not _alive(n)]
@@ -199,13 +192,53 @@ def ais_up(targets: int = 2, root: str | Path | None = None, port: int = 8080, t
             ais_down(root, quiet=True)
             raise ClusterError(f"AIStore did not start ({why}); its log ends with:\n{detail}")
         time.sleep(0.5)
+
+# %% ../nbs/07_cluster.ipynb
+def ais_up(targets: int = 2,                 # number of storage targets
+           root: str | Path | None = None,   # folder for configs, logs and mountpaths (default `default_root()`)
+           port: int = 8080,                 # public port of the proxy; targets use the next ones
+           timeout: float = 180,             # seconds to wait for the cluster to be ready
+           quiet: bool = False,              # print nothing
+          ) -> str:
+    "Build AIStore if needed, start one proxy and `targets` targets on 127.0.0.1, wait until ready; the endpoint."
+    if targets < 1: raise ClusterError(f"a cluster needs at least one target, got --targets {targets}")
+    root = Path(root or default_root()).expanduser().resolve()
+    st = ais_status(root)
+    if st["running"]:
+        if st["ready"]:
+            if not quiet: print(f"already running: {st['endpoint']}")
+            return st["endpoint"]
+        raise ClusterError(f"a cluster under {root} is running but not ready; "
+                           f"run `shardkit ais down --root {root}` and try again")
+    busy = [p for i in range(targets + 1) for p in _node_ports(port, i) if not _port_free(p)]
+    if busy: raise ClusterError(f"port(s) {busy} on 127.0.0.1 are in use (another cluster?); "
+                                "pick another base port with --port")
+    binary = build_aisnode(quiet=quiet)
+    nodes = write_node_configs(root, targets, port)
+    endpoint = f"http://127.0.0.1:{port}"
+    for n in nodes:
+        d = Path(n["dir"])
+        cmd = [str(binary), f"-config={d / 'ais.json'}", f"-local_config={d / 'ais_local.json'}", f"-role={n['role']}"]
+        if n["role"] == "proxy": cmd.append(f"-ntargets={targets}")
+        with open(d / "stdout.log", "ab") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=d,
+                                 start_new_session=True)
+        n.update(pid=p.pid, cmd=cmd)
+        if n["role"] == "proxy": time.sleep(1)  # upstream's deploy gives the primary a head start too
+    _state_file(root).write_text(json.dumps(dict(endpoint=endpoint, port=port, targets=targets, root=str(root),
+                                                 version=AIS_VERSION, started=time.time(), nodes=nodes), indent=1))
+    _await_ready(root, endpoint, nodes, targets, timeout)
     if not quiet: print(f"AIStore {AIS_VERSION} is up: 1 proxy, {targets} target(s), data under {root}\n"
                         f"  export AIS_ENDPOINT={endpoint}")
     return endpoint
 
 # %% ../nbs/07_cluster.ipynb
-def ais_down(root: str | Path | None = None, timeout: float = 30, wipe: bool = False, quiet: bool = False) -> int:
-    "Stop the nodes that `ais_up` started under `root` (and only those); with `wipe`, delete the cluster's data. Nodes stopped."
+def ais_down(root: str | Path | None = None,  # the cluster's folder (default `default_root()`)
+             timeout: float = 30,              # seconds to wait for the nodes to exit before killing them
+             wipe: bool = False,               # also delete the cluster's data
+             quiet: bool = False,              # print nothing
+            ) -> int:                          # the number of nodes stopped
+    "Stop the nodes that `ais_up` started under `root` (and only those); with `wipe`, delete the cluster's data."
     root = Path(root or default_root()).expanduser().resolve()
     sf = _state_file(root)
     nodes = json.loads(sf.read_text())["nodes"] if sf.exists() else []
@@ -223,12 +256,11 @@ def ais_down(root: str | Path | None = None, timeout: float = 30, wipe: bool = F
         _reap(n["pid"])
     sf.unlink(missing_ok=True)
     if wipe and root.exists(): shutil.rmtree(root)
-    if not quiet: print(f"stopped {len(live)} node(s)" + (f" and deleted {root}" if wipe else "") if live or wipe else "no cluster running under " + str(root))
+    if not quiet: print(f"stopped {len(live)} node(s)" + (f" and deleted {root}" if wipe else "") if live or wipe
+                        else "no cluster running under " + str(root))
     return len(live)
 
 # %% ../nbs/07_cluster.ipynb
-from fastcore.script import store_true
-
 def ais_up_cli(targets: int = 2,      # Number of storage targets
                root: str = None,      # Folder for configs, logs and mountpaths (default ~/.shardkit/ais)
                port: int = 8080,      # Public port of the proxy; targets use the next ones
@@ -248,9 +280,11 @@ def ais_status_cli(root: str = None):  # The cluster's folder (default ~/.shardk
         print(f"no cluster under {st['root']}; start one with `shardkit ais up`")
         return 1
     print(f"endpoint: {st['endpoint']}   ready: {'yes' if st['ready'] else 'no'}   AIStore {st.get('version', '?')}")
-    for n in st["nodes"]: print(f"  {n['name']:<8} pid {n['pid']:<8} port {n['port']:<6} {'running' if n['alive'] else 'STOPPED'}")
+    for n in st["nodes"]:
+        print(f"  {n['name']:<8} pid {n['pid']:<8} port {n['port']:<6} {'running' if n['alive'] else 'STOPPED'}")
     c = st["capacity"]
-    print(f"capacity: {c['free'] / 2**30:.1f} GiB free of {c['total'] / 2**30:.1f} GiB; objects use {c['used_by_mountpaths'] / 2**20:.1f} MiB")
+    print(f"capacity: {c['free'] / 2**30:.1f} GiB free of {c['total'] / 2**30:.1f} GiB; "
+          f"objects use {c['used_by_mountpaths'] / 2**20:.1f} MiB")
     if st.get("buckets") is not None: print(f"buckets: {', '.join(st['buckets']) or '(none)'}")
     return 0 if st["running"] else 1
 

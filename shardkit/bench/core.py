@@ -10,7 +10,7 @@ from typing import Iterable
 from ..errors import ShardkitError
 
 # %% auto 0
-__all__ = ['BenchError', 'cpu_seconds', 'format_bench', 'run_child', 'drop_page_cache']
+__all__ = ['BenchError', 'cpu_seconds', 'format_bench', 'run_child', 'drop_page_cache', 'warm_page_cache']
 
 # %% ../../nbs/31_bench_core.ipynb
 class BenchError(ShardkitError):
@@ -108,7 +108,7 @@ def drop_page_cache() -> str | None:
                 "/proc/sys/vm/drop_caches needs root outside a container)")
 
 # %% ../../nbs/31_bench_core.ipynb
-def _warm(paths: Iterable[Path]):
+def warm_page_cache(paths: Iterable[Path]):
     "Read every file under `paths` once, so the runs find it in the page cache."
     for p in paths:
         for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []):

@@ -16,8 +16,9 @@ from ..errors import UsageError
 from ..store import shown_path
 from ..loading.jpeg import why_no_window_decode
 from ..loading.sources import shard_urls
-from .core import BenchError, _warm, cpu_seconds, drop_page_cache, format_bench, run_child
-from .peers import LOADER_ROWS, PEER_LOADERS, _MAKERS, _convert, _folder_items, _importable, decode_augment, prepare_bench_data
+from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_page_cache
+from .peers import (LOADER_MAKERS, LOADER_ROWS, PEER_LOADERS, convert_to_peer_format, decode_augment,
+                                  folder_items, importable, prepare_bench_data)
 
 # %% auto 0
 __all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'bench_ratios', 'loader_table',
@@ -25,17 +26,19 @@ __all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastes
 
 # %% ../../nbs/35_bench_loader.ipynb
 def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
-    "The labels of a batch as ints, and what is wrong with the batch (None: a (B, 3, 224, 224) batch of `dtype`, B <= 64)."
+    "The labels of a batch as ints, and what is wrong with it (None: a (B, 3, 224, 224) batch of `dtype`, B <= 64)."
     labels = np.asarray(labels).reshape(-1).astype(np.int64)
     shape = tuple(images.shape)
-    if shape[1:] != (3, 224, 224) or shape[0] != len(labels) or not 0 < shape[0] <= 64 or dtype not in str(images.dtype):
-        return labels, f"a batch of shape {shape}, {images.dtype}, {len(labels)} labels (want (<=64, 3, 224, 224) {dtype})"
+    if (shape[1:] != (3, 224, 224) or shape[0] != len(labels) or not 0 < shape[0] <= 64
+            or dtype not in str(images.dtype)):
+        return labels, (f"a batch of shape {shape}, {images.dtype}, {len(labels)} labels "
+                        f"(want (<=64, 3, 224, 224) {dtype})")
     return labels, None
 
 # %% ../../nbs/35_bench_loader.ipynb
 def _measure_epochs(spec: dict) -> dict:
     "One run of loader `spec['name']`: build it, iterate `epochs` epochs, check each; times, CPU and the checks."
-    make = _MAKERS[spec["name"]](spec)  # imports here, before the clock starts, as at the top of a training script
+    make = LOADER_MAKERS[spec["name"]](spec)  # imports here, before the clock starts, as atop a training script
     expected = np.array(spec["hist"], np.int64) * spec["passes"]
     n_expected, dtype = int(expected.sum()), spec.get("dtype", "uint8")
     gc.collect()
@@ -43,14 +46,16 @@ def _measure_epochs(spec: dict) -> dict:
     loader, convert = make()
     out = dict(build=time.perf_counter() - t0, epochs=[])
     for e in range(spec.get("epochs", 2)):
-        if e: gc.collect(); c0, t0 = cpu_seconds(descendants=True), time.perf_counter()  # epoch 1 counts the build: the cold first batch
+        # epoch 1 counts the build: the cold first batch
+        if e: gc.collect(); c0, t0 = cpu_seconds(descendants=True), time.perf_counter()
         first, n, hist, problems = None, 0, np.zeros(len(expected), np.int64), set()
         for batch in loader:
             images, labels = convert(batch) if convert else batch[:2]
             if first is None: first = time.perf_counter()
             labels, problem = _check_batch(images, labels, dtype)
             if problem: problems.add(problem)
-            if len(labels) and (labels.min() < 0 or labels.max() >= len(expected)): problems.add(f"labels outside 0..{len(expected) - 1}")
+            if len(labels) and (labels.min() < 0 or labels.max() >= len(expected)):
+                problems.add(f"labels outside 0..{len(expected) - 1}")
             else: hist += np.bincount(labels, minlength=len(expected))
             n += len(labels)
         t1 = time.perf_counter()
@@ -64,7 +69,7 @@ def _measure_epochs(spec: dict) -> dict:
 def _ceiling(spec: dict) -> dict:
     "Samples/s on one core, by CPU time, of `decode_augment` over up to 400 of the benchmark's JPEGs in memory."
     torch.set_num_threads(1)  # as in a loader's worker
-    blobs = [Path(p).read_bytes() for p, _ in _folder_items(Path(spec["root"]))[:400]]
+    blobs = [Path(p).read_bytes() for p, _ in folder_items(Path(spec["root"]))[:400]]
     for b in blobs[:20]: decode_augment(b)  # warm up
     c0, n = time.process_time(), 0
     while time.process_time() - c0 < spec.get("seconds", 3.0):
@@ -72,12 +77,12 @@ def _ceiling(spec: dict) -> dict:
     return dict(per_core=n / (time.process_time() - c0))
 
 # %% ../../nbs/35_bench_loader.ipynb
-_TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": _convert}
+_TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": convert_to_peer_format}
 
 def _task(spec: dict) -> dict: return _TASKS[spec["task"]](spec)
 
 def _run_child(spec: dict, timeout: float = 600) -> dict:
-    "Run the loader benchmark's task `spec['task']` in a fresh process (bench.core's harness): its result, or dict(error=why)."
+    "Run the loader benchmark's task `spec['task']` in a fresh process (`run_child`): its result, or dict(error=why)."
     return run_child("shardkit.bench.loader:_task", spec, timeout)
 
 # %% ../../nbs/35_bench_loader.ipynb
@@ -87,25 +92,28 @@ BASE_ROWS = ("default", "whole", "random", "post", "wds", "imagefolder")
 def _summary(runs: list[dict]) -> dict:
     "A row from its runs: medians over the runs whose every epoch passed the checks, and why the others failed."
     ok = [r for r in runs if "epochs" in r and not any(e["problems"] for e in r["epochs"])]
-    why = sorted({r.get("error") or "; ".join(p for e in r["epochs"] for p in e["problems"]) for r in runs if r not in ok})
+    why = sorted({r.get("error") or "; ".join(p for e in r["epochs"] for p in e["problems"])
+                  for r in runs if r not in ok})
     if not ok: return dict(status="failed", why=why, runs=len(runs), ok=0)
     last, first = [r["epochs"][-1] for r in ok], [r["epochs"][0] for r in ok]
     epochs = [e for r in ok for e in r["epochs"]]
     inexact = [e for e in epochs if not e["exact"]]
-    return dict(status="ok", why=why, runs=len(runs), ok=len(ok), rate=statistics.median(e["n"] / e["wall"] for e in last),
-                cpu_ms=statistics.median(1000 * e["cpu"] / max(e["n"], 1) for e in last),
-                first_batch=statistics.median(e["first"] for e in last), cold_first_batch=statistics.median(e["first"] for e in first),
-                build=statistics.median(r["build"] for r in ok), exact=not inexact, inexact=len(inexact), epochs=len(epochs),
-                repeated=max((e["repeated"] or 0 for e in inexact), default=0), counts=sorted({e["n"] for e in inexact}))
+    med = statistics.median
+    return dict(status="ok", why=why, runs=len(runs), ok=len(ok), rate=med(e["n"] / e["wall"] for e in last),
+                cpu_ms=med(1000 * e["cpu"] / max(e["n"], 1) for e in last),
+                first_batch=med(e["first"] for e in last), cold_first_batch=med(e["first"] for e in first),
+                build=med(r["build"] for r in ok), exact=not inexact, inexact=len(inexact), epochs=len(epochs),
+                repeated=max((e["repeated"] or 0 for e in inexact), default=0),
+                counts=sorted({e["n"] for e in inexact}))
 
 # %% ../../nbs/35_bench_loader.ipynb
 def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dict]:
-    "The measuring spec of each row (a peer's copy of the data converted once, kept in the cache), and the rows that cannot run, with why."
+    "Each row's measuring spec (a peer's copy of the data converted once, then cached); the rows that cannot run, why."
     rows, specs = {}, {}
     for name in names:
         if name in PEER_LOADERS:
             module, hint = PEER_LOADERS[name]
-            if not _importable(module):
+            if not importable(module):
                 rows[name] = dict(status="not installed", why=[f"not installed: {hint}"]); continue
             dest = data.root / f"{name}-x{data.passes}"
             if not dest.exists():
@@ -124,7 +132,7 @@ def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dic
 def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int = 3, max_shards: int | None = None,
                  samples: int = 2000, peers: bool = False, progress: bool = True, cache: str | Path | None = None,
                  only: Sequence[str] | None = None, timeout: float = 600, ceiling_seconds: float = 3.0) -> dict:
-    "shardkit's loaders against webdataset, ImageFolder, the AIStore post's pipeline and (`peers`) LitData, MDS, DALI, FFCV: same data, same work."
+    "shardkit's loaders against webdataset, ImageFolder, the post's pipeline, (`peers`) LitData, MDS, DALI, FFCV, wids."
     from tqdm.auto import tqdm
     urls = shard_urls(sources)[:max_shards]
     data = prepare_bench_data(urls, samples, cache)
@@ -132,14 +140,15 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
                 workers=num_workers, seed=0, epochs=2)
     rows, specs = _plan(names, data, base, timeout)
-    _warm([Path(u) for u in data.urls if "://" not in u] + [data.root])
+    warm_page_cache([Path(u) for u in data.urls if "://" not in u] + [data.root])
     load_start, runs, ceilings, note = os.getloadavg(), {n: [] for n in specs}, [], None
     todo = [(r, n) for r in range(repeats) for n in ["ceiling"] + list(specs)]
     for r, name in tqdm(todo, desc="loader runs", disable=not progress):
         if cold: note = drop_page_cache() or note
         if name == "ceiling":
             c = _run_child(dict(task="ceiling", root=str(data.root), seconds=ceiling_seconds), timeout)
-            if "error" in c: raise BenchError(f"the ceiling's run failed ({c['error']}); the loaders' figures would lack their yardstick")
+            if "error" in c: raise BenchError(f"the ceiling's run failed ({c['error']}); "
+                                              "the loaders' figures would lack their yardstick")
             ceilings.append(c["per_core"])
         else: runs[name].append(_run_child(specs[name], timeout))
     load_end = os.getloadavg()
@@ -152,7 +161,8 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
     rates, cpu_ms = {k: r["rate"] for k, r in ok.items()}, {k: r["cpu_ms"] for k, r in ok.items()}
     rates[LOADER_ROWS["ceiling"]], cpu_ms[LOADER_ROWS["ceiling"]] = per_core * ceiling_workers, 1000 / per_core
     return dict(rows={LOADER_ROWS[n]: r for n, r in rows.items()}, rates=rates, cpu_ms=cpu_ms, per_core=per_core,
-                ceiling_workers=ceiling_workers, samples=data.n, passes=data.passes, shards=len(data.urls), fields=data.fields,
+                ceiling_workers=ceiling_workers, samples=data.n, passes=data.passes, shards=len(data.urls),
+                fields=data.fields,
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
                 load_start=load_start[0], load_end=load_end[0], load=load_end[0], window=why_no_window_decode(),
                 cache_note=(note or "page cache dropped before each run") if cold else "page cache warm")
@@ -167,7 +177,7 @@ def fastest_peer(result: dict) -> str | None:
     return max(peers, key=lambda k: peers[k]["rate"]) if peers else None
 
 def bench_ratios(result: dict) -> dict:
-    "The default loader against the goals: name -> (measured, goal, met); a figure that could not be measured is (None, goal, False)."
+    "The default loader against the goals: name -> (measured, goal, met); a figure not measured: (None, goal, False)."
     d, peer = result["rows"].get(LOADER_ROWS["default"], {}), fastest_peer(result)
     ok, p = d.get("status") == "ok", result["rows"][peer] if peer else None
     ceiling = result["rates"].get(LOADER_ROWS["ceiling"])
@@ -175,7 +185,8 @@ def bench_ratios(result: dict) -> dict:
             "ceiling": d["rate"] / ceiling if ok and ceiling else None,
             "cpu": d["cpu_ms"] / p["cpu_ms"] if ok and p else None,
             "first_batch": d["first_batch"] if ok else None}
-    met = {"peer": lambda v, g: v >= g, "ceiling": lambda v, g: v >= g, "cpu": lambda v, g: v <= g, "first_batch": lambda v, g: v < g}
+    met = {"peer": lambda v, g: v >= g, "ceiling": lambda v, g: v >= g, "cpu": lambda v, g: v <= g,
+           "first_batch": lambda v, g: v < g}
     return {k: (v, LOADER_GOALS[k], v is not None and met[k](v, LOADER_GOALS[k])) for k, v in vals.items()}
 
 # %% ../../nbs/35_bench_loader.ipynb
@@ -186,8 +197,37 @@ def _once(r: dict) -> str:
     return f"no ({r['inexact']}/{r['epochs']} epochs, {what})"
 
 # %% ../../nbs/35_bench_loader.ipynb
+def _table_notes(result: dict) -> list[str]:
+    "The notes under the loader table: how it measures, the goals and their verdicts, and what to know of this run."
+    rows, peer, g = result["rows"], fastest_peer(result), bench_ratios(result)
+    verdict = lambda k: "met" if g[k][2] else "MISSED"
+    num = lambda v, fmt: "-" if v is None else fmt.format(v)
+    notes = [("samples/s and CPU from epoch 2; first batch: from asking for epoch 2's iterator; "
+              "cold: building the loader + epoch 1's first batch. "
+              f"ceiling = {result['per_core']:.0f} samples/s per core (decode_jpeg + v2, CPU time) "
+              f"x {result['ceiling_workers']}"),
+             (f"goal: default >= {g['peer'][1]:.2f}x the fastest exactly-once peer ({peer or 'none'}): "
+              f"{num(g['peer'][0], '{:.2f}x')} {verdict('peer')}"),
+             (f"goal: default >= {g['ceiling'][1]:.2f}x the ceiling: "
+              f"{num(g['ceiling'][0], '{:.2f}x')} {verdict('ceiling')}"),
+             f"goal: default CPU/sample <= that peer's: {num(g['cpu'][0], '{:.2f}x')} {verdict('cpu')}",
+             (f"goal: default first batch of epoch 2 < {g['first_batch'][1]} s: "
+              f"{num(g['first_batch'][0], '{:.2f} s')} {verdict('first_batch')}")]
+    why = result.get("window", "not recorded")
+    notes.append(("shardkit's default decodes only the window of each JPEG that its random crop keeps "
+                  "(the same pixels; nbs/22_jpeg); every other row, and the ceiling, decodes whole images")
+                 if why is None else f"shardkit's default decodes whole images here, like every other row: {why}")
+    if rows.get(LOADER_ROWS["dali"], {}).get("status") == "ok" and not rows[LOADER_ROWS["dali"]]["exact"]:
+        notes.append("DALI's reader carries its shuffle buffer across the epoch boundary (by design): "
+                     "later epochs repeat some samples and miss as many")
+    if any(r["status"] == "not installed" for r in rows.values()):
+        notes.append('peers: pip install "shardkit[peers]" installs them all; '
+                     "FFCV needs apt-get install libturbojpeg0-dev libopencv-dev pkg-config first")
+    return notes
+
+# %% ../../nbs/35_bench_loader.ipynb
 def loader_table(result: dict) -> str:
-    "`bench_loader`'s result as a table: samples/s, x shardkit, CPU ms/sample, first batches, exactly once; the ceiling; the goals."
+    "`bench_loader`'s result as a table: samples/s, x shardkit, CPU ms/sample, first batches, exactly once; goals."
     rows, default = result["rows"], result["rows"].get(LOADER_ROWS["default"], {})
     ref = default.get("rate") if default.get("status") == "ok" else None
     out, row_notes = [], []
@@ -199,30 +239,16 @@ def loader_table(result: dict) -> str:
         out.append(dict(loader=k, rate=r.get("rate"), x=r["rate"] / ref if ok and ref else None, cpu=r.get("cpu_ms"),
                         first=r.get("first_batch"), cold=r.get("cold_first_batch"), once=_once(r)))
     c = LOADER_ROWS["ceiling"]
-    out.append(dict(loader=c, rate=result["rates"][c], x=result["rates"][c] / ref if ref else None, cpu=result["cpu_ms"][c], once=""))
-    cols = {"loader": ("loader", "{}"), "rate": ("samples/s", "{:.0f}"), "x": ("x shardkit", "{:.2f}x"), "cpu": ("CPU ms/sample", "{:.2f}"),
-            "first": ("first batch s", "{:.2f}"), "cold": ("cold first batch s", "{:.2f}"), "once": ("exactly once", "{}")}
-    title = (f"loader benchmark: {result['samples']} samples in {result['shards']} shards, read {result['passes']}x per epoch; "
-             f"{result['num_workers']} workers, {result['cores']} cores; median of {result['repeats']} runs, each a fresh process, "
-             f"epoch 2 of 2; {result['cache_note']}; load average {result['load_start']:.1f} at start, {result['load_end']:.1f} at end")
-    peer, g = fastest_peer(result), bench_ratios(result)
-    verdict = lambda k: "met" if g[k][2] else "MISSED"
-    num = lambda v, fmt: "-" if v is None else fmt.format(v)
-    notes = [f"samples/s and CPU from epoch 2; first batch: from asking for epoch 2's iterator; cold: building the loader + epoch 1's first batch. "
-             f"ceiling = {result['per_core']:.0f} samples/s per core (decode_jpeg + v2, CPU time) x {result['ceiling_workers']}",
-             f"goal: default >= {g['peer'][1]:.2f}x the fastest exactly-once peer ({peer or 'none'}): {num(g['peer'][0], '{:.2f}x')} {verdict('peer')}",
-             f"goal: default >= {g['ceiling'][1]:.2f}x the ceiling: {num(g['ceiling'][0], '{:.2f}x')} {verdict('ceiling')}",
-             f"goal: default CPU/sample <= that peer's: {num(g['cpu'][0], '{:.2f}x')} {verdict('cpu')}",
-             f"goal: default first batch of epoch 2 < {g['first_batch'][1]} s: {num(g['first_batch'][0], '{:.2f} s')} {verdict('first_batch')}"]
-    why = result.get("window", "not recorded")
-    notes.append("shardkit's default decodes only the window of each JPEG that its random crop keeps (the same pixels; nbs/22_jpeg); "
-                 "every other row, and the ceiling, decodes whole images" if why is None else
-                 f"shardkit's default decodes whole images here, like every other row: {why}")
-    if rows.get(LOADER_ROWS["dali"], {}).get("status") == "ok" and not rows[LOADER_ROWS["dali"]]["exact"]:
-        notes.append("DALI's reader carries its shuffle buffer across the epoch boundary (by design): later epochs repeat some samples and miss as many")
-    if any(r["status"] == "not installed" for r in rows.values()):
-        notes.append('peers: pip install "shardkit[peers]" installs them all; FFCV needs apt-get install libturbojpeg0-dev libopencv-dev pkg-config first')
-    return format_bench(out, cols, title, notes + row_notes)
+    out.append(dict(loader=c, rate=result["rates"][c], x=result["rates"][c] / ref if ref else None,
+                    cpu=result["cpu_ms"][c], once=""))
+    cols = {"loader": ("loader", "{}"), "rate": ("samples/s", "{:.0f}"), "x": ("x shardkit", "{:.2f}x"),
+            "cpu": ("CPU ms/sample", "{:.2f}"), "first": ("first batch s", "{:.2f}"),
+            "cold": ("cold first batch s", "{:.2f}"), "once": ("exactly once", "{}")}
+    title = (f"loader benchmark: {result['samples']} samples in {result['shards']} shards, "
+             f"read {result['passes']}x per epoch; {result['num_workers']} workers, {result['cores']} cores; "
+             f"median of {result['repeats']} runs, each a fresh process, epoch 2 of 2; {result['cache_note']}; "
+             f"load average {result['load_start']:.1f} at start, {result['load_end']:.1f} at end")
+    return format_bench(out, cols, title, _table_notes(result) + row_notes)
 
 # %% ../../nbs/35_bench_loader.ipynb
 def plot_bench(result: dict, path: str | Path | None = None):
@@ -233,7 +259,8 @@ def plot_bench(result: dict, path: str | Path | None = None):
     colors = ["#2a7ab9" if k in mine else "#999999" if k == ceiling else "#c9822b" for k in names][::-1]
     panels = [("samples / s (higher is better)", [result["rates"][k] for k in names], "{:.0f}"),
               ("CPU ms per sample (lower is better)", [result["cpu_ms"][k] for k in names], "{:.2f}")]
-    shown = [k + (" (not exactly once)" if result.get("rows", {}).get(k, {}).get("exact") is False else "") for k in names]
+    shown = [k + (" (not exactly once)" if result.get("rows", {}).get(k, {}).get("exact") is False else "")
+             for k in names]
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.32 * len(names)), squeeze=False)
     for i, (ax, (label, vals, fmt)) in enumerate(zip(axes[0], panels)):
         top = max(v for v in vals if v <= 4 * statistics.median(vals))  # a bar far beyond the rest is cut, and says so
@@ -243,8 +270,9 @@ def plot_bench(result: dict, path: str | Path | None = None):
             ax.text(b, y, " " + fmt.format(v) + (" (cut)" if b < v else ""), va="center", fontsize=8)
         ax.set_xlabel(label); ax.set_xlim(0, top * 1.6)
         if i: ax.set_yticklabels([])
-    fig.suptitle(f"Loaders on the same data and work: {result['num_workers']} workers, {result['cores']} cores, {result['samples']} samples "
-                 f"x{result['passes']} per epoch (load average {result['load_end']:.1f})", fontsize=10)
+    fig.suptitle(f"Loaders on the same data and work: {result['num_workers']} workers, {result['cores']} cores, "
+                 f"{result['samples']} samples x{result['passes']} per epoch (load average {result['load_end']:.1f})",
+                 fontsize=10)
     fig.tight_layout()
     if path is not None: fig.savefig(path, dpi=110)
     return fig
@@ -254,7 +282,7 @@ def _cpu_model() -> str:
     "The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.exists() else []
-    names = [l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")]
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
     return names[0] if names else platform.processor() or platform.machine()
 
 def machine_summary() -> str:
@@ -266,15 +294,15 @@ def machine_summary() -> str:
 # %% ../../nbs/35_bench_loader.ipynb
 def bench_loader_cli(src: str,                      # Shards: a directory, ais://bucket, a brace template, or a .tar
                      workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
-                     repeats: int = 3,              # Runs per loader, interleaved, each in a fresh process; medians shown
-                     samples: int = 2000,           # Samples per epoch at least (a small set is read several times over)
-                     peers: store_true = False,     # Add LitData, MosaicML Streaming, DALI (CPU), FFCV where installed: pip install "shardkit[peers]"; FFCV: apt-get install libturbojpeg0-dev libopencv-dev pkg-config, then pip install ffcv
+                     repeats: int = 3,              # Runs per loader, interleaved, each a fresh process; medians shown
+                     samples: int = 2000,           # Samples per epoch at least (a small set is read several times)
+                     peers: store_true = False,     # Add LitData, MDS, DALI, FFCV, wids: pip install "shardkit[peers]"
                      cold: store_true = False,      # Drop the page cache before each run (where permitted)
                      max_shards: int = None,        # Use only the first N shards
-                     cache: str = "",               # Folder for the converted copies (ImageFolder, peers' formats); default ~/.cache/shardkit/bench
+                     cache: str = "",               # Folder for the converted copies; default ~/.cache/shardkit/bench
                      out: str = "bench-loader.png",  # Where to save the bar chart (PNG)
-                     json: str = ""):               # Also write the result, the date, the machine and the command to this JSON file
-    "Benchmark shardkit's loaders against webdataset, ImageFolder, the AIStore post's pipeline and (--peers) LitData, MDS, DALI, FFCV: same data, same work per sample."
+                     json: str = ""):               # Also write the result, date, machine and command to this JSON file
+    "Benchmark shardkit's loaders against webdataset, ImageFolder, the post's pipeline and (--peers) others: same work."
     if workers < 0: raise UsageError(f"--workers must be >= 0, got {workers}")
     if repeats < 1: raise UsageError(f"--repeats must be >= 1, got {repeats}")
     if samples < 1: raise UsageError(f"--samples must be >= 1, got {samples}")

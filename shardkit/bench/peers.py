@@ -21,8 +21,9 @@ from ..loading.collate import _PooledBatch, _convert as _convert_batch
 from .core import BenchError
 
 # %% auto 0
-__all__ = ['PEER_LOADERS', 'LOADER_ROWS', 'plain_transform', 'decode_augment', 'shard_fields', 'extract_image_folder',
-           'BenchData', 'bench_cache', 'prepare_bench_data', 'post_loader']
+__all__ = ['PEER_LOADERS', 'LOADER_ROWS', 'LOADER_MAKERS', 'plain_transform', 'decode_augment', 'shard_fields',
+           'extract_image_folder', 'folder_items', 'BenchData', 'bench_cache', 'prepare_bench_data', 'importable',
+           'convert_to_peer_format', 'post_loader']
 
 # %% ../../nbs/34_bench_peers.ipynb
 @functools.lru_cache(maxsize=None)
@@ -47,7 +48,8 @@ def shard_fields(url: str) -> dict:
     jpgs = [k for k in keys if k.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg")]
     labels = [k for k in keys if k.rsplit(".", 1)[-1].lower() == "cls"]
     if not jpgs or not labels:
-        raise BenchError(f"the samples of {url} have fields {keys}; the loader benchmark needs a JPEG image (.jpg) and a class label (.cls)")
+        raise BenchError(f"the samples of {url} have fields {keys}; "
+                         "the loader benchmark needs a JPEG image (.jpg) and a class label (.cls)")
     return dict(image=jpgs[0], label=labels[0], trimap="trimap.png" if "trimap.png" in keys else None)
 
 def extract_image_folder(urls: Sequence[str], root: str | Path, image: str = "image.jpg", label: str = "cls") -> int:
@@ -60,14 +62,14 @@ def extract_image_folder(urls: Sequence[str], root: str | Path, image: str = "im
         n += 1
     return n
 
-def _folder_items(root: Path) -> list[tuple[str, int]]:
+def folder_items(root: Path) -> list[tuple[str, int]]:
     "(path, label) of every image in the benchmark's ImageFolder copy, in a fixed order."
     return [(str(p), int(p.parent.name)) for p in sorted((Path(root) / "imagefolder").glob("*/*.jpg"))]
 
 # %% ../../nbs/34_bench_peers.ipynb
 @dataclass
 class BenchData:
-    "The benchmark's data: distinct shards, reads per epoch, fields, label histogram, and the cache folder of converted copies."
+    "The benchmark's data: distinct shards, reads per epoch, fields, label histogram, the cache folder of copies."
     urls: list
     passes: int
     fields: dict
@@ -91,7 +93,7 @@ def _fingerprint(urls: Sequence[str], fields: dict) -> str:
 
 # %% ../../nbs/34_bench_peers.ipynb
 def prepare_bench_data(urls: Sequence[str], samples: int = 2000, cache: str | Path | None = None) -> BenchData:
-    "Read the shards once: their fields, label histogram and an ImageFolder copy, in the cache (reused while the shards are unchanged)."
+    "Read the shards once: fields, label histogram and an ImageFolder copy, cached while the shards are unchanged."
     urls = list(dict.fromkeys(urls))
     if not urls: raise BenchError("no shards to benchmark; give a directory, a brace template or .tar files")
     fields = shard_fields(urls[0])
@@ -101,7 +103,7 @@ def prepare_bench_data(urls: Sequence[str], samples: int = 2000, cache: str | Pa
         part = Path(tempfile.mkdtemp(prefix=".part-", dir=root.parent))
         try:
             extract_image_folder(urls, part / "imagefolder", fields["image"], fields["label"])
-            labels = [c for _, c in _folder_items(part)]
+            labels = [c for _, c in folder_items(part)]
             hist = np.bincount(labels).tolist() if labels else []
             (part / "data.json").write_text(json.dumps(dict(urls=urls, fields=fields, hist=hist)))
             if not root.exists(): part.rename(root)  # another run may have made it meanwhile: theirs is as good
@@ -118,7 +120,8 @@ PEER_LOADERS = {"litdata": ("litdata", "pip install litdata"),
                 "ffcv": ("ffcv", "apt-get install libturbojpeg0-dev libopencv-dev pkg-config, then pip install ffcv"),
                 "wids": ("wids", "pip install wids")}
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    "Whether `module` (dotted names too) can be found, without importing it."
     try: return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError): return False
 
@@ -143,19 +146,21 @@ def _write_ffcv(path: Path, items: list, workers: int):
             a = np.empty((h, w, 3), np.uint8).view(Jpeg)
             a.jpeg = data
             return a, items[i][1]
-    encode = rgb.encode_jpeg  # this is a throwaway process: the patch dies with it (the writer's forked workers inherit it)
-    rgb.encode_jpeg = lambda image, quality: np.frombuffer(image.jpeg, np.uint8) if isinstance(image, Jpeg) else encode(image, quality)
+    encode = rgb.encode_jpeg  # a throwaway process: the patch dies with it (the writer's forked workers inherit it)
+    rgb.encode_jpeg = lambda image, quality: (np.frombuffer(image.jpeg, np.uint8) if isinstance(image, Jpeg)
+                                              else encode(image, quality))
     multiprocessing.set_start_method("fork", force=True)
     DatasetWriter(str(path), {"image": RGBImageField(write_mode="jpg"), "label": IntField()},
                   num_workers=max(1, workers)).from_indexed_dataset(Items())
 
 # %% ../../nbs/34_bench_peers.ipynb
-def _convert(spec: dict) -> dict:
+def convert_to_peer_format(spec: dict) -> dict:
     "Write peer format `spec['format']` of the benchmark data into `spec['dest']` (a fresh folder)."
-    fmt, dest, items = spec["format"], Path(spec["dest"]), _folder_items(Path(spec["root"])) * spec["passes"]
+    fmt, dest, items = spec["format"], Path(spec["dest"]), folder_items(Path(spec["root"])) * spec["passes"]
     if fmt == "litdata":
         from litdata import optimize
-        optimize(fn=_lit_item, inputs=items, output_dir=str(dest), chunk_size=100, num_workers=1, verbose=False, reorder_files=False)
+        optimize(fn=_lit_item, inputs=items, output_dir=str(dest), chunk_size=100, num_workers=1, verbose=False,
+                 reorder_files=False)
     elif fmt == "mds":
         from streaming import MDSWriter
         with MDSWriter(out=str(dest), columns={"image": "bytes", "label": "int"}, size_limit=1 << 23) as w:
@@ -165,15 +170,18 @@ def _convert(spec: dict) -> dict:
         _write_ffcv(dest / "data.beton", items, spec["workers"])
     elif fmt == "dali":
         wds2idx = shutil.which("wds2idx", path=str(Path(sys.executable).parent)) or shutil.which("wds2idx")
-        if not wds2idx: raise BenchError("DALI's wds2idx is not on PATH nor beside python; reinstall nvidia-dali-cuda120")
+        if not wds2idx:
+            raise BenchError("DALI's wds2idx is not on PATH nor beside python; reinstall nvidia-dali-cuda120")
         dest.mkdir(parents=True)
         for i, url in enumerate(spec["urls"]):
             if "://" in url: raise BenchError(f"DALI's webdataset reader reads local files; {url} is not one")
             subprocess.run([sys.executable, wds2idx, url, str(dest / f"{i:05d}.idx")], check=True, capture_output=True)
     elif fmt == "wids":  # wids reads the same tars by offset: it needs only their sample counts, in its index format
         dest.mkdir(parents=True)
-        shards = [dict(url=str(Path(u).resolve()), nsamples=sum(1 for _ in wds.WebDataset([u], shardshuffle=False))) for u in spec["urls"]]
-        (dest / "index.json").write_text(json.dumps(dict(__kind__="wids-shard-index-v1", wids_version=1, shardlist=shards)))
+        shards = [dict(url=str(Path(u).resolve()), nsamples=sum(1 for _ in wds.WebDataset([u], shardshuffle=False)))
+                  for u in spec["urls"]]
+        index = dict(__kind__="wids-shard-index-v1", wids_version=1, shardlist=shards)
+        (dest / "index.json").write_text(json.dumps(index))
     else: raise BenchError(f"no converter for {fmt!r}; choose from {', '.join(PEER_LOADERS)}")
     return dict(format=fmt)
 
@@ -181,22 +189,25 @@ def _convert(spec: dict) -> dict:
 def _identity(x): return x
 
 def post_loader(urls: Sequence[str], num_workers: int = 4, image: str = "image.jpg", trimap: str | None = "trimap.png"):
-    "The AIStore post's pipeline as written: decode('torchrgb') of every field, classic transforms, unbatch/shuffle/rebatch."
+    "The AIStore post's pipeline as written: every field decoded to float, classic transforms, unbatch/shuffle/rebatch."
     from torchvision import transforms as T
     image_tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    trimap_tf = T.Compose([T.RandomResizedCrop(224, interpolation=T.InterpolationMode.NEAREST), T.RandomHorizontalFlip()])
-    fields, tfs = ("cls", image) + ((trimap,) if trimap else ()), (_identity, image_tf) + ((trimap_tf,) if trimap else ())
+    trimap_tf = T.Compose([T.RandomResizedCrop(224, interpolation=T.InterpolationMode.NEAREST),
+                           T.RandomHorizontalFlip()])
+    fields = ("cls", image) + ((trimap,) if trimap else ())
+    tfs = (_identity, image_tf) + ((trimap_tf,) if trimap else ())
     dataset = (wds.WebDataset(list(urls), shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("torchrgb")
                .to_tuple(*fields).map_tuple(*tfs).batched(16))
     return wds.WebLoader(dataset, num_workers=num_workers, batch_size=None).unbatched().shuffle(1000).batched(64)
 
 # %% ../../nbs/34_bench_peers.ipynb
 class _RandomEpochs:
-    "The random-access loader's dataset in its seeded global order, every sample `passes` times an epoch, the last batch partial."
+    "The random-access loader's dataset in seeded order: every sample `passes` times an epoch, the last batch partial."
     def __init__(self, spec: dict):
         from shardkit.loading.random import create_random_loader
         keys = (spec["fields"]["image"], spec["fields"]["label"])
-        self.ds = create_random_loader(spec["urls"], keys=keys, batch_size=64, num_workers=0, seed=spec["seed"], pad=True).dataset
+        self.ds = create_random_loader(spec["urls"], keys=keys, batch_size=64, num_workers=0, seed=spec["seed"],
+                                       pad=True).dataset
         self.passes, self.workers, self.epoch = spec["passes"], spec["workers"], 0
     def __iter__(self):
         from shardkit.loading.random import epoch_batches
@@ -205,7 +216,8 @@ class _RandomEpochs:
         batches = [(epoch, ids[i:i + 64]) for i in range(0, len(ids), 64)]
         workers = min(self.workers, len(batches))
         self.ds.pool_batches = workers > 0  # as RandomAccessLoader: batches made in the workers' reused shared buffers
-        dl = torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_convert_batch, num_workers=workers)
+        dl = torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_convert_batch,
+                                         num_workers=workers)
         return (b.unpool() if isinstance(b, _PooledBatch) else b for b in dl)
 
 # %% ../../nbs/34_bench_peers.ipynb
@@ -213,8 +225,10 @@ def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes
 
 def _make_default(spec, window: bool = True):
     keys = (spec["fields"]["image"], spec["fields"]["label"])
-    return lambda: (create_dataloader(create_dataset(_repeated(spec), keys=keys, seed=spec["seed"], transform=train_transform(window=window)),
-                                      num_workers=spec["workers"], batch_size=64), None)
+    def make():
+        ds = create_dataset(_repeated(spec), keys=keys, seed=spec["seed"], transform=train_transform(window=window))
+        return create_dataloader(ds, num_workers=spec["workers"], batch_size=64), None
+    return make
 
 def _make_whole(spec): return _make_default(spec, window=False)
 
@@ -228,7 +242,8 @@ def _make_post(spec):
 def _make_wds(spec):
     f = spec["fields"]
     def make():
-        ds = (wds.WebDataset(_repeated(spec), shardshuffle=100, seed=spec["seed"], empty_check=False)  # 100: what shardshuffle=True means
+        # shardshuffle=100: what shardshuffle=True means
+        ds = (wds.WebDataset(_repeated(spec), shardshuffle=100, seed=spec["seed"], empty_check=False)
               .shuffle(1000).to_tuple(f["image"], f["label"]).map_tuple(decode_augment, int).batched(64))
         return wds.WebLoader(ds, batch_size=None, num_workers=spec["workers"]), None
     return make
@@ -236,10 +251,11 @@ def _make_wds(spec):
 def _make_imagefolder(spec):
     from torchvision import datasets
     def make():
-        ds = datasets.ImageFolder(str(Path(spec["root"]) / "imagefolder"), transform=plain_transform(), loader=_read_rgb)
+        ds = datasets.ImageFolder(str(Path(spec["root"]) / "imagefolder"), transform=plain_transform(),
+                                  loader=_read_rgb)
         cls = torch.tensor([int(c) for c in ds.classes])  # folder number -> the label the folder is named after
-        dl = torch.utils.data.DataLoader(torch.utils.data.ConcatDataset([ds] * spec["passes"]), batch_size=64, shuffle=True,
-                                         num_workers=spec["workers"])
+        dl = torch.utils.data.DataLoader(torch.utils.data.ConcatDataset([ds] * spec["passes"]), batch_size=64,
+                                         shuffle=True, num_workers=spec["workers"])
         return dl, lambda b: (b[0], cls[b[1]])
     return make
 
@@ -278,8 +294,9 @@ def _make_dali(spec):
     exts = [f["image"], f["label"]]  # DALI's extension: the member name after its key's first dot, as webdataset's
     @pipeline_def
     def pipe():
-        jpg, cls = fn.readers.webdataset(paths=_repeated(spec), index_paths=idx * spec["passes"], ext=exts, name="Reader",
-                                         random_shuffle=True, initial_fill=1000, shuffle_after_epoch=True,
+        jpg, cls = fn.readers.webdataset(paths=_repeated(spec), index_paths=idx * spec["passes"], ext=exts,
+                                         name="Reader", random_shuffle=True, initial_fill=1000,
+                                         shuffle_after_epoch=True,
                                          missing_component_behavior="error")
         img = fn.decoders.image(jpg, device="cpu", output_type=types.RGB)
         img = fn.random_resized_crop(img, size=[224, 224], antialias=True)
@@ -288,13 +305,13 @@ def _make_dali(spec):
     def make():
         p = pipe(batch_size=64, num_threads=max(1, spec["workers"]), device_id=None, seed=spec["seed"] + 1)
         p.build()
-        return DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL,
-                                   auto_reset=True), _dali_batch
+        return DALIGenericIterator([p], ["images", "labels"], reader_name="Reader",
+                                   last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True), _dali_batch
     return make
 
 # %% ../../nbs/34_bench_peers.ipynb
 class _WidsSamples(torch.utils.data.Dataset):
-    "wids' indexed dataset over the same tars (raw bytes: wids decodes nothing), each sample decoded and augmented as every row does."
+    "wids' indexed dataset over the same tars (it decodes nothing), each sample decoded and augmented as in every row."
     def __init__(self, index: str, fields: dict):
         import wids
         cache = str(Path(index).parent / "cache")  # wids' copies of the shards it opens, beside its index (not in /tmp)
@@ -308,8 +325,10 @@ class _WidsSamples(torch.utils.data.Dataset):
 def _make_wids(spec):
     import wids
     def make():
-        ds = torch.utils.data.ConcatDataset([_WidsSamples(str(Path(spec["dest"]) / "index.json"), spec["fields"])] * spec["passes"])
-        sampler = wids.ChunkedSampler(ds, chunksize=1000, shuffle=True, seed=spec["seed"])  # wids' own: shuffled chunks of samples
+        samples = _WidsSamples(str(Path(spec["dest"]) / "index.json"), spec["fields"])
+        ds = torch.utils.data.ConcatDataset([samples] * spec["passes"])
+        # wids' own sampler: shuffled chunks of samples
+        sampler = wids.ChunkedSampler(ds, chunksize=1000, shuffle=True, seed=spec["seed"])
         return torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler, num_workers=spec["workers"]), None
     return make
 
@@ -319,16 +338,18 @@ def _make_ffcv(spec):
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
     def make():
-        return Loader(str(Path(spec["dest"]) / "data.beton"), batch_size=64, num_workers=max(1, spec["workers"]), order=OrderOption.RANDOM,
-                      drop_last=False, os_cache=True, seed=spec["seed"],
-                      pipelines={"image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
-                                 "label": [IntDecoder(), ToTensor(), Squeeze()]}), None
+        image = [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(), ToTorchImage()]
+        return Loader(str(Path(spec["dest"]) / "data.beton"), batch_size=64, num_workers=max(1, spec["workers"]),
+                      order=OrderOption.RANDOM, drop_last=False, os_cache=True, seed=spec["seed"],
+                      pipelines={"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]}), None
     return make
 
 # %% ../../nbs/34_bench_peers.ipynb
-LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-image decode", "random": "shardkit random access", "post": "AIStore post's pipeline",
+LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-image decode",
+               "random": "shardkit random access", "post": "AIStore post's pipeline",
                "wds": "webdataset, done well", "imagefolder": "torchvision ImageFolder (same decoder)",
-               "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV", "wids": "wids (indexed tars)",
-               "ceiling": "ceiling: decode+augment, 1 core x workers"}
-_MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "post": _make_post, "wds": _make_wds, "imagefolder": _make_imagefolder,
-           "litdata": _make_litdata, "mds": _make_mds, "dali": _make_dali, "ffcv": _make_ffcv, "wids": _make_wids}
+               "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV",
+               "wids": "wids (indexed tars)", "ceiling": "ceiling: decode+augment, 1 core x workers"}
+LOADER_MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "post": _make_post,
+                 "wds": _make_wds, "imagefolder": _make_imagefolder, "litdata": _make_litdata, "mds": _make_mds,
+                 "dali": _make_dali, "ffcv": _make_ffcv, "wids": _make_wids}
