@@ -4,7 +4,7 @@
 
 # %% ../nbs/42_profile.ipynb 3
 from __future__ import annotations
-import os, resource, statistics, time
+import os, statistics, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -15,7 +15,7 @@ from .errors import UsageError
 from .loading import jpeg
 from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
-from .stage_timing import _S, ProfileClocks, batch_len, instrumented, _parts, _restart
+from .stage_timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts, restart_workers
 from .bench.core import cpu_seconds, format_bench
 
 # %% auto 0
@@ -33,7 +33,7 @@ def _on_device(batch, device):
     return out, time.perf_counter() - t
 
 def _workers_of(loader) -> int:
-    dl = _parts(loader)[0]
+    dl = loader_parts(loader)[0]
     return int(getattr(dl, "num_workers", 0) or 0) if dl is not None else int(getattr(loader, "num_workers", 0) or 0)
 
 # %% ../nbs/42_profile.ipynb
@@ -41,7 +41,7 @@ def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
     "Iterate `loader` (at most `batches` batches), timing the main process's parts; `move`: copy batches to `device`."
     pc, tt, main = time.perf_counter, time.thread_time, []
     n = next_w = next_c = dev = step_t = 0.0
-    cpu0, self0, t0 = cpu_seconds(descendants=True), _self_cpu(), pc()
+    cpu0, self0, t0 = cpu_seconds(descendants=True), cpu_seconds(children=False), pc()
     it, first, n_first = iter(loader), None, 0
     while batches is None or len(main) < batches:
         a, c = pc(), tt()
@@ -59,7 +59,7 @@ def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
         main.append((a, b, s, e))
         if len(main) == 1: n_first = n
     end = pc()
-    cpu, self_cpu = cpu_seconds(descendants=True) - cpu0, _self_cpu() - self0
+    cpu, self_cpu = cpu_seconds(descendants=True) - cpu0, cpu_seconds(children=False) - self0
     acc, ev = clocks.acc.numpy().copy(), clocks.ev.numpy().copy()
     del it
     return dict(samples=int(n), batches=len(main), wall=end - t0, first=first or end - t0, next_wall=next_w, next_cpu=next_c,
@@ -67,9 +67,6 @@ def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
                 main_ev=np.array(main).reshape(-1, 4),
                 t0=t0,
                 first_samples=int(n_first))
-
-def _self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
 
 # %% ../nbs/42_profile.ipynb
 @dataclass
@@ -108,19 +105,19 @@ class Profile:
 
 # %% ../nbs/42_profile.ipynb
 def _per_sample(acc, rows, n) -> dict:
-    return {s: dict(wall=1000 * acc[rows, i, 0].sum() / n, cpu=1000 * acc[rows, i, 1].sum() / n) for s, i in _S.items()}
+    return {s: dict(wall=1000 * acc[rows, i, 0].sum() / n, cpu=1000 * acc[rows, i, 1].sum() / n) for s, i in SLOT.items()}
 
 def _windows(acc, kind: str) -> str:
     "Whether shardkit's window decoder was used (its calls were counted), available but off, or unavailable here."
     if kind != "shardkit": return "n/a"
     why = jpeg.why_no_window_decode()
-    return "used" if acc[:, _S["decode"], 3].sum() else "available but off" if why is None else f"unavailable: {why}"
+    return "used" if acc[:, SLOT["decode"], 3].sum() else "available but off" if why is None else f"unavailable: {why}"
 
 def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, beside: bool) -> Profile:
     "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample; `beside`: in their own thread)."
     acc, n, ms = raw["acc"], max(raw["samples"], 1), lambda s: 1000 * s / max(raw["samples"], 1)
     rows = slice(1, None) if workers else slice(0, 1)
-    made = acc[rows, _S["collate"], 2].sum() if workers else n  # what the workers made (a few batches may still be on their way)
+    made = acc[rows, SLOT["collate"], 2].sum() if workers else n  # what the workers made (a few batches may still be on their way)
     stages = _per_sample(acc, rows, max(made, 1))
     stages["rebatch"] = _per_sample(acc, slice(0, 1), n)["rebatch"]
     pipeline, dev = sum(v["wall"] for v in stages.values()), sum(on_dev.values())
@@ -135,7 +132,7 @@ def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, besid
     busy = pipeline - reb["wall"]
     capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(busy + dev if beside else in_next, 1e-9)
     if workers and dev > 0: capacity = min(capacity, 1000 / dev)
-    read_s, read_b = acc[rows, _S["read"], 0].sum(), acc[rows, _S["read"], 2].sum()
+    read_s, read_b = acc[rows, SLOT["read"], 0].sum(), acc[rows, SLOT["read"], 2].sum()
     first_end = raw["main_ev"][0, 3] - raw["t0"] if raw["batches"] else raw["wall"]
     steady = (raw["samples"] - raw["first_samples"]) / (raw["wall"] - first_end) if raw["batches"] > 1 else None
     return Profile(label, kind, workers, os.cpu_count() or 1, raw["samples"], raw["batches"], raw["wall"], raw["first"],
@@ -387,7 +384,7 @@ def profile_overhead(make_loader: Callable, batches: int | None = None, repeats:
                 if step is not None: step(b)
                 if batches is not None and i + 1 >= batches: break
             runs[mode].append(n / (time.perf_counter() - t)); cpu[mode].append(1000 * (cpu_seconds(descendants=True) - c0) / n)
-            _restart(_parts(loader)[0])  # its persistent workers stop here, as the profiled run's do after its loop
+            restart_workers(loader_parts(loader)[0])  # its persistent workers stop here, as the profiled run's do after its loop
     med = statistics.median
     return dict(plain=med(runs["plain"]), profiled=med(runs["profiled"]), cpu_plain=med(cpu["plain"]), cpu_profiled=med(cpu["profiled"]),
                 overhead=1 - med([b / a for a, b in zip(runs["plain"], runs["profiled"])]),  # pairs ran side by side: the same load

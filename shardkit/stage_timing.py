@@ -26,11 +26,12 @@ from .loading.collate import _Tagged
 from .loading.transforms import sample_to_tuple
 
 # %% auto 0
-__all__ = ['SLOTS', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'instrumented']
+__all__ = ['SLOTS', 'SLOT', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'loader_parts',
+           'restart_workers', 'instrumented']
 
 # %% ../nbs/41_stage_timing.ipynb
 SLOTS = ("read", "parse", "shuffle", "header", "decode", "augment", "collate", "other", "rebatch")  # rebatch: main
-_S = {s: i for i, s in enumerate(SLOTS)}
+SLOT = {s: i for i, s in enumerate(SLOTS)}  # a stage's column in the clocks, by name
 _PID = [os.getpid()]  # this process's id, kept without a system call per clock reading
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
@@ -73,7 +74,7 @@ def _switch(enter: tuple | None = None):
 def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable | None = None,
                calls: bool = False) -> Callable:
     "`fn`, its time (less timed calls inside it) added to `slot`, `count(result)` to its count; `calls`: count calls."
-    part = (clocks, _S[slot])
+    part = (clocks, SLOT[slot])
     def call(*args, **kw):
         _switch(part)
         try: out = fn(*args, **kw)
@@ -104,7 +105,7 @@ class TimedStage:
     "A pipeline stage whose own time (not upstream's, not timed calls') goes to `slot`; `last`: it counts samples and logs batches."
     def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False,
                  count: Callable = batch_len):
-        self.stage, self.slot, self.clocks, self.last, self.apart = stage, _S[slot], clocks, last, apart
+        self.stage, self.slot, self.clocks, self.last, self.apart = stage, SLOT[slot], clocks, last, apart
         self.count = count
     def __repr__(self): return f"TimedStage({self.stage!r}, {SLOTS[self.slot]!r})"
 
@@ -195,9 +196,9 @@ def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
     return [T(stage, "other")]
 
 # %% ../nbs/41_stage_timing.ipynb
-def _parts(loader) -> tuple:
+def loader_parts(loader) -> tuple:
     "(the torch DataLoader that runs the workers or None, the pipeline they run or None, the main process's stages after them)."
-    if isinstance(loader, gpu.GpuLoader): return _parts(loader.loader)  # its workers' loader; the device work: its own
+    if isinstance(loader, gpu.GpuLoader): return loader_parts(loader.loader)  # its workers' loader; the device work: its own
     if isinstance(loader, wds.WebLoader):
         dl = loader.pipeline[0]
         return dl, dl.dataset if isinstance(getattr(dl, "dataset", None), wds.DataPipeline) else None, loader
@@ -209,7 +210,7 @@ def _jpegs_in(pack) -> int:
     "Samples in a GPU loader worker's batch, a pack of JPEGs (`batch_len` would count the bytes of its first field)."
     return len(pack.keys)
 
-def _restart(dl):
+def restart_workers(dl):
     "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
     if dl is not None and getattr(dl, "_iterator", None) is not None:
         dl._iterator._shutdown_workers()
@@ -229,7 +230,7 @@ def _random_access(ds, clocks: ProfileClocks, swap) -> str:
     def getitem(self, item):
         t = time.perf_counter()
         out = timed(self, item)
-        clocks.add(_S["collate"], 0.0, 0.0, batch_len(out))
+        clocks.add(SLOT["collate"], 0.0, 0.0, batch_len(out))
         if made[0] < len(ev := clocks.local()): ev[made[0]] = (t, time.perf_counter())
         made[0] += 1
         return out
@@ -243,7 +244,7 @@ def _random_access(ds, clocks: ProfileClocks, swap) -> str:
 @contextmanager
 def instrumented(loader, clocks: ProfileClocks):
     "Inside: `loader` with its stages timed into `clocks` (see above); yields what kind of pipeline it is. On the way out, as it was."
-    dl, pipe, main = _parts(loader)
+    dl, pipe, main = loader_parts(loader)
     saved = []
     def swap(obj, name, value): saved.append((obj, name, getattr(obj, name))); object.__setattr__(obj, name, value)
     kind = "opaque"
@@ -267,8 +268,8 @@ def instrumented(loader, clocks: ProfileClocks):
         if getattr(loader, "device_events", None): loader.device_seconds()  # events from before: not this run's
     if kind == "shardkit":  # its window decoder, its calls counted (forked workers inherit it)
         swap(jpeg, "decode_window", timed_call(jpeg.decode_window, "decode", clocks, calls=True))
-    _restart(dl)
+    restart_workers(dl)
     try: yield kind
     finally:
-        _restart(dl)
+        restart_workers(dl)
         for obj, name, value in reversed(saved): object.__setattr__(obj, name, value)

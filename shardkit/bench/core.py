@@ -16,10 +16,12 @@ __all__ = ['BenchError', 'cpu_seconds', 'format_bench', 'run_child', 'drop_page_
 class BenchError(ShardkitError):
     "A benchmark cannot run on what it was given; the message says what to pass instead."
 
-def cpu_seconds(descendants: bool = False) -> float:
+def cpu_seconds(descendants: bool = False,  # Also the live children (and theirs), measured now
+                children: bool = True,      # Also the finished children; False: this process alone (all its threads)
+               ) -> float:
     "CPU seconds of this process (all threads) and its finished children; with `descendants`, its live children too."
     import resource
-    usage = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    usage = (resource.getrusage(resource.RUSAGE_SELF),) + ((resource.getrusage(resource.RUSAGE_CHILDREN),) if children else ())
     total = sum(r.ru_utime + r.ru_stime for r in usage)
     if descendants:
         import psutil
