@@ -4,12 +4,18 @@
 
 # %% ../nbs/07_cluster.ipynb 3
 from __future__ import annotations
-import json, os, shutil, signal, socket, subprocess, time
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
 from pathlib import Path
 import requests
 from fastcore.script import store_true
+from .config import private_dir, shardkit_home, why_untrusted
 from .errors import ShardkitError
-from .config import private_dir, why_untrusted, shardkit_home
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',

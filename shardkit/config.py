@@ -4,7 +4,8 @@
 
 # %% ../nbs/01_config.ipynb 2
 from __future__ import annotations
-import os, stat
+import os
+import stat
 from pathlib import Path
 
 # %% auto 0

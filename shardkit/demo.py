@@ -4,22 +4,25 @@
 
 # %% ../nbs/39_demo.ipynb 3
 from __future__ import annotations
-import json, os, shutil, time
+import json
+import os
+import shutil
+import time
 from pathlib import Path
 import numpy as np
 import torch
 from fastcore.script import store_true
 from PIL import Image
-from .errors import StoreError, UsageError
-from .store import open_store, shown_path
-from .pets import synthesize_pets, convert_pets, pet_records, CLASS_NAMES
-from .shuffle import shuffle_shards
-from .etl.sidecar import Sidecar
-from .display import display_loader_images
-from .loader import create_dataset, create_dataloader
-from .loading.transforms import train_transform, eval_transform
-from .train import small_cnn, train_epochs, evaluate
 from .bench.loader import bench_loader, bench_ratios, loader_table, plot_bench
+from .display import display_loader_images
+from .errors import StoreError, UsageError
+from .etl.sidecar import Sidecar
+from .loader import create_dataloader, create_dataset
+from .loading.transforms import eval_transform, train_transform
+from .pets import CLASS_NAMES, convert_pets, pet_records, synthesize_pets
+from .shuffle import shuffle_shards
+from .store import open_store, shown_path
+from .train import evaluate, small_cnn, train_epochs
 
 # %% auto 0
 __all__ = ['SIZE', 'BATCH', 'shrink_pets', 'demo_stores', 'DemoState', 'step_data', 'step_shards', 'step_shuffle', 'step_train',

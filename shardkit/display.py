@@ -4,18 +4,23 @@
 
 # %% ../nbs/12_display.ipynb 3
 from __future__ import annotations
-import io, json, stat, sys, tarfile, time
+import io
+import json
+import stat
+import sys
+import tarfile
+import time
 from pathlib import Path
-import numpy as np
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
+from fastcore.script import store_true
 from PIL import Image
 from .errors import StoreError, UsageError
-from .store import open_store, shown_path
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
 from .shards.read import list_shards, read_samples
-from fastcore.script import store_true
+from .store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['TRIMAP_COLORS', 'class_name', 'manifest_class_names', 'shard_listing', 'format_listing', 'trimap_overlay',

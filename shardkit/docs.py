@@ -4,12 +4,22 @@
 
 # %% ../nbs/98_docs.ipynb 3
 from __future__ import annotations
-import base64, html, io, json, os, re, shutil, subprocess, sys, tempfile, warnings
+import base64
+import html
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 import yaml
-from PIL import Image
 from fastcore.script import store_true
+from PIL import Image
 from .errors import ShardkitError, UsageError
 
 # %% auto 0
@@ -523,7 +533,7 @@ if __name__ == "__main__": sys.exit(_main())
 def pipeline_diagram():
     "The shardkit pipeline as a matplotlib figure: data set -> shards in a store -> ETL -> loader -> GPU."
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyBboxPatch, FancyArrowPatch
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
     stages = [("Data set", "images + labels", "#e3ecf8", ["Oxford-IIIT Pet", "ImageFolder", "synthetic"]),
               ("Shards", "WebDataset .tar files\nin a store", "#e2f1e2", ["local directory", "AIStore bucket"]),
               ("ETL", "decode, resize, augment", "#fdefd8", ["client", "sidecar", "AIStore", "offline"]),

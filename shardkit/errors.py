@@ -5,7 +5,6 @@
 # %% ../nbs/00_errors.ipynb 2
 from __future__ import annotations
 
-
 # %% auto 0
 __all__ = ['ShardkitError', 'UsageError', 'StoreError']
 

@@ -4,19 +4,21 @@
 
 # %% ../nbs/10_folder.ipynb 3
 from __future__ import annotations
-import io, os, random
+import io
+import os
+import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 import numpy as np
-from PIL import Image
 from fastcore.script import store_true
+from PIL import Image
 from tqdm.auto import tqdm
-from .synth import draw_animal, jpeg_bytes
 from .errors import ShardkitError, UsageError
-from .store import parse_size, shown_path
 from .shards.fields import SkipSample, check_image, image_size
 from .shards.write import write_shards
+from .store import parse_size, shown_path
+from .synth import draw_animal, jpeg_bytes
 
 # %% auto 0
 __all__ = ['FOLDER_SPLITS', 'class_names', 'synthesize_folder', 'FolderError', 'FolderListing', 'folder_samples',

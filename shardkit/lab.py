@@ -4,7 +4,14 @@
 
 # %% ../nbs/40_lab.ipynb 3
 from __future__ import annotations
-import json, os, secrets, signal, socket, subprocess, sys, tempfile
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 from fastcore.script import store_true

@@ -4,18 +4,23 @@
 
 # %% ../nbs/09_pets.ipynb 3
 from __future__ import annotations
-import hashlib, io, json, os, socket, threading
+import hashlib
+import io
+import json
+import os
+import socket
+import threading
 from collections import Counter
 from pathlib import Path
 import numpy as np
+from fastcore.script import store_true
 from PIL import Image
 from tqdm import tqdm
-from fastcore.script import store_true
 from .errors import ShardkitError, UsageError
-from .store import shown_path
 from .shards.fields import SkipSample, check_image, image_size, load_image_decoder
-from .shards.write import ordered_map, write_shards
 from .shards.read import unsafe_name
+from .shards.write import ordered_map, write_shards
+from .store import shown_path
 from .synth import draw_animal, jpeg_bytes, png_bytes
 
 # %% auto 0

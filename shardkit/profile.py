@@ -4,19 +4,21 @@
 
 # %% ../nbs/42_profile.ipynb 3
 from __future__ import annotations
-import os, statistics, time
+import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 import numpy as np
 import torch
 from fastcore.script import store_true
+from .bench.core import cpu_seconds, format_bench
 from .errors import UsageError
 from .loading import jpeg
 from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
 from .stage_timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts, restart_workers
-from .bench.core import cpu_seconds, format_bench
 
 # %% auto 0
 __all__ = ['MAIN_PARTS', 'COLORS', 'PIPELINES', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'compare', 'plot_stages',
@@ -400,10 +402,10 @@ def build_loader(src,                    # Shards: a directory, ais://bucket, a 
                  seed: int = 0,          # Seed of shard order, shuffles and crops
                  device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu (the same path)
     "A loader over shards `src` by name: shardkit's `default`, it decoding `whole` JPEGs, the AIStore `post`'s, `gpu`."
+    from shardkit.bench.peers import post_loader, shard_fields
     from shardkit.loader import create_dataloader, create_dataset
     from shardkit.loading.gpu import create_gpu_loader
     from shardkit.loading.transforms import train_transform
-    from shardkit.bench.peers import post_loader, shard_fields
     if pipeline not in PIPELINES: raise UsageError(f"pipeline must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
     urls = shard_urls(src)
     f = shard_fields(urls[0])

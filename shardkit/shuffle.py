@@ -4,17 +4,24 @@
 
 # %% ../nbs/11_shuffle.ipynb 3
 from __future__ import annotations
-import dataclasses, hashlib, io, math, re, shutil, tarfile, time
+import dataclasses
+import hashlib
+import io
+import math
+import re
+import shutil
+import tarfile
+import time
 from pathlib import Path
 import numpy as np
 from fastcore.script import store_true
 from tqdm.auto import tqdm
-from .store import AISStore, LocalStore, open_store, parse_size, shown_path
 from .errors import StoreError, UsageError
 from .shards.fields import ShardError, split_key
-from .shards.manifest import resume_point, save_manifest, read_manifest, sha256_file
-from .shards.write import staging_dir
+from .shards.manifest import read_manifest, resume_point, save_manifest, sha256_file
 from .shards.read import tar_entries, unsafe_name
+from .shards.write import staging_dir
+from .store import AISStore, LocalStore, open_store, parse_size, shown_path
 
 # %% auto 0
 __all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'shuffle_shards', 'shuffle_cli']
@@ -165,7 +172,7 @@ def _dsort_spec_class():
 def dsort_framework(src: AISStore, dest: AISStore, names: list[str], shard_size: int, seed, output_prefix: str,
                     dsorter: str = "dsort_general"):
     "The `DsortFramework` that shuffles shards `names` of `src` into `<output_prefix>NNNNN.tar` shards in `dest`."
-    from aistore.sdk.dsort import DsortShardsGroup, DsortAlgorithm
+    from aistore.sdk.dsort import DsortAlgorithm, DsortShardsGroup
     from aistore.sdk.multiobj import ObjectNames, ObjectRange
     tmpl = brace_template(names)
     fmt = (ObjectRange.from_string(src.prefix + tmpl) if tmpl and "{" in tmpl

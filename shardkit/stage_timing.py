@@ -4,7 +4,10 @@
 
 # %% ../nbs/41_stage_timing.ipynb 3
 from __future__ import annotations
-import copy, io, os, time
+import copy
+import io
+import os
+import time
 from contextlib import contextmanager
 from functools import partial
 from typing import Callable
@@ -12,18 +15,18 @@ import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset import filters as wf, tariterators as wt
+from webdataset import filters as wf
+from webdataset import tariterators as wt
 from webdataset.autodecode import Decoder
 from webdataset.cache import StreamingOpen
-from .shards.fields import ShardError
-from .shards.read import _open_shards, tar_members, url_samples
-from .loading import jpeg
+from .loading import gpu, jpeg
 from .loading import random as random_access
+from .loading.collate import _Tagged
 from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, shuffle_samples
-from .loading import gpu
-from .loading.collate import _Tagged
 from .loading.transforms import sample_to_tuple
+from .shards.fields import ShardError
+from .shards.read import _open_shards, tar_members, url_samples
 
 # %% auto 0
 __all__ = ['SLOTS', 'SLOT', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'loader_parts',

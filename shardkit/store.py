@@ -4,7 +4,12 @@
 
 # %% ../nbs/02_store.ipynb 3
 from __future__ import annotations
-import fnmatch, os, re, shutil, tempfile, urllib.parse
+import fnmatch
+import os
+import re
+import shutil
+import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Iterable
 import requests

@@ -4,7 +4,9 @@
 
 # %% ../nbs/08_synth.ipynb 3
 from __future__ import annotations
-import colorsys, io, math
+import colorsys
+import io
+import math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 from .errors import UsageError

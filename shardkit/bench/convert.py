@@ -4,12 +4,15 @@
 
 # %% ../../nbs/32_bench_convert.ipynb 2
 from __future__ import annotations
-import os, shutil, tempfile, time
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 import webdataset as wds
 from ..errors import UsageError
-from ..store import open_store, shown_path
 from ..pets import CHECKS, convert_pets
+from ..store import open_store, shown_path
 from .core import BenchError, cpu_seconds, format_bench
 
 # %% auto 0

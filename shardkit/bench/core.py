@@ -4,7 +4,13 @@
 
 # %% ../../nbs/31_bench_core.ipynb 3
 from __future__ import annotations
-import importlib, json, os, subprocess, sys, time, warnings
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Iterable
 from ..errors import ShardkitError
@@ -74,7 +80,8 @@ def run_child(task: str,             # The benchmark to run: 'module:function', 
               memory: bool = False,  # Also sample the process tree's RSS every 0.1 s: `peak_rss_mb` in the result
              ) -> dict:
     "Run `task` ('module:function', taking `spec`) in a fresh Python process: its JSON result, or dict(error=why)."
-    import psutil, shardkit
+    import psutil
+    import shardkit
     here = str(Path(shardkit.__file__).resolve().parent.parent)  # the same shardkit, also from a worktree or a notebook
     env = dict(os.environ, LITDATA_DISABLE_VERSION_CHECK="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")

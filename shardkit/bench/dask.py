@@ -4,7 +4,10 @@
 
 # %% ../../nbs/37_bench_dask.ipynb 2
 from __future__ import annotations
-import os, shutil, tempfile, time
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 from ..etl import run_etl
@@ -15,7 +18,9 @@ from .core import cpu_seconds, format_bench
 __all__ = ['bench_dask_etl', 'dask_table', 'bench_dask_etl_cli']
 
 # %% ../../nbs/37_bench_dask.ipynb
-def _warm_up(): import torch, torchvision.transforms  # noqa: F401
+def _warm_up():
+    import torch  # noqa: F401
+    import torchvision.transforms  # noqa: F401
 
 def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
     n = max(s["samples_in"], 1)

@@ -4,13 +4,14 @@
 
 # %% ../../nbs/33_bench_etl.ipynb 2
 from __future__ import annotations
-import os, time
+import os
+import time
 import requests
 import torch
 import webdataset as wds
-from ..store import open_store, shown_path
-from ..etl.transforms import imagenet_pipeline, to_rgb, to_tensor
 from ..etl.sidecar import Sidecar
+from ..etl.transforms import imagenet_pipeline, to_rgb, to_tensor
+from ..store import open_store, shown_path
 from .core import BenchError, cpu_seconds, format_bench
 
 # %% auto 0

@@ -4,17 +4,20 @@
 
 # %% ../../nbs/38_bench_gpu.ipynb 2
 from __future__ import annotations
-import inspect, json, sys, time
+import inspect
+import json
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 import torch
-from ..loading.sources import LoaderError, shard_urls
 from ..loader import create_dataloader, create_dataset
-from ..loading.transforms import train_transform
-from .core import format_bench
 from ..loading.gpu import create_gpu_loader, decode_batch, why_no_gpu
+from ..loading.sources import LoaderError, shard_urls
+from ..loading.transforms import train_transform
 from ..shards.read import url_samples
 from ..train import make_model
+from .core import format_bench
 
 # %% auto 0
 __all__ = ['make_step', 'bench_gpu_decode', 'gpu_table', 'bench_gpu_cli']
@@ -95,7 +98,8 @@ def _dali_images(urls, image_key: str, batch_size: int, threads: int, size: int,
         for batch in it: yield batch[0]["image"]
 
 def _has_dali() -> bool:
-    try: import nvidia.dali
+    try:
+        import nvidia.dali  # noqa: F401
     except ImportError: return False
     return True
 

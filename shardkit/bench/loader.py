@@ -4,7 +4,12 @@
 
 # %% ../../nbs/35_bench_loader.ipynb 2
 from __future__ import annotations
-import gc, os, platform, shutil, statistics, time
+import gc
+import os
+import platform
+import shutil
+import statistics
+import time
 from datetime import datetime, timezone
 from json import dumps
 from pathlib import Path
@@ -12,13 +17,21 @@ from typing import Sequence
 import numpy as np
 import torch
 from fastcore.script import store_true
+from shardkit.bench.peers import (
+    LOADER_MAKERS,
+    LOADER_ROWS,
+    PEER_LOADERS,
+    convert_to_peer_format,
+    decode_augment,
+    folder_items,
+    importable,
+    prepare_bench_data,
+)
 from ..errors import UsageError
-from ..store import shown_path
 from ..loading.jpeg import why_no_window_decode
 from ..loading.sources import shard_urls
+from ..store import shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_page_cache
-from .peers import (LOADER_MAKERS, LOADER_ROWS, PEER_LOADERS, convert_to_peer_format, decode_augment,
-                                  folder_items, importable, prepare_bench_data)
 
 # %% auto 0
 __all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'bench_ratios', 'loader_table',

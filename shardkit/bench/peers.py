@@ -4,7 +4,16 @@
 
 # %% ../../nbs/34_bench_peers.ipynb 2
 from __future__ import annotations
-import functools, hashlib, importlib.util, io, json, os, shutil, subprocess, sys, tempfile
+import functools
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -13,11 +22,12 @@ import torch
 import webdataset as wds
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
-from ..store import shown_path
-from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from ..loader import create_dataloader, create_dataset
+from ..loading.collate import _convert as _convert_batch
+from ..loading.collate import _PooledBatch
 from ..loading.transforms import train_transform
-from ..loading.collate import _PooledBatch, _convert as _convert_batch
+from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
+from ..store import shown_path
 from .core import BenchError
 
 # %% auto 0
@@ -133,10 +143,11 @@ def _lit_item(item: tuple) -> dict:
 
 def _write_ffcv(path: Path, items: list, workers: int):
     "An FFCV .beton of (image, label) that stores each JPEG's own bytes (RGBImageField would re-encode the pixels)."
-    import multiprocessing, ffcv.fields.rgb_image as rgb
-    from PIL import Image
+    import multiprocessing
+    import ffcv.fields.rgb_image as rgb
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
+    from PIL import Image
     class Jpeg(np.ndarray): "An H x W x 3 placeholder of a JPEG's size that carries its bytes."
     class Items:
         def __len__(self): return len(items)

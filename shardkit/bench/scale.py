@@ -4,7 +4,11 @@
 
 # %% ../../nbs/43_bench_scale.ipynb 2
 from __future__ import annotations
-import gc, math, os, shutil, time
+import gc
+import math
+import os
+import shutil
+import time
 from json import dumps
 from pathlib import Path
 from typing import Sequence
@@ -13,15 +17,15 @@ import torch
 from fastcore.script import store_true
 from tqdm.auto import tqdm
 from ..errors import UsageError
-from ..store import open_store, shown_path
-from ..synth import draw_animal, jpeg_bytes
 from ..folder import class_names, convert_folder
-from ..shuffle import shuffle_shards
-from ..shards.manifest import verify_shards
+from ..loader import create_dataloader, create_dataset
 from ..loading.index import sample_index
 from ..loading.random import build_shard_index, create_random_loader
 from ..loading.transforms import train_transform
-from ..loader import create_dataloader, create_dataset
+from ..shards.manifest import verify_shards
+from ..shuffle import shuffle_shards
+from ..store import open_store, shown_path
+from ..synth import draw_animal, jpeg_bytes
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child
 
 # %% auto 0

@@ -4,13 +4,15 @@
 
 # %% ../../nbs/19_etl.ipynb 3
 from __future__ import annotations
-import importlib, sys, time
+import importlib
+import sys
+import time
 from typing import Callable
 from fastcore.script import store_true
-from ..store import AISStore, open_store, shown_path
 from ..errors import UsageError
-from .server import run_in_cluster, etl_unavailable
+from ..store import AISStore, open_store, shown_path
 from .manifest import etl_shards
+from .server import etl_unavailable, run_in_cluster
 
 # %% auto 0
 __all__ = ['ENGINES', 'etl_engine', 'run_etl', 'etl_run_cli']

@@ -4,7 +4,12 @@
 
 # %% ../../nbs/14_etl_core.ipynb 2
 from __future__ import annotations
-import importlib, importlib.util, io, os, sys, warnings
+import importlib
+import importlib.util
+import io
+import os
+import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator

@@ -4,7 +4,12 @@
 
 # %% ../../nbs/18_etl_dask.ipynb 4
 from __future__ import annotations
-import hashlib, logging, os, time, uuid, warnings
+import hashlib
+import logging
+import os
+import time
+import uuid
+import warnings
 from collections import Counter
 from typing import Callable
 from tqdm.auto import tqdm
@@ -24,7 +29,8 @@ class SchedulerUnreachable(ShardkitError):
     "No Dask scheduler answered at the address given."
 
 def _distributed():
-    try: import distributed
+    try:
+        import distributed
     except ImportError: raise DaskUnavailable("the Dask engine needs dask.distributed: "
                                               "pip install 'shardkit[dask]' (or 'dask[distributed]')") from None
     return distributed

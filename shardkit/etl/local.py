@@ -4,12 +4,13 @@
 
 # %% ../../nbs/17_etl_local.ipynb 2
 from __future__ import annotations
-import hashlib, time
+import hashlib
+import time
 from collections import Counter
 from typing import Callable
 from tqdm.auto import tqdm
-from ..store import open_store, shown_path
 from ..shards.fields import ShardError
+from ..store import open_store, shown_path
 from .core import ETLError, SampleError, ShardTransform, strict
 from .manifest import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 
@@ -62,7 +63,8 @@ def run_locally(shards: ShardTransform, src, dest, names: list[str], workers: in
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
-        from shardkit.etl.local import _worker_init as init, _worker_run as run  # by name: spawned workers import them
+        from shardkit.etl.local import _worker_init as init  # by name: spawned workers import them
+        from shardkit.etl.local import _worker_run as run
         with ProcessPoolExecutor(min(workers, len(names)), mp_context=mp.get_context("spawn"), initializer=init,
                                  initargs=(payload, src.spec, dest.spec)) as pool:
             for r in pool.map(run, names): results.append(r); done(r); bar.update()

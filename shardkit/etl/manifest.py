@@ -4,7 +4,8 @@
 
 # %% ../../nbs/16_etl_manifest.ipynb 2
 from __future__ import annotations
-import json, time
+import json
+import time
 from ..errors import StoreError
 from ..store import open_store, shown_path
 from .core import ETLError, resolve_fn

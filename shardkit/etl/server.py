@@ -4,14 +4,15 @@
 
 # %% ../../nbs/15_etl_server.ipynb 2
 from __future__ import annotations
-import logging, time
+import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
 from ..errors import UsageError
-from ..store import ais_client
 from ..shards.fields import ShardError
+from ..store import ais_client
 from .core import ETLError, ShardTransform, resolve_fn
 
 # %% auto 0
@@ -90,7 +91,8 @@ def init_etl(name: str, fn: str | Callable, client=None, decode: str | None = "p
     client = client or ais_client()
     why = etl_unavailable(client)
     if why: raise ETLUnavailable(why)
-    import cloudpickle, shardkit
+    import cloudpickle
+    import shardkit
     cloudpickle.register_pickle_by_value(shardkit)  # the pod has the SDK, not shardkit: ship our code with the class
     cls = etl_server_class(fn, decode, strict, seed)
     deps = ["webdataset", "torch", "torchvision", "pillow", "numpy", "braceexpand"]

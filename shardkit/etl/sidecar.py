@@ -4,18 +4,27 @@
 
 # %% ../../nbs/20_sidecar.ipynb 3
 from __future__ import annotations
-import json, os, shlex, socket, subprocess, sys, tempfile, threading, time, warnings
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Callable
 from urllib.parse import quote
 import requests
 from fastcore.basics import patch
 from fastcore.script import store_true
-from ..store import AISStore, LocalStore, open_store, shown_path
 from ..errors import StoreError, UsageError
+from ..store import AISStore, LocalStore, open_store, shown_path
 from .core import ETLError, resolve_fn
-from .server import ShardETLServer, etl_server_class
 from .local import one_torch_thread
+from .server import ShardETLServer, etl_server_class
 
 # %% auto 0
 __all__ = ['sidecar_server', 'serve', 'Sidecar', 'etl_serve_cli']
@@ -78,8 +87,8 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
         else: os.environ["AIS_TARGET_URL"] = old
     if isinstance(store, LocalStore):
         # the local "target": GET /_source/<name> answers the shard's bytes, as an AIS target would
-        from starlette.routing import Route
         from starlette.responses import FileResponse, PlainTextResponse
+        from starlette.routing import Route
         async def _source(request):
             name = request.path_params["name"]
             try: path = store.path(name)
@@ -102,7 +111,8 @@ def serve(fn: str | Callable, source, host: str = "127.0.0.1", port: int = 8000,
 # %% ../../nbs/20_sidecar.ipynb
 def _serve_main(config: str):
     "Entry point of a sidecar subprocess: `config` is JSON; `fn_pickle` names a cloudpickled function."
-    import json, cloudpickle
+    import json
+    import cloudpickle
     cfg = json.loads(config)
     if cfg.pop("fn_pickle", None): cfg["fn"] = cloudpickle.loads(Path(cfg.pop("pickle_path")).read_bytes())
     serve(**cfg)

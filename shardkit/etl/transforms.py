@@ -4,7 +4,9 @@
 
 # %% ../../nbs/13_etl_transforms.ipynb 2
 from __future__ import annotations
-import random, sys, zlib
+import random
+import sys
+import zlib
 import numpy as np
 from ..errors import UsageError
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD

@@ -4,7 +4,14 @@
 
 # %% ../../nbs/29_gpu.ipynb 4
 from __future__ import annotations
-import contextlib, functools, io, queue, secrets, threading, time, warnings
+import contextlib
+import functools
+import io
+import queue
+import secrets
+import threading
+import time
+import warnings
 from functools import partial
 from typing import NamedTuple, Sequence
 import numpy as np
@@ -16,12 +23,12 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
+from ..loader import create_dataloader
 from ..shards.fields import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size
 from ..shards.read import url_samples
 from .sources import EpochShards, LoaderError, rank_and_world, seed_for, shard_urls, shuffle_samples
 from .stream import ShardDataset, ShardLoader, skip_resumed
 from .transforms import crop_box, decode_value
-from ..loader import create_dataloader
 
 # %% auto 0
 __all__ = ['why_no_gpu', 'draw_crop', 'augment_batch', 'decode_batch', 'jpeg_sample', 'JpegBatch', 'pack_jpegs', 'resize_weights',

@@ -4,15 +4,28 @@
 
 # %% ../../nbs/22_jpeg.ipynb 3
 from __future__ import annotations
-import _ctypes, ctypes, fcntl, functools, hashlib, importlib.machinery, io, os, platform, shlex, shutil, subprocess, sys
-import tempfile, warnings
+import _ctypes
+import ctypes
+import fcntl
+import functools
+import hashlib
+import importlib.machinery
+import io
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
 from pathlib import Path
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from .. import native
+from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import ShardkitError
-from ..config import private_dir, why_untrusted, shardkit_home
 
 # %% auto 0
 __all__ = ['JpegError', 'why_no_window_decode', 'window_decoder_path', 'decode_window', 'EncodedJpeg']

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/21_sources.ipynb 2
 from __future__ import annotations
-import hashlib, os, random
+import hashlib
+import os
+import random
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Sequence

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/23_transforms.ipynb 2
 from __future__ import annotations
-import functools, math
+import contextlib
+import functools
+import math
 from typing import Sequence
 import torch
 from torch.utils.data import get_worker_info
@@ -12,11 +14,18 @@ from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
+from shardkit.shards.fields import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MAX_PIXELS,
+    decode_field,
+    image_size,
+    is_image_key,
+    is_jpeg_key,
+    is_mask_key,
+)
 from ..errors import ShardkitError
 from .jpeg import EncodedJpeg, JpegError, why_no_window_decode
-from ..shards.fields import (IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, decode_field, image_size, is_image_key,
-                                    is_jpeg_key, is_mask_key)
-import contextlib
 from .sources import EpochShards, LoaderError, seed_for
 
 # %% auto 0

@@ -5,11 +5,10 @@
 # %% ../../nbs/03_fields.ipynb 2
 from __future__ import annotations
 import io
-from typing import Callable
+from typing import Callable, Sequence
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 from ..errors import ShardkitError, UsageError
-from typing import Sequence
 
 # %% auto 0
 __all__ = ['IMAGE_EXTS', 'JPEG_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError',

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/05_manifest.ipynb 2
 from __future__ import annotations
-import hashlib, json, sys
+import hashlib
+import json
+import sys
 from typing import Iterator
 from tqdm import tqdm
 from ..errors import StoreError

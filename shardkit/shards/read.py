@@ -4,13 +4,15 @@
 
 # %% ../../nbs/04_read.ipynb 2
 from __future__ import annotations
-import hashlib, json, tarfile
+import hashlib
+import json
+import re
+import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 import webdataset as wds
 from webdataset.tariterators import group_by_keys
-import re
 from ..store import LocalStore, open_store, shown_path
 from .fields import ShardError, split_key
 

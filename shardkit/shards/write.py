@@ -4,20 +4,30 @@
 
 # %% ../../nbs/06_write.ipynb 2
 from __future__ import annotations
-import errno, hashlib, json, multiprocessing as mp, os, shutil, signal, sys, tarfile, tempfile, threading, time
+import errno
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tarfile
+import tempfile
+import threading
+import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 import numpy as np
-from tqdm import tqdm
 import webdataset as wds
 from fastcore.basics import patch
-from ..store import LocalStore, open_store, parse_size, shown_path
+from tqdm import tqdm
 from ..errors import StoreError, UsageError
-from .manifest import (resume_mismatch, resume_point, save_manifest, manifest_name, read_manifest,
-                                      sha256_file, summarize)
+from ..store import LocalStore, open_store, parse_size, shown_path
+from .manifest import manifest_name, read_manifest, resume_mismatch, resume_point, save_manifest, sha256_file, summarize
 from .read import unsafe_name
 
 # %% auto 0
