@@ -27,7 +27,8 @@ def cpu_seconds(descendants: bool = False,  # Also the live children (and theirs
                ) -> float:
     "CPU seconds of this process (all threads) and its finished children; with `descendants`, its live children too."
     import resource
-    usage = (resource.getrusage(resource.RUSAGE_SELF),) + ((resource.getrusage(resource.RUSAGE_CHILDREN),) if children else ())
+    usage = [resource.getrusage(resource.RUSAGE_SELF)]
+    if children: usage.append(resource.getrusage(resource.RUSAGE_CHILDREN))
     total = sum(r.ru_utime + r.ru_stime for r in usage)
     if descendants:
         import psutil
