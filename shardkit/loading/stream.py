@@ -16,7 +16,7 @@ from .sources import EpochShards, LoaderError, _chain1, _rng, buffer_shuffle, ra
 from .collate import _MAPPED, _PooledBatch, _Tagged, _convert, _worker_pool, collate
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'ShardDataset', 'ShardLoader', 'skip_resumed']
+__all__ = ['SkipAndCount', 'ShardDataset', 'ShardLoader', 'skip_resumed', 'saved_count', 'check_position']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -140,6 +140,26 @@ def skip_resumed(src, shards: EpochShards):
     yield from it
 
 # %% ../../nbs/25_stream.ipynb
+def saved_count(value, field: str, low: int = 0, high: int | None = None) -> int:
+    "`value` of a saved state's `field` as an int from `low` to `high`, else a LoaderError that names the field."
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    if not whole or value < low or (high is not None and value > high):
+        should = f"a whole number from {low} to {high}" if high is not None else f"a whole number, {low} or more"
+        raise LoaderError(f"cannot resume: {field} is {value!r:.60} in the saved state; it should be {should}. The state is "
+                          "corrupted or not a loader's state_dict(): use an earlier checkpoint, or start without one")
+    return int(value)
+
+def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
+    "A saved state's (epoch, batches handed out per worker, next worker), each checked against a loader of `workers` workers."
+    batches = state.get("batches")
+    if not isinstance(batches, (list, tuple)) or len(batches) != workers:
+        got = f"{len(batches)} entries" if isinstance(batches, (list, tuple)) else repr(batches)[:60]
+        raise LoaderError(f"cannot resume: batches has {got} in the saved state; it should be a list of {workers} counts, "
+                          "one per worker. The state is corrupted: use an earlier checkpoint, or start without one")
+    counts = [saved_count(n, f"batches[{w}]") for w, n in enumerate(batches)]
+    return saved_count(state.get("epoch"), "epoch"), counts, saved_count(state.get("next_worker", 0), "next_worker", 0, workers - 1)
+
+# %% ../../nbs/25_stream.ipynb
 _MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples")
 
 def _shards_digest(urls: Sequence[str]) -> str:
@@ -162,14 +182,17 @@ def state_dict(self: ShardLoader) -> dict:
 @patch
 def load_state_dict(self: ShardLoader, state: dict):
     "Go on from `state` (from `state_dict`, in this or another process): the next batch is the one the saved loader would have given next."
+    if not isinstance(state, dict):
+        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict its state_dict() returned")
     sh = self.dataset.shards
     if not getattr(sh, "seed_given", True): sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
     mine = self.state_dict()
     diff = [k for k in _MUST_MATCH if state.get(k) != mine[k]]
     if diff: raise LoaderError("cannot resume: " + "; ".join(f"{k} is {mine[k]!r} here, {state.get(k)!r} in the saved state" for k in diff)
                                + ". Build the loader with the saved run's arguments")
-    self.set_epoch(int(state["epoch"]))
-    self._resumed, self._workers_next = [int(n) for n in state["batches"]], None  # the counts go on; persistent workers restart
-    sh.rotation = (int(state["epoch"]), int(state.get("next_worker", 0)))  # DataLoader's workers take turns from worker 0: the
+    epoch, batches, nxt = check_position(state, len(self._taken))
+    self.set_epoch(epoch)
+    self._resumed, self._workers_next = batches, None  # the counts go on; persistent workers restart
+    sh.rotation = (epoch, nxt)  # DataLoader's workers take turns from worker 0: the
     # worker whose turn was next plays worker 0's part in this epoch (its shards, its seeds, its count), and so on round
-    sh.resume = dict(epoch=int(state["epoch"]), skip=[n * (self.dataset.batch_size or 1) for n in self._resumed])
+    sh.resume = dict(epoch=epoch, skip=[n * (self.dataset.batch_size or 1) for n in self._resumed])
