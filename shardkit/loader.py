@@ -4,10 +4,12 @@
 
 # %% ../nbs/28_loader.ipynb 3
 from __future__ import annotations
-import secrets, warnings
+import copy, secrets, time, warnings
 from functools import partial
 from typing import Callable, Sequence
+import torch
 import webdataset as wds
+from fastcore.basics import patch
 from .errors import UsageError
 from .shards.fields import IMAGE_EXTS
 from .shards.read import url_samples
@@ -17,7 +19,7 @@ from .loading.transforms import TrainTransform, sample_to_tuple, train_transform
 from .loading.collate import collate
 
 # %% auto 0
-__all__ = ['create_dataset', 'create_dataloader']
+__all__ = ['create_dataset', 'create_dataloader', 'DeviceLoader']
 
 # %% ../nbs/28_loader.ipynb
 def _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize, allow_pickle):
@@ -63,12 +65,18 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
                         shuffle=shuffle)
 
 # %% ../nbs/28_loader.ipynb
-def create_dataloader(dataset: ShardDataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw) -> ShardLoader:
-    "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`; `shuffle=N`: the post's unbatch, shuffle across workers, rebatch."
+def create_dataloader(dataset: ShardDataset,         # from create_dataset
+                      num_workers: int = 4,          # worker processes that decode and augment
+                      batch_size: int | None = 64,   # samples per batch (the workers make them)
+                      shuffle: int = 0,              # N: the post's unbatch, shuffle across workers through N samples, rebatch
+                      device=None,                   # None: batches in CPU memory; "cuda": on the GPU, copied one batch ahead
+                      **kw                           # more DataLoader arguments
+                      ) -> ShardLoader | DeviceLoader:
+    "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`; with `device`, batches arrive there."
     from shardkit.loading.random import RandomAccessLoader
     if isinstance(dataset, RandomAccessLoader):  # create_dataset(access="random") made the loader already
         dataset.num_workers, dataset.batch_size = num_workers, batch_size or dataset.batch_size
-        return dataset
+        return dataset if device is None else DeviceLoader(dataset, device)
     if not isinstance(dataset, ShardDataset):
         raise TypeError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
     if shuffle and not dataset.batch_size: raise LoaderError("shuffle=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
@@ -79,4 +87,93 @@ def create_dataloader(dataset: ShardDataset, num_workers: int = 4, batch_size: i
                       f"{max(num_workers, 1) * world - len(sh.urls)} of them get no shard and stay idle (every sample is still read once). "
                       f"Use at most {max(len(sh.urls) // world, 1)} workers, or write more, smaller shards.", stacklevel=2)
     kw.setdefault("persistent_workers", num_workers > 0)  # no worker start-up at every epoch
-    return ShardLoader(dataset, num_workers=num_workers, batch_size=batch_size, shuffle=shuffle, **kw)
+    loader = ShardLoader(dataset, num_workers=num_workers, batch_size=batch_size, shuffle=shuffle, **kw)
+    return loader if device is None else DeviceLoader(loader, device)
+
+# %% ../nbs/28_loader.ipynb
+def _tensors(x) -> list[torch.Tensor]:
+    "The tensors in a batch: a tensor, or tuples, lists and dicts of them."
+    if isinstance(x, torch.Tensor): return [x]
+    if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
+    return [t for v in x.values() for t in _tensors(v)] if isinstance(x, dict) else []
+
+def _moved(x, device: torch.device, pin: bool):
+    "`x` with each tensor on `device` (from pinned memory, without waiting, when `pin`); anything else as it is."
+    if isinstance(x, torch.Tensor): return (x.pin_memory() if pin and not x.is_pinned() else x).to(device, non_blocking=pin)
+    if isinstance(x, tuple): return tuple(_moved(v, device, pin) for v in x)
+    if isinstance(x, list): return [_moved(v, device, pin) for v in x]
+    return {k: _moved(v, device, pin) for k, v in x.items()} if isinstance(x, dict) else x
+
+# %% ../nbs/28_loader.ipynb
+class DeviceLoader:
+    "`loader`'s batches with their tensors on `device`, copied one batch ahead (on CUDA: pinned memory, a side stream)."
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, torch.device(device)
+        self.copy_seconds, self.copied, self._state = 0.0, 0, None  # time issuing copies; batches copied; state at hand-out
+
+    def __iter__(self):
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        where = self._where()
+        batches = iter(self.loader)
+        for batch in batches:
+            ahead = (*self._issue(batch, stream), where())
+            for nxt in batches:  # the copy of batch i+1 is issued before batch i is handed out
+                nxt = (*self._issue(nxt, stream), where())
+                yield self._hand_out(*ahead)
+                ahead = nxt
+            yield self._hand_out(*ahead)
+        self._state = None  # the epoch is over: the wrapped loader's own state is right again
+
+    def __len__(self) -> int: return len(self.loader)
+    def __getattr__(self, name: str):  # dataset, num_workers, batch_size, ...: the wrapped loader's
+        if name.startswith("__") or name == "loader": raise AttributeError(name)
+        return getattr(self.loader, name)
+    def __repr__(self) -> str: return f"DeviceLoader({self.loader!r}, device={str(self.device)!r})"
+
+# %% ../nbs/28_loader.ipynb
+@patch
+def _where(self: DeviceLoader):
+    "A function returning the wrapped loader's state now (None where it has none, or refuses one, as with shuffle=N)."
+    try: self.loader.state_dict()
+    except (AttributeError, LoaderError): return lambda: None
+    return self.loader.state_dict
+
+@patch
+def _issue(self: DeviceLoader, batch, stream) -> tuple:
+    "Start copying `batch` to the device (on `stream`, without waiting); the moved batch and an event for its end."
+    t0 = time.perf_counter()
+    if stream is None: out, event = _moved(batch, self.device, False), None
+    else:
+        with torch.cuda.stream(stream): out = _moved(batch, self.device, True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    self.copy_seconds, self.copied = self.copy_seconds + time.perf_counter() - t0, self.copied + 1
+    return out, event
+
+@patch
+def _hand_out(self: DeviceLoader, batch, event, state):
+    "`batch` for the training loop: its stream waits for the copy, and `state` becomes this loader's."
+    if event is not None:
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(event)  # the step's kernels start after the copy, without Python waiting for it
+        for t in _tensors(batch): t.record_stream(consumer)  # its memory is not reused while the step reads it
+    self._state = state
+    return batch
+
+# %% ../nbs/28_loader.ipynb
+@patch
+def state_dict(self: DeviceLoader) -> dict:
+    "The wrapped loader's state as of the last batch handed out (not the one being copied ahead)."
+    return copy.deepcopy(self._state) if self._state is not None else self.loader.state_dict()
+
+@patch
+def load_state_dict(self: DeviceLoader, state: dict):
+    "Go on from `state`, as the wrapped loader does."
+    self._state = None
+    self.loader.load_state_dict(state)
+
+@patch
+def set_epoch(self: DeviceLoader, epoch: int):
+    "Make the next pass epoch number `epoch`, as the wrapped loader does."
+    self._state = None
+    self.loader.set_epoch(epoch)

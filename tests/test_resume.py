@@ -47,9 +47,9 @@ def _take(dl, k):
     return out
 
 
-def _check_resume(src, workers, world, cuts):
+def _check_resume(src, workers, world, cuts, **kw):
     for rank in range(world):
-        make = lambda: _loader(src, workers, rank if world > 1 else None, world if world > 1 else None)
+        make = lambda: _loader(src, workers, rank if world > 1 else None, world if world > 1 else None, **kw)
         ref = _epochs(make())
         n0 = len(ref[0])
         assert n0 > 1 and ref[0] != ref[1]
@@ -70,6 +70,12 @@ def _check_resume(src, workers, world, cuts):
 def test_resume_is_exact(shards, workers, world):
     "At the first batch, a middle one and the last one of the epoch (then across the boundary into the next)."
     _check_resume(shards, workers, world, ["first", "middle", "last"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_through_the_device_copy_is_exact(shards, workers):
+    "device='cpu': the batch being copied ahead is neither lost nor counted twice, at the first, a middle and the last batch."
+    _check_resume(shards, workers, 1, ["first", "middle", "last"], device="cpu")
 
 
 def test_an_epoch_read_to_the_end_resumes_at_the_next(shards):

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/25_stream.ipynb 2
 from __future__ import annotations
-import collections, copy, hashlib, sys
+import collections, copy, functools, hashlib, sys
 from itertools import islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
@@ -162,7 +162,8 @@ def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
 # %% ../../nbs/25_stream.ipynb
 _MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples")
 
-def _shards_digest(urls: Sequence[str]) -> str:
+@functools.lru_cache(maxsize=16)  # DeviceLoader asks for the state at every batch
+def _shards_digest(urls: tuple[str, ...]) -> str:
     "The shard list by name and order (not by host, so a resumed job may read the same bucket through another proxy)."
     return hashlib.sha256("\n".join(PurePosixPath(u.split("?")[0]).name for u in urls).encode()).hexdigest()[:16]
 
@@ -176,7 +177,7 @@ def state_dict(self: ShardLoader) -> dict:
     if self._running: epoch, taken, nxt = self.epoch, list(self._taken), self._next
     elif self._resumed is not None: epoch, taken, nxt = sh.epoch, list(self._resumed), sh.rotation[1]
     else: epoch, taken, nxt = sh.epoch, [0] * len(self._taken), 0
-    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(sh.urls), num_workers=self.num_workers,
+    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(tuple(sh.urls)), num_workers=self.num_workers,
                 batch_size=ds.batch_size, rank=rank, world_size=world, shuffle=ds.shuffle, epoch_samples=ds.epoch_samples)
 
 @patch
