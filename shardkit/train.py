@@ -4,8 +4,9 @@
 
 # %% ../nbs/30_train.ipynb 3
 from __future__ import annotations
-import json, os, tarfile, time
+import contextlib, json, os, tarfile, time, warnings
 from itertools import islice
+from typing import Callable
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -18,13 +19,14 @@ from tqdm.auto import tqdm
 from .errors import ShardkitError
 from .store import expand_names, shown_path
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
-from .loading.transforms import normalize_batch, train_transform
+from .loading.transforms import eval_transform, normalize_batch, train_transform
 from .loader import create_dataloader, create_dataset
+from .loading.gpu import create_gpu_loader, why_no_gpu
 
 # %% auto 0
-__all__ = ['TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform', 'rank_shards',
-           'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model', 'count_correct', 'evaluate',
-           'train_epochs', 'train', 'train_cli']
+__all__ = ['PRECISIONS', 'TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform',
+           'rank_shards', 'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model',
+           'count_correct', 'evaluate', 'train_epochs', 'pick_precision', 'training_step', 'train', 'train_cli']
 
 # %% ../nbs/30_train.ipynb
 class TrainError(ShardkitError, ValueError):
@@ -140,7 +142,7 @@ def count_correct(model: nn.Module, loader, device="cpu", label_offset: int = 0)
     for batch in loader:
         images, labels = _images_and_labels(batch)
         pred = model(normalize_batch(images, device)).argmax(1).cpu()
-        counts += torch.tensor([(pred == labels.long() - label_offset).sum().item(), len(labels)])
+        counts += torch.tensor([(pred == labels.long().cpu() - label_offset).sum().item(), len(labels)])
     if dist.is_available() and dist.is_initialized(): dist.all_reduce(counts)
     model.train(was_training)
     return int(counts[0]), int(counts[1])
@@ -184,6 +186,30 @@ def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, de
     return losses
 
 # %% ../nbs/30_train.ipynb
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+def pick_precision(precision: str | None, device) -> str:
+    "`precision` checked, or the default for `device`: bf16 on CUDA, fp32 elsewhere."
+    if precision is None: return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    if precision not in PRECISIONS: raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    return precision
+
+def training_step(net: nn.Module, opt: torch.optim.Optimizer, device, precision: str = "fp32") -> Callable:
+    "A function (images, labels) -> loss that runs one SGD step on `device` at `precision` (autocast; GradScaler for fp16)."
+    dev, dtype = torch.device(device), PRECISIONS[pick_precision(precision, device)]
+    scaler = torch.amp.GradScaler(dev.type) if dtype is torch.float16 else None
+    fmt = torch.channels_last if dev.type == "cuda" else torch.contiguous_format
+    def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = normalize_batch(images, dev).contiguous(memory_format=fmt)
+        with torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(net(x), labels.to(dev, non_blocking=True).long())
+        opt.zero_grad(set_to_none=True)
+        if scaler is None: loss.backward(); opt.step()
+        else: scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        return loss.detach()
+    return step
+
+# %% ../nbs/30_train.ipynb
 def _log(rank, *args):
     if rank == 0: print(*args, flush=True)
 
@@ -201,9 +227,9 @@ def _explain(e: Exception) -> str:
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
 
 # %% ../nbs/30_train.ipynb
-def _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, workers, samples, classes, seed, rank, world,
-                   resumable=False, size=64):
-    "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards; `resumable`: shardkit's loader."
+def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, classes, seed, rank, world, size=64,
+                   pipeline="shardkit", decode="cpu", dev=torch.device("cpu")):
+    "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
     if len(urls) < world:
         raise TrainError(f"{len(urls)} shards cannot feed {world} ranks: split_by_node gives each rank whole shards; "
@@ -215,21 +241,58 @@ def _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, worke
     if world > 1 and samples < world * batch_size:
         raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); lower --batch-size")
     nbatches = samples // (world * batch_size) if world > 1 else None
-    if resumable: make_train = _resumable_loader(urls, size, batch_size, workers, nbatches, seed, rank, world)
-    else: make_train = lambda epoch: shard_loader(urls, train_tf, batch_size, workers, nbatches, seed=seed + epoch)
-    val_loader = shard_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None
+    if pipeline == "example":
+        make_train = lambda epoch: shard_loader(urls, make_transform(size, True), batch_size, workers, nbatches, seed=seed + epoch)
+        val_loader = shard_loader(val_urls, make_transform(size, False), batch_size, workers, shuffle=0) if val_urls else None
+        return make_train, val_loader, classes, nbatches
+    mine = rank_shards(urls, rank, world)  # this rank's shards, as split_by_node deals them: the ranks share no sample
+    make = _gpu_train_loader if decode == "gpu" else _cpu_train_loader
+    make_train = make(mine, size, batch_size, min(workers, len(mine)), nbatches, seed, dev)
+    val_loader = _val_loader(val_urls, size, batch_size, workers, rank, world, dev) if val_urls else None
     return make_train, val_loader, classes, nbatches
 
-def _resumable_loader(urls, size, batch_size, workers, nbatches, seed, rank, world):
-    "(epoch -> shardkit's streaming loader at that epoch): one loader whose `state_dict` says where it is, for --checkpoint."
-    ds = create_dataset(urls, keys=("jpg", "cls", "__key__"), transform=train_transform(size, scale=(0.5, 1.0), normalize=True),
-                        batch_size=batch_size, seed=seed, rank=rank, world_size=world,
-                        resampled=world > 1, epoch_samples=nbatches * batch_size * world if world > 1 else None)
-    loader = create_dataloader(ds, num_workers=min(workers, max(len(rank_shards(urls, rank, world)), 1)), batch_size=batch_size)
+# %% ../nbs/30_train.ipynb
+_FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
+
+def _cpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
+    "(epoch -> shardkit's streaming loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
+    ds = create_dataset(mine, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size, seed=seed,
+                        rank=0, world_size=1,  # `mine` is this rank's share already
+                        resampled=nbatches is not None, epoch_samples=nbatches * batch_size if nbatches else None)
+    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size, device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader = loader
     return at
 
+def _gpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
+    "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP each epoch takes `nbatches`."
+    loader = create_gpu_loader(mine, keys=_FIELDS, batch_size=batch_size, num_workers=workers, seed=seed, device=dev,
+                               size=size, scale=(0.5, 1.0), rank=0, world_size=1)
+    if nbatches:  # equal steps on every rank: a rank whose shards run out first starts them again
+        stream = _passes(loader)
+        return lambda epoch: stream
+    def at(epoch): loader.set_epoch(epoch); return loader
+    if hasattr(loader, "state_dict"): at.loader = loader
+    return at
+
+def _passes(loader):
+    "The batches of `loader`, pass after pass, as one stream (a pass that yields nothing is an error, not a hang)."
+    while True:
+        n = 0
+        for n, batch in enumerate(loader, 1): yield batch
+        if n == 0: raise TrainError("this rank's shards gave no batch: check that they hold the fields jpg and cls")
+
+# %% ../nbs/30_train.ipynb
+def _val_loader(val_urls, size, batch_size, workers, rank, world, dev):
+    "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
+    ds = create_dataset(val_urls, keys=_FIELDS, transform=eval_transform(size), shuffle=0, shuffle_shards=False,
+                        batch_size=batch_size, seed=0, rank=rank, world_size=world)
+    with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
+        warnings.filterwarnings("ignore", message=".*get no shard and stay idle")
+        return create_dataloader(ds, num_workers=min(workers, max(len(rank_shards(val_urls, rank, world)), 1)),
+                                 batch_size=batch_size, device=dev if dev.type == "cuda" else None)
+
+# %% ../nbs/30_train.ipynb
 def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
     "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
     root = Path(folder)
@@ -240,29 +303,42 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
     return make_train, val_loader, classes, None
 
 # %% ../nbs/30_train.ipynb
-def _train_epoch(net, opt, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
-                 limit=None, after_step=None, stats=None) -> tuple[torch.Tensor, int]:
-    "One pass of the training loop: (samples, loss sum and batches summed over the ranks, steps so far); at most `limit` batches."
+def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
+                 limit=None, after_step=None, stats=None) -> tuple[torch.Tensor, int, float]:
+    "One pass of the loop: (samples, loss sum, batches over the ranks; steps so far; seconds in next(loader), rank mean)."
     stats = torch.zeros(3, dtype=torch.float64) if stats is None else stats.clone()  # a resumed epoch goes on counting
-    for x, y, keys in tqdm(islice(loader, limit), desc=desc, disable=rank != 0 or None, leave=False, total=limit):
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        loss = F.cross_entropy(net(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        stats += torch.tensor([len(y), loss.item(), 1.0], dtype=torch.float64)
+    loss_sum, waited, batches = torch.zeros((), dtype=torch.float32, device=dev), 0.0, iter(islice(loader, limit))
+    with_loss = lambda: stats + torch.tensor([0.0, loss_sum.item(), 0.0], dtype=torch.float64)  # reads the loss: waits for the device
+    bar = tqdm(total=limit, desc=desc, disable=rank != 0 or None, leave=False)
+    while True:
+        t = time.perf_counter()
+        batch = next(batches, None)
+        waited += time.perf_counter() - t
+        if batch is None: break
+        x, y, keys = batch
+        loss_sum += step(x, y).float()
+        stats += torch.tensor([len(y), 0.0, 1.0], dtype=torch.float64)
         if keys_file: keys_file.write("".join(k + "\n" for k in keys))
         steps += 1
-        if after_step: after_step(steps, stats, bool(max_steps and steps >= max_steps))  # a checkpoint: every so many steps, and the last
+        bar.update()
+        if after_step: after_step(steps, with_loss, bool(max_steps and steps >= max_steps))  # a checkpoint: every so many steps, and the last
         if max_steps and steps >= max_steps: break
-    if world > 1: dist.all_reduce(stats)
-    return stats, steps
+    bar.close()
+    total = torch.cat([with_loss(), torch.tensor([waited], dtype=torch.float64)])
+    if world > 1:  # on the device: nccl reduces CUDA tensors only
+        total = total.to(dev); dist.all_reduce(total); total = total.cpu()
+    return total[:3], steps, float(total[3]) / world
 
-def _epoch_row(epoch, stats, secs, correct, total, steps) -> dict:
-    "The per-epoch report: samples, seconds, samples/s, mean loss, validation accuracy, steps."
-    return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3),
-                samples_per_s=round(float(stats[0]) / secs, 1), loss=round(float(stats[1] / max(stats[2], 1)), 4),
+def _epoch_row(epoch, stats, secs, waited, correct, total, steps) -> dict:
+    "The per-epoch report: samples, seconds, samples/s, share of the time waiting for data, mean loss, validation accuracy, steps."
+    return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3), samples_per_s=round(float(stats[0]) / secs, 1),
+                wait_share=round(min(waited / secs, 1.0), 3), loss=round(float(stats[1] / max(stats[2], 1)), 4),
                 val_acc=round(correct / total, 4) if total else None, val_samples=total, steps=steps)
+
+def _epoch_line(row: dict, epochs: int) -> str:
+    acc = f"val acc {row['val_acc']:.3f} ({row['val_samples']} images)" if row["val_samples"] else "no validation set"
+    return (f"epoch {row['epoch']}/{epochs}: {row['samples']} samples in {row['seconds']:.1f} s ({row['samples_per_s']:.0f} "
+            f"samples/s, {row['wait_share']:.0%} of the time waiting for data), loss {row['loss']:.3f}, {acc}")
 
 # %% ../nbs/30_train.ipynb
 def _rank_checkpoint(path, rank: int, world: int) -> Path:
@@ -279,8 +355,9 @@ def _load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict
     "The saved training state at `ck` (model weights loaded into `model`), or None for a fresh start; every rank must be at the same step."
     saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None  # tensors and plain data: nothing in it runs
     if world > 1:  # a kill between two ranks' saves leaves them at different steps: training on would mismatch the gradients
-        at = torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])
-        dist.all_reduce(at, op=dist.ReduceOp.MAX)
+        at = (torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])).to(dev)
+        dist.all_reduce(at, op=dist.ReduceOp.MAX)  # on the device: nccl reduces CUDA tensors only
+        at = at.cpu()
         if at[0] != -at[1]:
             raise TrainError(f"the ranks' checkpoints are at different steps ({int(-at[1])} to {int(at[0])}; -1: none), as after a "
                              f"kill between two saves; delete the newer ones ({ck.with_name(ck.stem.rsplit('-rank', 1)[0])}-rank*) or all of them")
@@ -310,7 +387,11 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
           threads: int | None = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
           seed: int = 0,
           checkpoint: str | None = None, # save here every `every` steps and after each epoch; run again to go on from it
-          every: int = 50) -> list[dict]:
+          every: int = 50,
+          pipeline: str = "shardkit",    # shardkit's loader, or `example`: the WebDataset example's (no mid-epoch resume)
+          decode: str = "cpu",           # with shardkit's loader: JPEGs decoded in the workers (cpu), on the device (gpu), or auto
+          precision: str | None = None,  # bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)
+          ) -> list[dict]:
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
     if (shards is None) == (folder is None): raise TrainError("give either shards or folder (exactly one)")
     dev = _pick_device(device)
@@ -321,49 +402,76 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
         if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../nbs/30_train.ipynb
+def _check_options(pipeline: str, decode: str, checkpoint, dev: torch.device) -> str:
+    "The decode path to take ('cpu' or 'gpu') after refusing options that cannot work together."
+    if pipeline not in ("shardkit", "example"): raise TrainError(f"pipeline must be 'shardkit' or 'example', not {pipeline!r}")
+    if decode not in ("cpu", "gpu", "auto"): raise TrainError(f"decode must be 'cpu', 'gpu' or 'auto', not {decode!r}")
+    if pipeline == "example":
+        if checkpoint: raise TrainError("--pipeline example cannot resume mid-epoch: the WebDataset example's pipeline cannot say "
+                                        "where it is (it has no state_dict); drop --checkpoint, or use --pipeline shardkit")
+        if decode == "gpu": raise TrainError("--decode gpu needs --pipeline shardkit: the example's pipeline decodes with PIL")
+        return "cpu"
+    if decode == "auto": return "gpu" if dev.type == "cuda" and why_no_gpu(str(dev)) is None else "cpu"
+    return decode
+
+def _resume(saved: dict | None, opt, make_train, rank: int, ck) -> tuple:
+    "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or a fresh start's."
+    if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
+    opt.load_state_dict(saved["opt"])
+    loader = getattr(make_train, "loader", None)
+    if saved["loader"] is not None and loader is not None: loader.load_state_dict(saved["loader"])
+    _log(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps ({saved['steps']} steps in all)")
+    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), saved["stats"]
+
+def _reading(shards, pipeline: str, decode: str, dev) -> str:
+    "How the run reads its data, for the first line it prints."
+    how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" if decode == "gpu" else "")
+    return how + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else "")
+
+def _keys_file(keys_out, rank: int, saved: dict | None):
+    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to the checkpoint's on a resume."
+    if not keys_out: return open(os.devnull, "w")
+    Path(keys_out).mkdir(parents=True, exist_ok=True)
+    path = Path(keys_out) / f"keys-rank{rank}.txt"
+    if saved: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
+    return open(path, "a" if saved else "w")
+
+# %% ../nbs/30_train.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps, samples, classes,
-           keys_out, device, threads, seed, checkpoint, every, dev, rank, world) -> list[dict]:
+           keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision, dev, rank, world) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu": torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world * (1 + workers))))
-    train_tf, val_tf = make_transform(size, True), make_transform(size, False)
+    else: torch.backends.cudnn.benchmark = True  # the input size is fixed: let cuDNN pick its fastest convolutions once
+    decode, precision = _check_options(pipeline, decode, checkpoint, dev), pick_precision(precision, dev)
     if shards is not None:
-        make_train, val_loader, classes, nbatches = _shard_loaders(shards, base, val_shards, train_tf, val_tf, batch_size, workers,
-                                                                   samples, classes, seed, rank, world, bool(checkpoint), size)
-    else: make_train, val_loader, classes, nbatches = _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes)
+        make_train, val_loader, classes, nbatches = _shard_loaders(shards, base, val_shards, batch_size, workers, samples, classes,
+                                                                   seed, rank, world, size, pipeline, decode, dev)
+    else: make_train, val_loader, classes, nbatches = _folder_loaders(folder, make_transform(size, True), make_transform(size, False),
+                                                                      batch_size, workers, classes)
     torch.manual_seed(seed)
-    model = make_model(arch, classes).to(dev)
+    model = make_model(arch, classes).to(dev, memory_format=torch.channels_last if dev.type == "cuda" else torch.preserve_format)
     ck = _rank_checkpoint(checkpoint, rank, world) if checkpoint else None
     saved = _load_checkpoint(ck, model, dev, world)
     net = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None) if world > 1 else model
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    start, done, steps, history, so_far = 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
-    if saved:
-        opt.load_state_dict(saved["opt"])
-        start, done, steps, history, so_far = saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), saved["stats"]
-        if saved["loader"] is not None: make_train.loader.load_state_dict(saved["loader"])
-        _log(rank, f"resumed from {shown_path(ck)}: epoch {start + 1}, after {done} of its steps ({steps} steps in all)")
-    if keys_out: Path(keys_out).mkdir(parents=True, exist_ok=True)
+    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck)
+    step = training_step(net, opt, dev, precision)
     _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, {world} rank(s), "
-               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}"
-               + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else ""))
-    keys_path = Path(keys_out) / f"keys-rank{rank}.txt" if keys_out else Path(os.devnull)
-    if saved and keys_out: os.truncate(keys_path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
-    with open(keys_path, "a" if saved else "w") as keys_file:
+               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}" + _reading(shards, pipeline, decode, dev))
+    with _keys_file(keys_out, rank, saved) as keys_file:
         for epoch in range(start, epochs):
             net.train()
             t0, loader = time.time(), make_train(epoch)
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps: _save_checkpoint(  # d + s: steps done in this epoch
-                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st, history=history, keys_bytes=_flushed(keys_file))
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, keys_bytes=_flushed(keys_file))
             save = (lambda s, st, last: (last or s % every == 0) and at(s, st)) if ck and hasattr(loader, "state_dict") else None
-            stats, steps = _train_epoch(net, opt, loader, dev, rank, world, f"epoch {epoch + 1}", keys_file if keys_out else None,
-                                        steps, max_steps, nbatches - done if nbatches else None, save, so_far)
+            stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}", keys_file if keys_out else None,
+                                                steps, max_steps, nbatches - done if nbatches else None, save, so_far)
             secs = time.time() - t0
             correct, total = count_correct(model, val_loader, dev) if val_loader is not None else (0, 0)
-            history.append(row := _epoch_row(epoch, stats, secs, correct, total, steps))
-            acc = f"val acc {row['val_acc']:.3f} ({total} images)" if total else "no validation set"
-            _log(rank, f"epoch {epoch + 1}/{epochs}: {row['samples']} samples in {secs:.1f} s "
-                       f"({row['samples_per_s']:.0f} samples/s), loss {row['loss']:.3f}, {acc}")
+            history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
+            _log(rank, _epoch_line(row, epochs))
             if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
             if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, stats=torch.zeros(3, dtype=torch.float64),
                                     history=history, keys_bytes=_flushed(keys_file))
@@ -389,12 +497,15 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
               threads: int = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
               seed: int = 0,          # Random seed (model init, shard order)
               checkpoint: str = None, # Save the run here (each rank its own file under torchrun); run again to go on, mid-epoch included
-              every: int = 50):       # Save every this many steps (and after each epoch, and at --max-steps)
+              every: int = 50,        # Save every this many steps (and after each epoch, and at --max-steps)
+              pipeline: str = "shardkit", # 'shardkit' (uint8 batches, resumable) or 'example': the WebDataset example's loader
+              decode: str = "cpu",    # Where shardkit's loader decodes JPEGs: 'cpu' (workers), 'gpu' (nvJPEG) or 'auto'
+              precision: str = None): # bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."
     if (shards is None) == (folder is None):
         raise TrainError("give either --shards TEMPLATE or --folder ROOT (exactly one), e.g. "
                          "--shards 'data/imagenet-train-{000000..000009}.tar'")
     hist = train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps,
-                 samples, classes, keys_out, device, threads, seed, checkpoint, every)
+                 samples, classes, keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision)
     if json_out and int(os.environ.get("RANK", 0)) == 0: Path(json_out).write_text(json.dumps(hist, indent=1))
     return 0
