@@ -421,7 +421,7 @@ def _resume(saved: dict | None, opt, make_train, rank: int, ck) -> tuple:
     loader = getattr(make_train, "loader", None)
     if saved["loader"] is not None and loader is not None: loader.load_state_dict(saved["loader"])
     _log(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps ({saved['steps']} steps in all)")
-    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), saved["stats"]
+    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), saved["stats"].cpu()  # loaded onto the device
 
 def _reading(shards, pipeline: str, decode: str, dev) -> str:
     "How the run reads its data, for the first line it prints."
