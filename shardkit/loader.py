@@ -68,11 +68,11 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
 def create_dataloader(dataset: ShardDataset,         # from create_dataset
                       num_workers: int = 4,          # worker processes that decode and augment
                       batch_size: int | None = 64,   # samples per batch (the workers make them)
-                      shuffle: int = 0,              # N: the post's unbatch, shuffle across workers through N samples, rebatch
-                      device=None,                   # None: batches in CPU memory; "cuda": on the GPU, copied one batch ahead
+                      shuffle: int = 0,              # N: the post's unbatch, shuffle across workers, rebatch
+                      device=None,                   # None: batches in CPU memory; "cuda": on the GPU, one batch ahead
                       **kw                           # more DataLoader arguments
                       ) -> ShardLoader | DeviceLoader:
-    "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`; with `device`, batches arrive there."
+    "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`, on `device` if given."
     from shardkit.loading.random import RandomAccessLoader
     if isinstance(dataset, RandomAccessLoader):  # create_dataset(access="random") made the loader already
         dataset.num_workers, dataset.batch_size = num_workers, batch_size or dataset.batch_size
@@ -99,7 +99,8 @@ def _tensors(x) -> list[torch.Tensor]:
 
 def _moved(x, device: torch.device, pin: bool):
     "`x` with each tensor on `device` (from pinned memory, without waiting, when `pin`); anything else as it is."
-    if isinstance(x, torch.Tensor): return (x.pin_memory() if pin and not x.is_pinned() else x).to(device, non_blocking=pin)
+    if isinstance(x, torch.Tensor):
+        return (x.pin_memory() if pin and not x.is_pinned() else x).to(device, non_blocking=pin)
     if isinstance(x, tuple): return tuple(_moved(v, device, pin) for v in x)
     if isinstance(x, list): return [_moved(v, device, pin) for v in x]
     return {k: _moved(v, device, pin) for k, v in x.items()} if isinstance(x, dict) else x
@@ -109,7 +110,8 @@ class DeviceLoader:
     "`loader`'s batches with their tensors on `device`, copied one batch ahead (on CUDA: pinned memory, a side stream)."
     def __init__(self, loader, device):
         self.loader, self.device = loader, torch.device(device)
-        self.copy_seconds, self.copied, self._state = 0.0, 0, None  # time issuing copies; batches copied; state at hand-out
+        self.copy_seconds, self.copied = 0.0, 0  # seconds spent issuing copies, batches copied
+        self._state = None  # the wrapped loader's state when the last batch was handed out
 
     def __iter__(self):
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

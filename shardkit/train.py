@@ -191,11 +191,12 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 def pick_precision(precision: str | None, device) -> str:
     "`precision` checked, or the default for `device`: bf16 on CUDA, fp32 elsewhere."
     if precision is None: return "bf16" if torch.device(device).type == "cuda" else "fp32"
-    if precision not in PRECISIONS: raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if precision not in PRECISIONS:
+        raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     return precision
 
 def training_step(net: nn.Module, opt: torch.optim.Optimizer, device, precision: str = "fp32") -> Callable:
-    "A function (images, labels) -> loss that runs one SGD step on `device` at `precision` (autocast; GradScaler for fp16)."
+    "A function (images, labels) -> loss running one optimiser step on `device` at `precision` (GradScaler for fp16)."
     dev, dtype = torch.device(device), PRECISIONS[pick_precision(precision, device)]
     scaler = torch.amp.GradScaler(dev.type) if dtype is torch.float16 else None
     fmt = torch.channels_last if dev.type == "cuda" else torch.contiguous_format
@@ -228,8 +229,9 @@ def _explain(e: Exception) -> str:
 
 # %% ../nbs/30_train.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, classes, seed, rank, world, size=64,
-                   pipeline="shardkit", decode="cpu", dev=torch.device("cpu")):
+                   pipeline="shardkit", decode="cpu", dev=None):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
+    dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
     if len(urls) < world:
         raise TrainError(f"{len(urls)} shards cannot feed {world} ranks: split_by_node gives each rank whole shards; "
@@ -242,8 +244,9 @@ def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, class
         raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); lower --batch-size")
     nbatches = samples // (world * batch_size) if world > 1 else None
     if pipeline == "example":
-        make_train = lambda epoch: shard_loader(urls, make_transform(size, True), batch_size, workers, nbatches, seed=seed + epoch)
-        val_loader = shard_loader(val_urls, make_transform(size, False), batch_size, workers, shuffle=0) if val_urls else None
+        tf, val_tf = make_transform(size, True), make_transform(size, False)
+        make_train = lambda epoch: shard_loader(urls, tf, batch_size, workers, nbatches, seed=seed + epoch)
+        val_loader = shard_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world)  # this rank's shards, as split_by_node deals them: the ranks share no sample
     make = _gpu_train_loader if decode == "gpu" else _cpu_train_loader
@@ -255,17 +258,18 @@ def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, class
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
 
 def _cpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
-    "(epoch -> shardkit's streaming loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
-    ds = create_dataset(mine, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size, seed=seed,
-                        rank=0, world_size=1,  # `mine` is this rank's share already
+    "(epoch -> shardkit's loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
+    ds = create_dataset(mine, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
+                        seed=seed, rank=0, world_size=1,  # `mine` is this rank's share already
                         resampled=nbatches is not None, epoch_samples=nbatches * batch_size if nbatches else None)
-    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size, device=dev if dev.type == "cuda" else None)
+    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size,
+                               device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader = loader
     return at
 
 def _gpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
-    "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP each epoch takes `nbatches`."
+    "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP `nbatches` an epoch."
     loader = create_gpu_loader(mine, keys=_FIELDS, batch_size=batch_size, num_workers=workers, seed=seed, device=dev,
                                size=size, scale=(0.5, 1.0), rank=0, world_size=1)
     if nbatches:  # equal steps on every rank: a rank whose shards run out first starts them again
@@ -305,10 +309,10 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
 # %% ../nbs/30_train.ipynb
 def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
                  limit=None, after_step=None, stats=None) -> tuple[torch.Tensor, int, float]:
-    "One pass of the loop: (samples, loss sum, batches over the ranks; steps so far; seconds in next(loader), rank mean)."
+    "One pass of the loop: (samples, loss sum, batches, over the ranks; steps so far; seconds in next(loader))."
     stats = torch.zeros(3, dtype=torch.float64) if stats is None else stats.clone()  # a resumed epoch goes on counting
     loss_sum, waited, batches = torch.zeros((), dtype=torch.float32, device=dev), 0.0, iter(islice(loader, limit))
-    with_loss = lambda: stats + torch.tensor([0.0, loss_sum.item(), 0.0], dtype=torch.float64)  # reads the loss: waits for the device
+    with_loss = lambda: stats + torch.tensor([0.0, loss_sum.item(), 0.0], dtype=torch.float64)  # waits for the device
     bar = tqdm(total=limit, desc=desc, disable=rank != 0 or None, leave=False)
     while True:
         t = time.perf_counter()
@@ -321,7 +325,7 @@ def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, 
         if keys_file: keys_file.write("".join(k + "\n" for k in keys))
         steps += 1
         bar.update()
-        if after_step: after_step(steps, with_loss, bool(max_steps and steps >= max_steps))  # a checkpoint: every so many steps, and the last
+        if after_step: after_step(steps, with_loss, bool(max_steps and steps >= max_steps))  # a checkpoint, maybe
         if max_steps and steps >= max_steps: break
     bar.close()
     total = torch.cat([with_loss(), torch.tensor([waited], dtype=torch.float64)])
@@ -330,14 +334,16 @@ def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, 
     return total[:3], steps, float(total[3]) / world
 
 def _epoch_row(epoch, stats, secs, waited, correct, total, steps) -> dict:
-    "The per-epoch report: samples, seconds, samples/s, share of the time waiting for data, mean loss, validation accuracy, steps."
-    return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3), samples_per_s=round(float(stats[0]) / secs, 1),
+    "The per-epoch report: samples, seconds, samples/s, share of time waiting for data, mean loss, val accuracy, steps."
+    return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3),
+                samples_per_s=round(float(stats[0]) / secs, 1),
                 wait_share=round(min(waited / secs, 1.0), 3), loss=round(float(stats[1] / max(stats[2], 1)), 4),
                 val_acc=round(correct / total, 4) if total else None, val_samples=total, steps=steps)
 
 def _epoch_line(row: dict, epochs: int) -> str:
     acc = f"val acc {row['val_acc']:.3f} ({row['val_samples']} images)" if row["val_samples"] else "no validation set"
-    return (f"epoch {row['epoch']}/{epochs}: {row['samples']} samples in {row['seconds']:.1f} s ({row['samples_per_s']:.0f} "
+    return (f"epoch {row['epoch']}/{epochs}: {row['samples']} samples in {row['seconds']:.1f} s "
+            f"({row['samples_per_s']:.0f} "
             f"samples/s, {row['wait_share']:.0%} of the time waiting for data), loss {row['loss']:.3f}, {acc}")
 
 # %% ../nbs/30_train.ipynb
@@ -368,6 +374,16 @@ def _load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict
                              "give the saved run's --arch and classes, another --checkpoint path, or delete it") from None
     return saved
 
+def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck) -> tuple:
+    "(model, the module to train: DDP's wrapper with several ranks, SGD, the checkpoint or None): weights as saved."
+    torch.manual_seed(seed)
+    fmt = torch.channels_last if dev.type == "cuda" else torch.preserve_format  # what tensor-core convolutions want
+    model = make_model(arch, classes).to(dev, memory_format=fmt)
+    saved = _load_checkpoint(ck, model, dev, world)
+    ids = [dev.index] if dev.type == "cuda" else None
+    net = nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
+    return model, net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4), saved
+
 # %% ../nbs/30_train.ipynb
 def train(shards: str | list[str] | None = None, # training shards: brace template or list of names/URLs
           folder: str | None = None,     # or an ImageFolder tree with train/ (and val/) instead of shards
@@ -388,8 +404,8 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
           seed: int = 0,
           checkpoint: str | None = None, # save here every `every` steps and after each epoch; run again to go on from it
           every: int = 50,
-          pipeline: str = "shardkit",    # shardkit's loader, or `example`: the WebDataset example's (no mid-epoch resume)
-          decode: str = "cpu",           # with shardkit's loader: JPEGs decoded in the workers (cpu), on the device (gpu), or auto
+          pipeline: str = "shardkit",    # shardkit's loader, or `example`: the WebDataset example's (not resumable)
+          decode: str = "cpu",           # where shardkit's loader decodes JPEGs: workers (cpu), device (gpu), or auto
           precision: str | None = None,  # bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)
           ) -> list[dict]:
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
@@ -404,32 +420,37 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
 # %% ../nbs/30_train.ipynb
 def _check_options(pipeline: str, decode: str, checkpoint, dev: torch.device) -> str:
     "The decode path to take ('cpu' or 'gpu') after refusing options that cannot work together."
-    if pipeline not in ("shardkit", "example"): raise TrainError(f"pipeline must be 'shardkit' or 'example', not {pipeline!r}")
+    if pipeline not in ("shardkit", "example"):
+        raise TrainError(f"pipeline must be 'shardkit' or 'example', not {pipeline!r}")
     if decode not in ("cpu", "gpu", "auto"): raise TrainError(f"decode must be 'cpu', 'gpu' or 'auto', not {decode!r}")
     if pipeline == "example":
-        if checkpoint: raise TrainError("--pipeline example cannot resume mid-epoch: the WebDataset example's pipeline cannot say "
-                                        "where it is (it has no state_dict); drop --checkpoint, or use --pipeline shardkit")
-        if decode == "gpu": raise TrainError("--decode gpu needs --pipeline shardkit: the example's pipeline decodes with PIL")
+        if checkpoint:
+            raise TrainError("--pipeline example cannot resume mid-epoch: the WebDataset example's pipeline cannot say "
+                             "where it is (it has no state_dict); drop --checkpoint, or use --pipeline shardkit")
+        if decode == "gpu":
+            raise TrainError("--decode gpu needs --pipeline shardkit: the example's pipeline decodes with PIL")
         return "cpu"
     if decode == "auto": return "gpu" if dev.type == "cuda" and why_no_gpu(str(dev)) is None else "cpu"
     return decode
 
 def _resume(saved: dict | None, opt, make_train, rank: int, ck) -> tuple:
-    "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or a fresh start's."
+    "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
     if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
     opt.load_state_dict(saved["opt"])
     loader = getattr(make_train, "loader", None)
     if saved["loader"] is not None and loader is not None: loader.load_state_dict(saved["loader"])
-    _log(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps ({saved['steps']} steps in all)")
-    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), saved["stats"].cpu()  # loaded onto the device
+    _log(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps "
+               f"({saved['steps']} steps in all)")
+    stats = saved["stats"].cpu()  # torch.load put it on the device
+    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
 
 def _reading(shards, pipeline: str, decode: str, dev) -> str:
     "How the run reads its data, for the first line it prints."
-    how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" if decode == "gpu" else "")
+    how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" * (decode == "gpu"))
     return how + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else "")
 
 def _keys_file(keys_out, rank: int, saved: dict | None):
-    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to the checkpoint's on a resume."
+    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to a checkpoint's."
     if not keys_out: return open(os.devnull, "w")
     Path(keys_out).mkdir(parents=True, exist_ok=True)
     path = Path(keys_out) / f"keys-rank{rank}.txt"
@@ -438,36 +459,37 @@ def _keys_file(keys_out, rank: int, saved: dict | None):
 
 # %% ../nbs/30_train.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps, samples, classes,
-           keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision, dev, rank, world) -> list[dict]:
+           keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision,
+           dev, rank, world) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu": torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world * (1 + workers))))
     else: torch.backends.cudnn.benchmark = True  # the input size is fixed: let cuDNN pick its fastest convolutions once
     decode, precision = _check_options(pipeline, decode, checkpoint, dev), pick_precision(precision, dev)
     if shards is not None:
-        make_train, val_loader, classes, nbatches = _shard_loaders(shards, base, val_shards, batch_size, workers, samples, classes,
-                                                                   seed, rank, world, size, pipeline, decode, dev)
-    else: make_train, val_loader, classes, nbatches = _folder_loaders(folder, make_transform(size, True), make_transform(size, False),
-                                                                      batch_size, workers, classes)
-    torch.manual_seed(seed)
-    model = make_model(arch, classes).to(dev, memory_format=torch.channels_last if dev.type == "cuda" else torch.preserve_format)
+        make_train, val_loader, classes, nbatches = _shard_loaders(
+            shards, base, val_shards, batch_size, workers, samples, classes, seed, rank, world, size, pipeline, decode,
+            dev)
+    else: make_train, val_loader, classes, nbatches = _folder_loaders(
+            folder, make_transform(size, True), make_transform(size, False), batch_size, workers, classes)
     ck = _rank_checkpoint(checkpoint, rank, world) if checkpoint else None
-    saved = _load_checkpoint(ck, model, dev, world)
-    net = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None) if world > 1 else model
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world, ck)
     start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck)
     step = training_step(net, opt, dev, precision)
     _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, {world} rank(s), "
-               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}" + _reading(shards, pipeline, decode, dev))
+               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}"
+               + _reading(shards, pipeline, decode, dev))
     with _keys_file(keys_out, rank, saved) as keys_file:
         for epoch in range(start, epochs):
             net.train()
             t0, loader = time.time(), make_train(epoch)
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps: _save_checkpoint(  # d + s: steps done in this epoch
-                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, keys_bytes=_flushed(keys_file))
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history,
+                keys_bytes=_flushed(keys_file))
             save = (lambda s, st, last: (last or s % every == 0) and at(s, st)) if ck and hasattr(loader, "state_dict") else None
-            stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}", keys_file if keys_out else None,
-                                                steps, max_steps, nbatches - done if nbatches else None, save, so_far)
+            stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}",
+                                                keys_file if keys_out else None, steps, max_steps,
+                                                nbatches - done if nbatches else None, save, so_far)
             secs = time.time() - t0
             correct, total = count_correct(model, val_loader, dev) if val_loader is not None else (0, 0)
             history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
@@ -498,7 +520,7 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
               seed: int = 0,          # Random seed (model init, shard order)
               checkpoint: str = None, # Save the run here (each rank its own file under torchrun); run again to go on, mid-epoch included
               every: int = 50,        # Save every this many steps (and after each epoch, and at --max-steps)
-              pipeline: str = "shardkit", # 'shardkit' (uint8 batches, resumable) or 'example': the WebDataset example's loader
+              pipeline: str = "shardkit", # 'shardkit' (uint8 batches, resumable) or 'example' (WebDataset's example)
               decode: str = "cpu",    # Where shardkit's loader decodes JPEGs: 'cpu' (workers), 'gpu' (nvJPEG) or 'auto'
               precision: str = None): # bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."

@@ -152,7 +152,8 @@ def state_dict(self: RandomAccessLoader) -> dict:
 def load_state_dict(self: RandomAccessLoader, state: dict):
     "Continue from `state` (from `state_dict`): the next batch is the one the saved loader would have given next."
     if not isinstance(state, dict):
-        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict its state_dict() returned")
+        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict that its "
+                          "state_dict() returned")
     mine = self.state_dict()
     diff = {k: (state.get(k), mine[k]) for k in _MUST_MATCH if state.get(k) != mine[k]}
     if diff: raise UsageError(f"cannot resume: saved vs this loader differ in {diff}; build the loader with the saved run's arguments")

@@ -114,17 +114,20 @@ class ShardLoader(wds.WebLoader):
         for step in self.pipeline[1:]: source = self.invoke(step, source)
         return source
 
-    def _counted(self, items):
-        "The workers' batches in ordinary memory, each counted for the worker that made it; the epoch ends when they do."
-        for t in items:
-            if isinstance(t, _Tagged): self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
-            yield t.unpool() if isinstance(t, _PooledBatch) else t
-        self._running = False
+# %% ../../nbs/25_stream.ipynb
+@patch
+def _counted(self: ShardLoader, items):
+    "The workers' batches in ordinary memory, each counted for the worker that made it; the epoch ends when they do."
+    for t in items:
+        if isinstance(t, _Tagged): self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
+        yield t.unpool() if isinstance(t, _PooledBatch) else t
+    self._running = False
 
-    def _shuffle(self, src):
-        shards = self.dataset.shards
-        rank, _ = rank_and_world(shards.rank, shards.world_size)
-        return buffer_shuffle(src, self.bufsize, _rng(shards.seed, self.epoch, "loader", rank))
+@patch
+def _shuffle(self: ShardLoader, src):
+    shards = self.dataset.shards
+    rank, _ = rank_and_world(shards.rank, shards.world_size)
+    return buffer_shuffle(src, self.bufsize, _rng(shards.seed, self.epoch, "loader", rank))
 
 # %% ../../nbs/25_stream.ipynb
 def skip_resumed(src, shards: EpochShards):
@@ -142,22 +145,26 @@ def skip_resumed(src, shards: EpochShards):
 # %% ../../nbs/25_stream.ipynb
 def saved_count(value, field: str, low: int = 0, high: int | None = None) -> int:
     "`value` of a saved state's `field` as an int from `low` to `high`, else a LoaderError that names the field."
-    whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or \
+        (isinstance(value, float) and value.is_integer())
     if not whole or value < low or (high is not None and value > high):
         should = f"a whole number from {low} to {high}" if high is not None else f"a whole number, {low} or more"
-        raise LoaderError(f"cannot resume: {field} is {value!r:.60} in the saved state; it should be {should}. The state is "
-                          "corrupted or not a loader's state_dict(): use an earlier checkpoint, or start without one")
+        raise LoaderError(f"cannot resume: {field} is {value!r:.60} in the saved state; it should be {should}. "
+                          "The state is corrupted or not a loader's state_dict(): use an earlier checkpoint, "
+                          "or start without one")
     return int(value)
 
 def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
-    "A saved state's (epoch, batches handed out per worker, next worker), each checked against a loader of `workers` workers."
+    "A saved state's (epoch, batches handed out per worker, next worker), checked for a loader of `workers` workers."
     batches = state.get("batches")
     if not isinstance(batches, (list, tuple)) or len(batches) != workers:
         got = f"{len(batches)} entries" if isinstance(batches, (list, tuple)) else repr(batches)[:60]
-        raise LoaderError(f"cannot resume: batches has {got} in the saved state; it should be a list of {workers} counts, "
-                          "one per worker. The state is corrupted: use an earlier checkpoint, or start without one")
+        raise LoaderError(f"cannot resume: batches has {got} in the saved state; it should be a list of {workers} "
+                          "counts, one per worker. The state is corrupted: use an earlier checkpoint, "
+                          "or start without one")
     counts = [saved_count(n, f"batches[{w}]") for w, n in enumerate(batches)]
-    return saved_count(state.get("epoch"), "epoch"), counts, saved_count(state.get("next_worker", 0), "next_worker", 0, workers - 1)
+    nxt = saved_count(state.get("next_worker", 0), "next_worker", 0, workers - 1)
+    return saved_count(state.get("epoch"), "epoch"), counts, nxt
 
 # %% ../../nbs/25_stream.ipynb
 _MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples")
@@ -177,14 +184,16 @@ def state_dict(self: ShardLoader) -> dict:
     if self._running: epoch, taken, nxt = self.epoch, list(self._taken), self._next
     elif self._resumed is not None: epoch, taken, nxt = sh.epoch, list(self._resumed), sh.rotation[1]
     else: epoch, taken, nxt = sh.epoch, [0] * len(self._taken), 0
-    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(tuple(sh.urls)), num_workers=self.num_workers,
+    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(tuple(sh.urls)),
+                num_workers=self.num_workers,
                 batch_size=ds.batch_size, rank=rank, world_size=world, shuffle=ds.shuffle, epoch_samples=ds.epoch_samples)
 
 @patch
 def load_state_dict(self: ShardLoader, state: dict):
     "Go on from `state` (from `state_dict`, in this or another process): the next batch is the one the saved loader would have given next."
     if not isinstance(state, dict):
-        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict its state_dict() returned")
+        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict that its "
+                          "state_dict() returned")
     sh = self.dataset.shards
     if not getattr(sh, "seed_given", True): sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
     mine = self.state_dict()
