@@ -22,13 +22,17 @@ from .loading.collate import collate
 __all__ = ['create_dataset', 'create_dataloader', 'DeviceLoader']
 
 # %% ../nbs/28_loader.ipynb
-def _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize, allow_pickle):
-    "create_dataset(access='random'): the random-access loader of `shardkit.random_access` (a global shuffle, exact resume)."
-    if resampled or epoch_samples: raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
+def _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
+                   allow_pickle):
+    "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
+    if resampled or epoch_samples:
+        raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
     from shardkit.loading.random import create_random_loader
-    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform(normalize=normalize)
+    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
+        transform = train_transform(normalize=normalize)
     return create_random_loader(sources, keys=keys, transform=transform, batch_size=batch_size or 64, num_workers=0,
-                                seed=0 if seed is None else seed, rank=rank, world_size=world_size, allow_pickle=allow_pickle)
+                                seed=0 if seed is None else seed, rank=rank, world_size=world_size,
+                                allow_pickle=allow_pickle)
 
 # %% ../nbs/28_loader.ipynb
 def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.png"), transform=None,
@@ -37,32 +41,32 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
                    rank: int | None = None, world_size: int | None = None,
                    normalize: bool = False, shuffle_shards: bool = True,
                    handler: str | Callable = "raise", allow_pickle: bool = False, access: str = "stream"):
-    "A WebDataset pipeline from shards to batches of `keys` tuples, with exact, seeded epochs; `access='random'`: a global shuffle."
+    "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
-    if access == "random": return _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank,
-                                                 world_size, normalize, allow_pickle)
+    if access == "random": return _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
+                                                 rank, world_size, normalize, allow_pickle)
     urls, handler = shard_urls(sources), _handler(handler)
     if resampled and not epoch_samples:
-        raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch for the whole job")
+        raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
     if epoch_samples and not resampled:
-        raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; without resampling an epoch is every sample once")
+        raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
     if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
     seed_given = seed is not None
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
         transform = train_transform(normalize=normalize)
-    if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
+    if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
     shards = EpochShards(urls, seed, shuffle=shuffle_shards, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
-    stages.append(wds.map(partial(sample_to_tuple, keys=tuple(keys), transform=transform, shards=shards, allow_pickle=allow_pickle),
-                          handler=handler))
+    to_tuple = partial(sample_to_tuple, keys=tuple(keys), transform=transform, shards=shards, allow_pickle=allow_pickle)
+    stages.append(wds.map(to_tuple, handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collate, partial=True))
-    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples, handler=handler,
-                        shuffle=shuffle)
+    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples,
+                        handler=handler, shuffle=shuffle)
 
 # %% ../nbs/28_loader.ipynb
 def create_dataloader(dataset: ShardDataset,         # from create_dataset
@@ -79,13 +83,16 @@ def create_dataloader(dataset: ShardDataset,         # from create_dataset
         return dataset if device is None else DeviceLoader(dataset, device)
     if not isinstance(dataset, ShardDataset):
         raise TypeError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
-    if shuffle and not dataset.batch_size: raise LoaderError("shuffle=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
+    if shuffle and not dataset.batch_size:
+        raise LoaderError("shuffle=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
     sh = dataset.shards
     _, world = rank_and_world(sh.rank, sh.world_size)
     if not sh.resampled and max(num_workers, 1) * world > len(sh.urls):
         warnings.warn(f"{max(num_workers, 1)} workers x {world} ranks read {len(sh.urls)} shards: "
-                      f"{max(num_workers, 1) * world - len(sh.urls)} of them get no shard and stay idle (every sample is still read once). "
-                      f"Use at most {max(len(sh.urls) // world, 1)} workers, or write more, smaller shards.", stacklevel=2)
+                      f"{max(num_workers, 1) * world - len(sh.urls)} of them get no shard and stay idle "
+                      "(every sample is still read once). "
+                      f"Use at most {max(len(sh.urls) // world, 1)} workers, or write more, smaller shards.",
+                      stacklevel=2)
     kw.setdefault("persistent_workers", num_workers > 0)  # no worker start-up at every epoch
     loader = ShardLoader(dataset, num_workers=num_workers, batch_size=batch_size, shuffle=shuffle, **kw)
     return loader if device is None else DeviceLoader(loader, device)

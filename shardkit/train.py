@@ -71,7 +71,7 @@ def shard_loader(urls: list[str],        # shard URLs (all of them: the loader p
                  transform,              # image -> tensor
                  batch_size: int = 32,
                  workers: int = 2,       # DataLoader workers (lowered to the number of shards this rank owns)
-                 nbatches: int | None = None, # batches per epoch (needed with several ranks); None: one pass over the shards
+                 nbatches: int | None = None, # batches per epoch (needed with several ranks); None: one pass
                  shuffle: int = 1000,    # sample shuffle buffer; 0 keeps shard order (validation)
                  seed: int = 0):         # shard-shuffle seed (pass a new one each epoch)
     "A `wds.WebLoader` yielding (images, labels, keys) batches from this rank's shards."
@@ -96,7 +96,8 @@ class KeyedImageFolder(ImageFolder):
         x, y = super().__getitem__(i)
         return x, y, str(Path(self.samples[i][0]).relative_to(self.root).with_suffix(""))
 
-def folder_loader(root: str | Path, transform, batch_size: int = 32, workers: int = 2, train: bool = True, epoch: int = 0):
+def folder_loader(root: str | Path, transform, batch_size: int = 32, workers: int = 2, train: bool = True,
+                  epoch: int = 0):
     "A DataLoader yielding (images, labels, keys) from an ImageFolder tree, split across ranks."
     ds = KeyedImageFolder(str(root), transform=transform)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -104,12 +105,15 @@ def folder_loader(root: str | Path, transform, batch_size: int = 32, workers: in
         sampler = torch.utils.data.DistributedSampler(ds, world, rank, shuffle=True, seed=0, drop_last=True)
         sampler.set_epoch(epoch)
         return torch.utils.data.DataLoader(ds, batch_size, sampler=sampler, num_workers=workers, drop_last=world > 1)
-    return torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(rank, len(ds), world)), batch_size, num_workers=workers)
+    mine = torch.utils.data.Subset(ds, range(rank, len(ds), world))
+    return torch.utils.data.DataLoader(mine, batch_size, num_workers=workers)
 
 # %% ../nbs/30_train.ipynb
 def small_cnn(num_classes: int = 37, width: int = 32) -> nn.Module:
     "A small CNN for 32-128 px inputs: four conv-BN-ReLU-max-pool blocks, global average pooling, a linear head."
-    def block(i, o): return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+    def block(i, o):
+        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True),
+                             nn.MaxPool2d(2))
     w = width
     return nn.Sequential(block(3, w), block(w, 2 * w), block(2 * w, 4 * w), block(4 * w, 4 * w),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
@@ -120,13 +124,15 @@ def make_model(arch: str, num_classes: int) -> nn.Module:
     import torchvision
     try: return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     except ValueError:
-        raise TrainError(f"unknown architecture {arch!r}: use 'small' or a torchvision model name such as resnet18") from None
+        raise TrainError(f"unknown architecture {arch!r}: use 'small' or a torchvision model name such as "
+                         "resnet18") from None
 
 # %% ../nbs/30_train.ipynb
 def _images_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor]:
     "The N x C x H x W images and the N integer labels of a batch tuple, whatever their order."
     images = next((x for x in batch if isinstance(x, torch.Tensor) and x.dim() == 4), None)
-    labels = next((x for x in batch if isinstance(x, torch.Tensor) and x.dim() == 1 and not x.is_floating_point()), None)
+    labels = next((x for x in batch if isinstance(x, torch.Tensor) and x.dim() == 1 and not x.is_floating_point()),
+                  None)
     if images is None or labels is None:
         raise TrainError(f"a batch needs an N x C x H x W image tensor and N integer labels, got "
                          f"{[tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in batch]}")
@@ -135,7 +141,7 @@ def _images_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor]:
 # %% ../nbs/30_train.ipynb
 @torch.no_grad()
 def count_correct(model: nn.Module, loader, device="cpu", label_offset: int = 0) -> tuple[int, int]:
-    "(correct, total) of `model` over the batches of `loader`, summed over all ranks when a process group is initialised."
+    "(correct, total) of `model` over the batches of `loader`, summed over all ranks when there is a process group."
     was_training = model.training
     model.to(device).eval()
     counts = torch.zeros(2, dtype=torch.int64)
@@ -154,9 +160,9 @@ def evaluate(model: nn.Module, loader, device="cpu", label_offset: int = 0) -> f
 
 # %% ../nbs/30_train.ipynb
 def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
-    "Model, optimizer, the loader's position (where it has one) and `progress` (tensors and plain data), written atomically to `path`."
-    state = dict(model=model.state_dict(), opt=opt.state_dict(), loader=loader.state_dict() if hasattr(loader, "state_dict") else None,
-                 **progress)
+    "Model, optimizer, the loader's position (if it has one) and `progress` (plain data), written atomically to `path`."
+    position = loader.state_dict() if hasattr(loader, "state_dict") else None
+    state = dict(model=model.state_dict(), opt=opt.state_dict(), loader=position, **progress)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
@@ -164,7 +170,7 @@ def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
 def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, device: str = "cpu",
                  label_offset: int = 0, progress: bool = True, checkpoint: str | Path | None = None,
                  every: int = 20) -> list[float]:
-    "Train `model` on the (cls, image, ...) batches of `loader` for `epochs` passes; the loss of every step. `checkpoint`: resumable."
+    "Train `model` on the (cls, image, ...) batches of `loader` for `epochs` passes; each step's loss. Resumable."
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     losses, start, ck = [], 0, Path(checkpoint) if checkpoint else None
@@ -181,7 +187,8 @@ def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, de
             opt.zero_grad(); loss.backward(); opt.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if ck and hasattr(loader, "state_dict") and len(losses) % every == 0: _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch)
+            if ck and hasattr(loader, "state_dict") and len(losses) % every == 0:
+                _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch)
         if ck: _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch + 1)
     return losses
 
@@ -239,9 +246,11 @@ def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, class
     if classes is None or (world > 1 and samples is None):
         n, c = count_samples_and_classes(urls)
         samples, classes = samples or n, classes or c
-        _log(rank, f"counted {n} samples of {c} classes in {len(urls)} shards (pass --samples and --classes to skip this pass)")
+        _log(rank, f"counted {n} samples of {c} classes in {len(urls)} shards "
+                   "(pass --samples and --classes to skip this pass)")
     if world > 1 and samples < world * batch_size:
-        raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); lower --batch-size")
+        raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); "
+                         "lower --batch-size")
     nbatches = samples // (world * batch_size) if world > 1 else None
     if pipeline == "example":
         tf, val_tf = make_transform(size, True), make_transform(size, False)
@@ -300,7 +309,8 @@ def _val_loader(val_urls, size, batch_size, workers, rank, world, dev):
 def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
     "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
     root = Path(folder)
-    if not (root / "train").is_dir(): raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
+    if not (root / "train").is_dir():
+        raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
     classes = classes or len(ImageFolder(str(root / "train")).classes)
     make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, workers, True, epoch)
     val_loader = folder_loader(root / "val", val_tf, batch_size, workers, False) if (root / "val").is_dir() else None
@@ -348,7 +358,7 @@ def _epoch_line(row: dict, epochs: int) -> str:
 
 # %% ../nbs/30_train.ipynb
 def _rank_checkpoint(path, rank: int, world: int) -> Path:
-    "This rank's checkpoint file: `path` itself with one rank; under DDP each rank's own (`ck-rank1.pt`), as each has its own loader position."
+    "This rank's checkpoint: `path` with one rank; under DDP each rank's own (`ck-rank1.pt`), for its loader position."
     p = Path(path)
     return p if world == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
 
@@ -358,20 +368,24 @@ def _flushed(f) -> int:
     return f.tell()
 
 def _load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict | None:
-    "The saved training state at `ck` (model weights loaded into `model`), or None for a fresh start; every rank must be at the same step."
-    saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None  # tensors and plain data: nothing in it runs
-    if world > 1:  # a kill between two ranks' saves leaves them at different steps: training on would mismatch the gradients
+    "The training state saved at `ck` (weights loaded into `model`), or None for a fresh start; all ranks at one step."
+    # tensors and plain data only (weights_only): nothing in the file runs
+    saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None
+    if world > 1:  # a kill between two ranks' saves leaves them at different steps: the gradients would mismatch
         at = (torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])).to(dev)
         dist.all_reduce(at, op=dist.ReduceOp.MAX)  # on the device: nccl reduces CUDA tensors only
         at = at.cpu()
         if at[0] != -at[1]:
-            raise TrainError(f"the ranks' checkpoints are at different steps ({int(-at[1])} to {int(at[0])}; -1: none), as after a "
-                             f"kill between two saves; delete the newer ones ({ck.with_name(ck.stem.rsplit('-rank', 1)[0])}-rank*) or all of them")
+            first = ck.with_name(ck.stem.rsplit('-rank', 1)[0])
+            raise TrainError(f"the ranks' checkpoints are at different steps ({int(-at[1])} to {int(at[0])}; -1: none),"
+                             " "
+                             f"as after a kill between two saves; delete the newer ones ({first}-rank*) or all of them")
     if saved:
         try: model.load_state_dict(saved["model"])
         except RuntimeError as e:
             raise TrainError(f"checkpoint {shown_path(ck)} holds another model ({str(e).splitlines()[0][:120]}); "
-                             "give the saved run's --arch and classes, another --checkpoint path, or delete it") from None
+                             "give the saved run's --arch and classes, another --checkpoint path, "
+                             "or delete it") from None
     return saved
 
 def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck) -> tuple:
@@ -402,7 +416,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
           device: str | None = None,     # cpu or cuda (default: cuda when available)
           threads: int | None = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
           seed: int = 0,
-          checkpoint: str | None = None, # save here every `every` steps and after each epoch; run again to go on from it
+          checkpoint: str | None = None, # save here every `every` steps and after each epoch; run again to go on
           every: int = 50,
           pipeline: str = "shardkit",    # shardkit's loader, or `example`: the WebDataset example's (not resumable)
           decode: str = "cpu",           # where shardkit's loader decodes JPEGs: workers (cpu), device (gpu), or auto
@@ -475,7 +489,8 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
     model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world, ck)
     start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck)
     step = training_step(net, opt, dev, precision)
-    _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, {world} rank(s), "
+    _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
+               f"{world} rank(s), "
                f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
     with _keys_file(keys_out, rank, saved) as keys_file:
@@ -486,7 +501,8 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
             at = lambda s, st, e=epoch, d=done - steps: _save_checkpoint(  # d + s: steps done in this epoch
                 ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history,
                 keys_bytes=_flushed(keys_file))
-            save = (lambda s, st, last: (last or s % every == 0) and at(s, st)) if ck and hasattr(loader, "state_dict") else None
+            save = None if not (ck and hasattr(loader, "state_dict")) else \
+                lambda s, st, last: (last or s % every == 0) and at(s, st)
             stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}",
                                                 keys_file if keys_out else None, steps, max_steps,
                                                 nbatches - done if nbatches else None, save, so_far)
@@ -495,14 +511,14 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
             history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
             _log(rank, _epoch_line(row, epochs))
             if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
-            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, stats=torch.zeros(3, dtype=torch.float64),
-                                    history=history, keys_bytes=_flushed(keys_file))
+            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
+                                    stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file))
     return history
 
 # %% ../nbs/30_train.ipynb
-def train_cli(shards: str = None,     # Training shards: a brace template such as 'dir/imagenet-train-{000000..000009}.tar'
+def train_cli(shards: str = None,     # Training shards: a brace template, e.g. 'imagenet-train-{000000..000009}.tar'
               folder: str = None,     # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
-              base: str = "",         # Prefix for each shard name: 'http://host:port/' or 'pipe:curl -s http://host:port/'
+              base: str = "",         # Prefix of each shard name: 'http://host:port/', 'pipe:curl -s http://host:port/'
               val_shards: str = None, # Validation shards (brace template, same --base)
               epochs: int = 1,        # Passes over the training data
               arch: str = "small",    # 'small' CNN, or a torchvision model name such as resnet18
@@ -518,7 +534,7 @@ def train_cli(shards: str = None,     # Training shards: a brace template such a
               device: str = None,     # cpu or cuda (default: cuda when available)
               threads: int = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
               seed: int = 0,          # Random seed (model init, shard order)
-              checkpoint: str = None, # Save the run here (each rank its own file under torchrun); run again to go on, mid-epoch included
+              checkpoint: str = None, # Save the run here (a file per rank under torchrun); run again to go on from it
               every: int = 50,        # Save every this many steps (and after each epoch, and at --max-steps)
               pipeline: str = "shardkit", # 'shardkit' (uint8 batches, resumable) or 'example' (WebDataset's example)
               decode: str = "cpu",    # Where shardkit's loader decodes JPEGs: 'cpu' (workers), 'gpu' (nvJPEG) or 'auto'

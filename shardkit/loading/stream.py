@@ -31,8 +31,10 @@ class SkipAndCount:
         "One line on what was skipped since the last report (None: nothing), then start counting afresh."
         if not self.counts: return None
         w = get_worker_info()
-        line = (f"shardkit loader: skipped {sum(self.counts.values())} bad samples" + (f" in epoch {epoch}" if epoch is not None else "")
-                + (f" (worker {w.id})" if w else "") + ": " + "; ".join(f"{n} x {r}, e.g. {self.example[r]}" for r, n in self.counts.items()))
+        what = "; ".join(f"{n} x {r}, e.g. {self.example[r]}" for r, n in self.counts.items())
+        line = (f"shardkit loader: skipped {sum(self.counts.values())} bad samples"
+                + (f" in epoch {epoch}" if epoch is not None else "") + (f" (worker {w.id})" if w else "")
+                + ": " + what)
         self.counts, self.example = {}, {}
         return line
 
@@ -46,10 +48,11 @@ def _handler(handler) -> Callable:
 # %% ../../nbs/25_stream.ipynb
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
-    def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None, epoch_samples: int | None,
-                 handler: Callable = wds.reraise_exception, shuffle: int = 0):
+    def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None,
+                 epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0):
         super().__init__(*stages)
-        self.shards, self.keys, self.batch_size, self.epoch_samples, self.handler = shards, tuple(keys), batch_size, epoch_samples, handler
+        self.shards, self.keys, self.batch_size = shards, tuple(keys), batch_size
+        self.epoch_samples, self.handler = epoch_samples, handler
         self.shuffle, self.tag_workers = shuffle, False
 
     def __iter__(self):
@@ -82,13 +85,15 @@ class ShardDataset(wds.DataPipeline):
 
 # %% ../../nbs/25_stream.ipynb
 class ShardLoader(wds.WebLoader):
-    "A WebLoader over a ShardDataset: its workers make the training batches (with `shuffle`, the post's unbatch/shuffle/rebatch); each pass is a new epoch."
+    "A WebLoader over a ShardDataset whose workers make the training batches (`shuffle`: the post's); a pass, an epoch."
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw):
-        dataset = dataset.rebatched(batch_size) if not shuffle and batch_size and batch_size != dataset.batch_size else copy.copy(dataset)
-        dataset.pool_batches = num_workers > 0  # workers reuse their batch buffers; iterator1 copies each batch out and frees it
-        dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the resumable state
+        rebatch = not shuffle and batch_size and batch_size != dataset.batch_size
+        dataset = dataset.rebatched(batch_size) if rebatch else copy.copy(dataset)
+        dataset.pool_batches = num_workers > 0  # workers reuse batch buffers; iterator1 copies each batch out, frees it
+        dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the state
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": _convert, **kw})
-        self.dataset, self.num_workers, self.bufsize, self.epoch, self._workers_next = dataset, num_workers, shuffle, 0, None
+        self.dataset, self.num_workers, self.bufsize, self.epoch = dataset, num_workers, shuffle, 0
+        self._workers_next = None
         self._taken, self._running, self._resumed, self._next = [0] * max(num_workers, 1), False, None, 0
         if shuffle:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
             self.append(wds.unbatched())
@@ -103,13 +108,13 @@ class ShardLoader(wds.WebLoader):
         shards, loader = self.dataset.shards, self.pipeline[0]
         self.epoch = shards.epoch
         if getattr(loader, "_iterator", None) is not None and self._workers_next != self.epoch:
-            loader._iterator._shutdown_workers()  # persistent workers about to run another epoch (set_epoch): start afresh
+            loader._iterator._shutdown_workers()  # persistent workers asked for another epoch (set_epoch): start afresh
             loader._iterator = None
         if getattr(loader, "_iterator", None) is None: _MAPPED.clear()  # new workers, new buffers: unmap the old ones
         self._taken, self._resumed, self._running = self._resumed or [0] * max(self.num_workers, 1), None, True
         self._next = shards.rotation[1] if shards.rotation and shards.rotation[0] == self.epoch else 0
-        source = self._counted(iter(loader))  # starts the workers (they copy the dataset at this epoch), or resumes the persistent ones
-        if self.num_workers > 0: shards.epoch, shards.resume = self.epoch + 1, None  # the workers have their copy of the resume
+        source = self._counted(iter(loader))  # starts the workers (they copy the dataset at this epoch) or resumes them
+        if self.num_workers > 0: shards.epoch, shards.resume = self.epoch + 1, None  # the workers have their own copy
         self._workers_next = self.epoch + 1
         for step in self.pipeline[1:]: source = self.invoke(step, source)
         return source
@@ -119,7 +124,8 @@ class ShardLoader(wds.WebLoader):
 def _counted(self: ShardLoader, items):
     "The workers' batches in ordinary memory, each counted for the worker that made it; the epoch ends when they do."
     for t in items:
-        if isinstance(t, _Tagged): self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
+        if isinstance(t, _Tagged):
+            self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
         yield t.unpool() if isinstance(t, _PooledBatch) else t
     self._running = False
 
@@ -131,7 +137,7 @@ def _shuffle(self: ShardLoader, src):
 
 # %% ../../nbs/25_stream.ipynb
 def skip_resumed(src, shards: EpochShards):
-    "Drop, undecoded, the samples this worker handed out before the state being resumed, in the epoch it was saved in (once)."
+    "Drop, undecoded, the samples this worker handed out before the state resumed, in the epoch it was saved in (once)."
     src = iter(src)
     first = next(src, None)
     if first is None: return
@@ -176,9 +182,10 @@ def _shards_digest(urls: tuple[str, ...]) -> str:
 
 @patch
 def state_dict(self: ShardLoader) -> dict:
-    "Where this loader is: the epoch and the batches each worker has handed out in it, with the settings a resumed loader must share."
-    if self.bufsize: raise LoaderError("exact resume needs create_dataloader(shuffle=0): the loader's cross-worker buffer is not "
-                                       "restored (the workers' own shuffle buffers, create_dataset(shuffle=N), are)")
+    "Where this loader is: the epoch and each worker's batches handed out in it, and the settings a resume must share."
+    if self.bufsize:
+        raise LoaderError("exact resume needs create_dataloader(shuffle=0): the loader's cross-worker buffer is not "
+                          "restored (the workers' own shuffle buffers, create_dataset(shuffle=N), are)")
     sh, ds = self.dataset.shards, self.dataset
     rank, world = rank_and_world(sh.rank, sh.world_size)
     if self._running: epoch, taken, nxt = self.epoch, list(self._taken), self._next
@@ -186,11 +193,12 @@ def state_dict(self: ShardLoader) -> dict:
     else: epoch, taken, nxt = sh.epoch, [0] * len(self._taken), 0
     return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(tuple(sh.urls)),
                 num_workers=self.num_workers,
-                batch_size=ds.batch_size, rank=rank, world_size=world, shuffle=ds.shuffle, epoch_samples=ds.epoch_samples)
+                batch_size=ds.batch_size, rank=rank, world_size=world, shuffle=ds.shuffle,
+                epoch_samples=ds.epoch_samples)
 
 @patch
 def load_state_dict(self: ShardLoader, state: dict):
-    "Go on from `state` (from `state_dict`, in this or another process): the next batch is the one the saved loader would have given next."
+    "Go on from `state` (`state_dict`'s, from this or another process): the next batch is the saved loader's next one."
     if not isinstance(state, dict):
         raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict that its "
                           "state_dict() returned")
@@ -198,8 +206,8 @@ def load_state_dict(self: ShardLoader, state: dict):
     if not getattr(sh, "seed_given", True): sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
     mine = self.state_dict()
     diff = [k for k in _MUST_MATCH if state.get(k) != mine[k]]
-    if diff: raise LoaderError("cannot resume: " + "; ".join(f"{k} is {mine[k]!r} here, {state.get(k)!r} in the saved state" for k in diff)
-                               + ". Build the loader with the saved run's arguments")
+    said = "; ".join(f"{k} is {mine[k]!r} here, {state.get(k)!r} in the saved state" for k in diff)
+    if diff: raise LoaderError(f"cannot resume: {said}. Build the loader with the saved run's arguments")
     epoch, batches, nxt = check_position(state, len(self._taken))
     self.set_epoch(epoch)
     self._resumed, self._workers_next = batches, None  # the counts go on; persistent workers restart
