@@ -34,6 +34,7 @@ COMMANDS = {
     ("bench", "dask-etl"): ("shardkit.bench.dask:bench_dask_etl_cli", "Benchmark the Dask ETL engine against the local one"),
     ("bench", "random"):   ("shardkit.bench.random:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
     ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",   "Benchmark shardkit's loaders against their peers on the same work"),
+    ("bench", "train"):    ("shardkit.bench.train:bench_train_cli",      "Benchmark `shardkit train` against the same model fed straight from the loader"),
     ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",          "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",      "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
     ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),

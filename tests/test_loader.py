@@ -163,3 +163,82 @@ def test_workers_batch_at_the_loader_batch_size_and_the_post_way_still_works(sha
     post = create_dataloader(ds, num_workers=2, batch_size=7, shuffle=100)  # unbatch, shuffle across workers, rebatch
     assert [len(b[0]) for b in post] == [7, 7, 7, 7, 2]
     assert sorted(_keys(post)) == ALL
+
+
+def _batches(loader):
+    "Every batch of one pass as (keys, labels, images, trimaps) on the CPU, kept (to see that no buffer is reused under them)."
+    return [(list(k), c.cpu(), x.cpu(), t.cpu()) for k, c, x, t in loader]
+
+
+def test_device_cpu_gives_the_plain_loaders_batches_and_epochs(shards):
+    "device='cpu' runs DeviceLoader's code (one batch ahead, no streams): same batches, epochs, set_epoch and len()."
+    plain = create_dataloader(_dataset(shards, seed=6), num_workers=2, batch_size=8)
+    dev = create_dataloader(_dataset(shards, seed=6), num_workers=2, batch_size=8, device="cpu")
+    for _ in range(2):
+        for a, b in zip(_batches(plain), _batches(dev), strict=True):
+            assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+    assert dev.copied == 2 * 4 and dev.copy_seconds > 0
+    dev.set_epoch(0)
+    plain.set_epoch(0)
+    assert _keys(dev) == _keys(plain)
+
+
+def test_device_moves_tensors_and_passes_other_values():
+    from shardkit.loader import DeviceLoader
+    batches = [(torch.arange(3), ["a", "b", "c"], {"x": torch.ones(2)}, 7)] * 3
+    out = list(DeviceLoader(batches, "cpu"))
+    assert len(out) == 3 and out[0][1] == ["a", "b", "c"] and out[0][3] == 7 and torch.equal(out[0][2]["x"], torch.ones(2))
+    assert DeviceLoader([], "cpu").state_dict.__name__ == "state_dict" and list(DeviceLoader([], "cpu")) == []
+    with pytest.raises(AttributeError):
+        DeviceLoader(batches, "cpu").state_dict()  # a list has no state: said plainly, not hidden
+
+
+def test_device_random_access_loader(shards):
+    "create_dataset(access='random') with device: the same wrapper, and its state resumes at the batch after the last one handed out."
+    make = lambda: create_dataloader(create_dataset(shards, keys=("__key__", "cls"), seed=1, access="random"),
+                                     num_workers=0, batch_size=4, device="cpu")
+    ref = _keys(make())
+    a = make()
+    it = iter(a)
+    head = [k for _ in range(3) for k in next(it)[0]]
+    state = a.state_dict()
+    assert state["batch"] == 3, state
+    b = make()
+    b.load_state_dict(state)
+    assert head + _keys(b) == ref
+
+
+def _why_no_cuda():
+    from shardkit.loading.gpu import why_no_gpu
+    return why_no_gpu()
+
+
+@pytest.mark.skipif(_why_no_cuda() is not None, reason=f"needs a CUDA GPU: {_why_no_cuda()}")
+def test_device_cuda_batches_equal_the_cpu_ones_and_overlap(shards):
+    "On CUDA: the batches arrive on the GPU, equal to the CPU loader's, also when the step keeps the GPU busy and holds them."
+    cpu = _batches(create_dataloader(_dataset(shards, seed=8), num_workers=2, batch_size=4))
+    dev = create_dataloader(_dataset(shards, seed=8), num_workers=2, batch_size=4, device="cuda")
+    kept = []
+    for k, c, x, t in dev:
+        assert x.is_cuda and c.is_cuda and t.is_cuda and isinstance(k, list)
+        a = torch.randn(2048, 2048, device="cuda")
+        for _ in range(5): a = a @ a / 2048  # a step running on the consumer stream while the next batch is copied
+        kept.append((k, c, x.float().sum(), x))
+    torch.cuda.synchronize()
+    assert [k for k, *_ in kept] == [b[0] for b in cpu]
+    for (k, c, s, x), b in zip(kept, cpu):
+        assert torch.equal(c.cpu(), b[1]) and torch.equal(x.cpu(), b[2]) and s.item() == b[2].float().sum().item()
+    assert dev.copied == len(cpu)
+
+
+@pytest.mark.skipif(_why_no_cuda() is not None, reason=f"needs a CUDA GPU: {_why_no_cuda()}")
+def test_device_cuda_resume(shards):
+    make = lambda: create_dataloader(_dataset(shards, seed=8), num_workers=2, batch_size=4, device="cuda")
+    ref = _keys(make())
+    a, head = make(), []
+    for b in a:
+        head += b[0]
+        if len(head) == 12: break
+    b = make()
+    b.load_state_dict(a.state_dict())
+    assert head + _keys(b) == ref

@@ -1,7 +1,7 @@
 """Exact mid-epoch resume of the streaming loader (ShardLoader.state_dict / load_state_dict): after restoring into a
 freshly built loader, the rest of the epoch and the next one are exactly the batches of the uninterrupted run, for any
 number of workers and ranks, locally and on AIStore; the state is plain JSON; skipped samples are not decoded."""
-import json, subprocess, sys, textwrap
+import json, re, subprocess, sys, textwrap
 import numpy as np
 import pytest
 import webdataset as wds
@@ -47,9 +47,9 @@ def _take(dl, k):
     return out
 
 
-def _check_resume(src, workers, world, cuts):
+def _check_resume(src, workers, world, cuts, **kw):
     for rank in range(world):
-        make = lambda: _loader(src, workers, rank if world > 1 else None, world if world > 1 else None)
+        make = lambda: _loader(src, workers, rank if world > 1 else None, world if world > 1 else None, **kw)
         ref = _epochs(make())
         n0 = len(ref[0])
         assert n0 > 1 and ref[0] != ref[1]
@@ -70,6 +70,12 @@ def _check_resume(src, workers, world, cuts):
 def test_resume_is_exact(shards, workers, world):
     "At the first batch, a middle one and the last one of the epoch (then across the boundary into the next)."
     _check_resume(shards, workers, world, ["first", "middle", "last"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_through_the_device_copy_is_exact(shards, workers):
+    "device='cpu': the batch being copied ahead is neither lost nor counted twice, at the first, a middle and the last batch."
+    _check_resume(shards, workers, 1, ["first", "middle", "last"], device="cpu")
 
 
 def test_an_epoch_read_to_the_end_resumes_at_the_next(shards):
@@ -147,3 +153,44 @@ def test_resume_from_aistore(shards, ais_endpoint):
     try: _check_resume(store, 2, 1, ["middle"])
     finally:
         for name in store.list(): store.delete(name)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(batches=[1] * 50), "batches has 50 entries in the saved state; it should be a list of 2 counts, one per worker"),
+    (dict(batches="2,1"), "batches has '2,1'"),
+    (dict(next_worker=2), "next_worker is 2 in the saved state; it should be a whole number from 0 to 1"),
+    (dict(next_worker=-1), "next_worker is -1"),
+    (dict(epoch=-1), "epoch is -1 in the saved state; it should be a whole number, 0 or more"),
+    (dict(batches=[1, -3]), "batches[1] is -3 in the saved state; it should be a whole number, 0 or more"),
+    (dict(batches=[1, "x"]), "batches[1] is 'x'"),
+    (dict(epoch="0"), "epoch is '0'"),
+    (dict(epoch=True), "epoch is True"),
+    (dict(epoch=None), "epoch is None"),
+])
+def test_a_malformed_state_is_refused_by_field(shards, change, says):
+    "A corrupted checkpoint: each malformed field is a LoaderError naming it and what it should be, before anything runs."
+    a = _loader(shards, 2)
+    _take(a, 2)
+    state = a.state_dict()
+    with pytest.raises(LoaderError, match=re.escape(says)):
+        _loader(shards, 2).load_state_dict({**state, **change})
+
+
+def test_a_state_that_is_not_a_dict_is_refused(shards):
+    with pytest.raises(LoaderError, match="cannot resume from a list"):
+        _loader(shards, 2).load_state_dict([1, 2])
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(batch=99), "batch is 99 in the saved state; it should be a whole number from 0 to"),
+    (dict(batch=-1), "batch is -1"), (dict(batch="3"), "batch is '3'"),
+    (dict(epoch=-1), "epoch is -1 in the saved state; it should be a whole number, 0 or more"), (dict(epoch=None), "epoch is None"),
+])
+def test_the_random_loader_refuses_a_malformed_state(shards, change, says):
+    from shardkit.loading.random import create_random_loader
+    make = lambda: create_random_loader(shards, keys=("__key__", "cls"), batch_size=4, num_workers=0, seed=1)
+    a = make()
+    next(iter(a))
+    with pytest.raises(LoaderError, match=re.escape(says)):
+        make().load_state_dict({**a.state_dict(), **change})
+    with pytest.raises(LoaderError, match="cannot resume from a str"): make().load_state_dict("x")

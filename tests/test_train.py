@@ -171,3 +171,42 @@ def test_train_from_aistore(tmp_path, ais_endpoint):
         assert (hist[0]["samples"], hist[0]["val_samples"]) == (20, 10)
     finally:
         for n in store.list(): store.delete(n)
+
+
+def _why_no_cuda():
+    from shardkit.loading.gpu import why_no_gpu
+    return why_no_gpu()
+
+
+@pytest.mark.skipif(_why_no_cuda() is not None, reason=f"needs a CUDA GPU: {_why_no_cuda()}")
+@pytest.mark.parametrize("how", [dict(), dict(precision="fp16"), dict(precision="fp32"), dict(decode="gpu"),
+                                 dict(decode="auto"), dict(pipeline="example")])
+def test_train_on_cuda(tmp_path, how):
+    "The default (CPU decoding, batches copied one ahead, bf16), fp16 with its GradScaler, fp32, nvJPEG, and the example."
+    from shardkit.train import train
+    shards = write_shards(tmp_path / "shards", [12, 12])
+    val = write_shards(tmp_path / "shards", [6], prefix="v-")
+    hist = train(shards, val_shards=val, size=32, batch_size=8, workers=1, device="cuda", epochs=2, **how)
+    assert [h["samples"] for h in hist] == [24, 24] and hist[-1]["val_samples"] == 6, hist
+    assert all(0 <= h["wait_share"] <= 1 and h["loss"] == h["loss"] for h in hist), hist  # no NaN loss
+
+
+@pytest.mark.skipif(_why_no_cuda() is not None, reason=f"needs a CUDA GPU: {_why_no_cuda()}")
+def test_train_checkpoint_on_cuda_resumes_exactly(tmp_path):
+    "On CUDA the loader copies one batch ahead: a run stopped and resumed still trains on the uninterrupted run's keys."
+    from shardkit.train import train
+    shards = write_shards(tmp_path / "shards", [20, 20, 6, 18])
+    args = dict(shards=shards, size=32, batch_size=4, workers=2, epochs=2, device="cuda", seed=3, every=2)
+    train(**args, checkpoint=str(tmp_path / "whole.pt"), keys_out=str(tmp_path / "whole"))
+    train(**args, checkpoint=str(tmp_path / "run.pt"), keys_out=str(tmp_path / "resumed"), max_steps=11)
+    train(**args, checkpoint=str(tmp_path / "run.pt"), keys_out=str(tmp_path / "resumed"))
+    whole, resumed = [(tmp_path / d / "keys-rank0.txt").read_text().split() for d in ("whole", "resumed")]
+    assert resumed == whole and len(whole) == 2 * 64
+
+
+def test_example_pipeline_cannot_checkpoint(tmp_path, capsys):
+    shards = write_shards(tmp_path / "shards", [4])
+    rc, out, err = shardkit(capsys, "train", "--shards", shards, "--size", 32, "--pipeline", "example", "--checkpoint", tmp_path / "c.pt")
+    assert rc == 2 and "--pipeline example cannot resume mid-epoch" in err, err
+    rc, out, err = shardkit(capsys, "train", "--shards", shards, "--size", 32, "--decode", "nvjpeg")
+    assert rc == 2 and "decode must be 'cpu', 'gpu' or 'auto'" in err, err

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset
 from ..shards.fields import IMAGE_EXTS
 from .transforms import TrainTransform, sample_to_tuple, train_transform
 from .collate import _MAPPED, _PooledBatch, _convert, collate
-from .sources import rank_and_world, seed_for
+from .sources import LoaderError, rank_and_world, seed_for
+from .stream import saved_count
 from ..errors import UsageError
 from ..store import open_store, shown_path
 from .index import RandomAccessError, SampleIndex, _key_from_header, sample_index
@@ -138,6 +139,7 @@ def __iter__(self: RandomAccessLoader):
             yield b.unpool() if isinstance(b, _PooledBatch) else b
     self.epoch, self.batch = epoch + 1, 0
 
+# %% ../../nbs/27_random.ipynb
 _MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last")
 
 @patch
@@ -149,10 +151,14 @@ def state_dict(self: RandomAccessLoader) -> dict:
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
     "Continue from `state` (from `state_dict`): the next batch is the one the saved loader would have given next."
+    if not isinstance(state, dict):
+        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict that its "
+                          "state_dict() returned")
     mine = self.state_dict()
     diff = {k: (state.get(k), mine[k]) for k in _MUST_MATCH if state.get(k) != mine[k]}
     if diff: raise UsageError(f"cannot resume: saved vs this loader differ in {diff}; build the loader with the saved run's arguments")
-    self.epoch, self.batch, self._restored = int(state["epoch"]), int(state["batch"]), True
+    epoch, batch = saved_count(state.get("epoch"), "epoch"), saved_count(state.get("batch"), "batch", 0, len(self))
+    self.epoch, self.batch, self._restored = epoch, batch, True
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
 
 # %% ../../nbs/27_random.ipynb
