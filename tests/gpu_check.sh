@@ -5,7 +5,8 @@
 #     GPU_CHECK_DEVICE=cpu bash tests/gpu_check.sh # a dry run of the same steps with tiny sizes on a CPU
 # It writes 4,000 photo-like 500 x 375 JPEGs into shards (shardkit.synth), runs tests/test_gpu.py, then
 # `shardkit bench gpu --step resnet50` with 4 and with 15 workers, and prints a summary. $OUT (if set) receives
-# pytest.txt, bench-w4.json, bench-w15.json and summary.txt.
+# pytest.txt, bench-w4.json, bench-w15.json and summary.txt. A shorter run: GPU_CHECK_N (images), GPU_CHECK_SAMPLES
+# (per timed row), GPU_CHECK_WORKERS ("4 15"), GPU_CHECK_TESTS (pytest's arguments).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -26,8 +27,8 @@ fi
 if [ "$DEV" = cpu ]; then  # the dry run: the same steps, tiny
     N=64; W=160; H=120; BENCH="--device cpu --step small --size 32 --batch-size 16 --samples 32"; WORKERS="1 2"
 else
-    N=4000; W=500; H=375; WORKERS="4 15"
-    BENCH="--device cuda --step resnet50 --size 224 --batch-size 128 --samples 3000"
+    N=${GPU_CHECK_N:-4000}; W=500; H=375; WORKERS=${GPU_CHECK_WORKERS:-"4 15"}
+    BENCH="--device cuda --step resnet50 --size 224 --batch-size 128 --samples ${GPU_CHECK_SAMPLES:-3000}"
 fi
 DATA=$WORK/shards-$N-${W}x$H
 T0=$(date +%s)
@@ -56,7 +57,7 @@ else: print("already there")
 PY
 
 echo "== tests/test_gpu.py"
-timeout 180 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" \
+timeout 180 $PY -m pytest ${GPU_CHECK_TESTS:-tests/test_gpu.py} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" \
     | grep -v "Warning\|warnings.warn\|^  "
 for w in $WORKERS; do
     echo "== shardkit bench gpu $BENCH --workers $w"
