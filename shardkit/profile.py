@@ -167,8 +167,8 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
         raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks, move=not gpu)
         on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
-    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev,
-                    gpu and getattr(loader, "prefetch", 0) > 0)
+    # the GPU loader queues its device work inside next(), in the loop's own thread (a thread beside it slowed the step)
+    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev, False)
 
 # %% ../nbs/42_profile.ipynb
 def _without(p: Profile, ms: float) -> float:

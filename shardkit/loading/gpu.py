@@ -4,12 +4,11 @@
 
 # %% ../../nbs/29_gpu.ipynb 4
 from __future__ import annotations
+import collections
 import contextlib
 import functools
 import io
-import queue
 import secrets
-import threading
 import time
 import warnings
 from functools import partial
@@ -239,8 +238,6 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
     return out
 
 # %% ../../nbs/29_gpu.ipynb
-_END = object()
-
 class GpuLoader:
     "Batches whose JPEGs are decoded and augmented on `device`, `prefetch` batches ahead (made by `create_gpu_loader`)."
     time_device: bool = False  # record (stage, start, end, samples) of each batch's copy, decode and augment
@@ -313,51 +310,32 @@ def _hand_over(self: GpuLoader, batch: tuple, ready) -> tuple:
         if isinstance(t, torch.Tensor) and t.is_cuda: t.record_stream(stream)
     return batch
 
-def _produce(self: GpuLoader, first, source, q: queue.Queue, stop: threading.Event):
-    "The prefetching thread: device batches with their state snapshots into `q`, then _END (or the error)."
-    def put(x):
-        while not stop.is_set():
-            try: q.put(x, timeout=0.1); return
-            except queue.Full: pass
-    try:
-        wb = first
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            while wb is not _END and not stop.is_set():
-                state = self.loader.state_dict()
-                batch = self.to_device(wb, self._stream)
-                put((batch, state, self._stream.record_event() if self._stream is not None else None))
-                wb = next(source, _END)
-        put(_END)
-    except BaseException as e: put(e)  # raised in the caller's thread
-    finally: source.close()
+def _made(self: GpuLoader, wb: JpegBatch, stream) -> tuple:
+    "(the device batch of `wb` queued on `stream`, the worker loader's state after it, the event that marks it made)."
+    state = self.loader.state_dict()
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        batch = self.to_device(wb, stream)
+        return batch, state, stream.record_event() if stream is not None else None
 
 # %% ../../nbs/29_gpu.ipynb
 @patch
 def __iter__(self: GpuLoader):
     self._state = self.loader.state_dict()
-    source = iter(self.loader)
-    if self.prefetch < 1:
-        for wb in source:
-            state, batch = self.loader.state_dict(), self.to_device(wb)
-            self._state = state
-            yield batch
-        self._state = None
-        return
-    if self.device.type == "cuda" and self._stream is None:  # high priority: its few small kernels go first
+    if self.device.type == "cuda" and self.prefetch > 0 and self._stream is None:  # high priority: its kernels go first
         self._stream = torch.cuda.Stream(self.device, priority=-1)
-    first = next(source, _END)  # the workers start from the caller's thread, the only one then
-    q, stop = queue.Queue(self.prefetch), threading.Event()
-    th = threading.Thread(target=_produce, args=(self, first, source, q, stop), name="gpu-prefetch", daemon=True)
-    th.start()
+    stream, ahead, source = self._stream if self.prefetch > 0 else None, collections.deque(), iter(self.loader)
     try:
-        while (item := q.get()) is not _END:
-            if isinstance(item, BaseException): raise item
-            batch, state, ready = item
-            self._state = state
+        for wb in source:
+            ahead.append(_made(self, wb, stream))  # queued on the GPU before the batches ahead of it are handed out
+            while len(ahead) > self.prefetch:
+                batch, self._state, ready = ahead.popleft()
+                yield _hand_over(self, batch, ready)
+        while ahead:
+            batch, self._state, ready = ahead.popleft()
             yield _hand_over(self, batch, ready)
         self._state = None
     finally:
-        stop.set(); th.join()
+        if hasattr(source, "close"): source.close()
 
 @patch
 def state_dict(self: GpuLoader) -> dict:
