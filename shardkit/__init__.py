@@ -7,8 +7,6 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/97_api.ipynb
-import importlib
-
 _API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets", "synthesize_folder": "folder",
         "convert_folder": "folder", "shuffle_shards": "shuffle", "verify_shards": "shards.manifest", "run_etl": "etl",
         "create_dataset": "loader", "create_dataloader": "loader", "create_gpu_loader": "loading.gpu",
@@ -17,6 +15,7 @@ _API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets"
 
 def __getattr__(name: str):
     "A name of the API, imported from its module the first time it is asked for."
+    import importlib  # here, not at the top: nbdev writes `__version__` first, and a module's imports come first
     if name not in _API: raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"shardkit.{_API[name]}"), name)
     globals()[name] = value  # asked once: the next look-up finds it without coming here

@@ -4,7 +4,9 @@
 
 # %% ../nbs/99_cli.ipynb 3
 from __future__ import annotations
-import argparse, importlib, sys
+import argparse
+import importlib
+import sys
 from fastcore.script import anno_parser
 from .errors import ShardkitError
 
@@ -13,34 +15,56 @@ __all__ = ['COMMANDS', 'find_command', 'load_command', 'command_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb
 COMMANDS = {
-    ("demo",):             ("shardkit.demo:demo_cli",              "Run the whole pipeline end to end on the embedded default (or AIS_ENDPOINT)"),
-    ("ais", "up"):         ("shardkit.cluster:ais_up_cli",         "Build AIStore and start a local cluster on 127.0.0.1"),
+    ("demo",):             ("shardkit.demo:demo_cli",
+                            "Run the whole pipeline end to end on the embedded default (or AIS_ENDPOINT)"),
+    ("ais", "up"):         ("shardkit.cluster:ais_up_cli",
+                            "Build AIStore and start a local cluster on 127.0.0.1"),
     ("ais", "down"):       ("shardkit.cluster:ais_down_cli",       "Stop the local cluster that `ais up` started"),
-    ("ais", "status"):     ("shardkit.cluster:ais_status_cli",     "Show the local cluster's nodes, capacity and endpoint"),
-    ("ais", "build"):      ("shardkit.cluster:ais_build_cli",      "Build the aisnode binary (and the ais CLI) without starting anything"),
-    ("pets", "synth"):     ("shardkit.pets:pets_synth_cli",        "Write a synthetic data set in the Oxford-IIIT Pet layout"),
+    ("ais", "status"):     ("shardkit.cluster:ais_status_cli",
+                            "Show the local cluster's nodes, capacity and endpoint"),
+    ("ais", "build"):      ("shardkit.cluster:ais_build_cli",
+                            "Build the aisnode binary (and the ais CLI) without starting anything"),
+    ("pets", "synth"):     ("shardkit.pets:pets_synth_cli",
+                            "Write a synthetic data set in the Oxford-IIIT Pet layout"),
     ("pets", "download"):  ("shardkit.pets:pets_download_cli",     "Download the real Oxford-IIIT Pet data set"),
-    ("convert", "pets"):   ("shardkit.pets:convert_pets_cli",      "Convert an Oxford-IIIT Pet folder into WebDataset shards"),
-    ("synth", "folder"):   ("shardkit.folder:synth_folder_cli",    "Write a synthetic ImageFolder tree (train/ and val/)"),
-    ("convert", "folder"): ("shardkit.folder:convert_folder_cli",  "Convert an ImageFolder tree into WebDataset shards"),
-    ("shuffle",):          ("shardkit.shuffle:shuffle_cli",        "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
-    ("ls",):               ("shardkit.display:ls_cli",             "List the shards in a store with their samples and sizes"),
+    ("convert", "pets"):   ("shardkit.pets:convert_pets_cli",
+                            "Convert an Oxford-IIIT Pet folder into WebDataset shards"),
+    ("synth", "folder"):   ("shardkit.folder:synth_folder_cli",
+                            "Write a synthetic ImageFolder tree (train/ and val/)"),
+    ("convert", "folder"): ("shardkit.folder:convert_folder_cli",
+                            "Convert an ImageFolder tree into WebDataset shards"),
+    ("shuffle",):          ("shardkit.shuffle:shuffle_cli",
+                            "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
+    ("ls",):               ("shardkit.display:ls_cli",
+                            "List the shards in a store with their samples and sizes"),
     ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
-    ("verify",):           ("shardkit.shards.manifest:verify_cli",          "Check every shard in a store against its manifest (SHA-256, size, samples)"),
-    ("etl", "serve"):      ("shardkit.etl.sidecar:etl_serve_cli",      "Serve a sample transform as an ETL sidecar in front of a store"),
-    ("etl", "run"):        ("shardkit.etl:etl_run_cli",            "Transform every shard of a store into another store"),
-    ("bench", "convert"):  ("shardkit.bench.convert:bench_convert_cli",    "Benchmark the Pet converter against a plain ShardWriter loop"),
-    ("bench", "etl"):      ("shardkit.bench.etl:bench_etl_cli",        "Benchmark client-side against offloaded (sidecar) transforms"),
-    ("bench", "dask-etl"): ("shardkit.bench.dask:bench_dask_etl_cli", "Benchmark the Dask ETL engine against the local one"),
-    ("bench", "random"):   ("shardkit.bench.random:bench_random_cli", "Benchmark the random-access loader (local or ais://; --shard-index)"),
-    ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",   "Benchmark shardkit's loaders against their peers on the same work"),
-    ("bench", "train"):    ("shardkit.bench.train:bench_train_cli",      "Benchmark `shardkit train` against the same model fed straight from the loader"),
-    ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",          "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
-    ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",      "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
-    ("train",):            ("shardkit.train:train_cli",            "Train a classifier from shards (or an ImageFolder tree)"),
-    ("docs",):             ("shardkit.docs:docs_cli",              "Render the documentation site (Quarto, or offline with mkdocs)"),
+    ("verify",):           ("shardkit.shards.manifest:verify_cli",
+                            "Check every shard in a store against its manifest (SHA-256, size, samples)"),
+    ("etl", "serve"):      ("shardkit.etl.sidecar:etl_serve_cli",
+                            "Serve a sample transform as an ETL sidecar in front of a store"),
+    ("etl", "run"):        ("shardkit.etl:etl_run_cli",
+                            "Transform every shard of a store into another store"),
+    ("bench", "convert"):  ("shardkit.bench.convert:bench_convert_cli",
+                            "Benchmark the Pet converter against a plain ShardWriter loop"),
+    ("bench", "etl"):      ("shardkit.bench.etl:bench_etl_cli",
+                            "Benchmark client-side against offloaded (sidecar) transforms"),
+    ("bench", "dask-etl"): ("shardkit.bench.dask:bench_dask_etl_cli",
+                            "Benchmark the Dask ETL engine against the local one"),
+    ("bench", "random"):   ("shardkit.bench.random:bench_random_cli",
+                            "Benchmark the random-access loader (local or ais://; --shard-index)"),
+    ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",
+                            "Benchmark shardkit's loaders against their peers on the same work"),
+    ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",
+                            "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
+    ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",
+                            "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
+    ("train",):            ("shardkit.train:train_cli",
+                            "Train a classifier from shards (or an ImageFolder tree)"),
+    ("docs",):             ("shardkit.docs:docs_cli",
+                            "Render the documentation site (Quarto, or offline with mkdocs)"),
     ("lab",):              ("shardkit.lab:lab_cli",                "Open the tutorials in JupyterLab on 127.0.0.1"),
-    ("profile",):          ("shardkit.profile:profile_cli",        "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
+    ("profile",):          ("shardkit.profile:profile_cli",
+                            "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
 }
 
 # %% ../nbs/99_cli.ipynb
@@ -74,8 +98,8 @@ def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
     p.description = COMMANDS[cmd][1]
     for a in p._actions:  # options read `--shard-size`, the way command lines are written
         for s in list(a.option_strings):
-            if s.startswith("--") and "_" in s:
-                a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-").rstrip("-")  # `try_` (a keyword) reads `--try`
+            if s.startswith("--") and "_" in s:  # `try_` (a keyword) reads `--try`
+                a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-").rstrip("-")
                 p._option_string_actions[h] = p._option_string_actions.pop(s)
     return p
 

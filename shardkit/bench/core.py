@@ -103,7 +103,7 @@ def run_child(task: str,             # The benchmark to run: 'module:function', 
             res = json.loads(line[7:])
             if memory and isinstance(res, dict): res["peak_rss_mb"] = round(peak / 1e6, 1)
             return res
-    tail = [l for l in err.strip().splitlines() if l.strip()][-2:]
+    tail = [line for line in err.strip().splitlines() if line.strip()][-2:]
     return dict(error=f"exit {p.returncode}: " + " | ".join(tail))
 
 # %% ../../nbs/31_bench_core.ipynb

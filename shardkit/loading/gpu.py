@@ -218,11 +218,12 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
               ) -> torch.Tensor:                # B x 3 x size x size on the images' device
     "Every image's crop resized to size x size and flipped, the whole batch at once (antialiased bilinear filter)."
     dev, boxes = images[0].device, crops.tolist()
-    bad = [i for i, (im, (t, l, h, w)) in enumerate(zip(images, boxes)) if t < 0 or l < 0 or h < 1 or w < 1
-           or t + h > im.shape[-2] or l + w > im.shape[-1]]
+    bad = [i for i, (im, (top, left, h, w)) in enumerate(zip(images, boxes))
+           if top < 0 or left < 0 or h < 1 or w < 1 or top + h > im.shape[-2] or left + w > im.shape[-1]]
     if bad: raise LoaderError(f"crop {boxes[bad[0]]} does not fit image {bad[0]} of shape "
                               f"{tuple(images[bad[0]].shape)}; crops must come from the images' own sizes (draw_crop)")
-    views = [im[:, t:t + h, l:l + w] for im, (t, l, h, w) in zip(images, boxes)]  # views: no copies, no kernels
+    # views: no copies, no kernels
+    views = [im[:, top:top + h, left:left + w] for im, (top, left, h, w) in zip(images, boxes)]
     out = torch.empty((len(views), 3, size, size), dtype=torch.float32 if normalize else torch.uint8, device=dev,
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     crops_d, flips_d = _on(crops, dev), _on(flips, dev)

@@ -99,7 +99,8 @@ def _toolchain(cc: str | None) -> str:
     try: r = subprocess.run(cmd, input="#include <stdio.h>\n#include <jpeglib.h>\n", capture_output=True, text=True,
                             timeout=60)
     except (OSError, subprocess.TimeoutExpired): return ""
-    return "\n".join(sorted(l for l in r.stdout.splitlines() if (l.split(maxsplit=2) + ["", ""])[1] in _VERSIONS))
+    return "\n".join(sorted(line for line in r.stdout.splitlines()
+                            if (line.split(maxsplit=2) + ["", ""])[1] in _VERSIONS))
 
 def _library_path(home: Path | None = None) -> Path:
     "Where the runtime build lives: `home` (default `$SHARDKIT_HOME`)/native, named after all that makes another build."
