@@ -54,6 +54,8 @@ COMMANDS = {
                             "Benchmark the random-access loader (local or ais://; --shard-index)"),
     ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",
                             "Benchmark shardkit's loaders against their peers on the same work"),
+    ("bench", "train"):    ("shardkit.bench.train:bench_train_cli",
+                            "Benchmark `shardkit train` against the same model fed straight from the loader"),
     ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",
                             "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",
