@@ -15,7 +15,7 @@ SHARDKIT_COMMANDS = {
     ("pets", "synth"), ("pets", "download"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
     ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
     ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "loader"),
-    ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),
+    ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),
 }
 
 
