@@ -4,19 +4,22 @@
 
 # %% ../nbs/28_loader.ipynb 3
 from __future__ import annotations
-import copy, secrets, time, warnings
+import copy
+import secrets
+import time
+import warnings
 from functools import partial
 from typing import Callable, Sequence
 import torch
 import webdataset as wds
 from fastcore.basics import patch
 from .errors import UsageError
-from .shards.fields import IMAGE_EXTS
-from .shards.read import url_samples
+from .loading.collate import collate
 from .loading.sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
 from .loading.stream import ShardDataset, ShardLoader, _handler, skip_resumed
 from .loading.transforms import TrainTransform, sample_to_tuple, train_transform
-from .loading.collate import collate
+from .shards.fields import IMAGE_EXTS
+from .shards.read import url_samples
 
 # %% auto 0
 __all__ = ['create_dataset', 'create_dataloader', 'DeviceLoader']

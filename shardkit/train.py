@@ -4,10 +4,15 @@
 
 # %% ../nbs/30_train.ipynb 3
 from __future__ import annotations
-import contextlib, json, os, tarfile, time, warnings
+import contextlib
+import json
+import os
+import tarfile
+import time
+import warnings
 from itertools import islice
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -17,11 +22,11 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from tqdm.auto import tqdm
 from .errors import ShardkitError
-from .store import expand_names, shown_path
-from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
-from .loading.transforms import eval_transform, normalize_batch, train_transform
 from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
+from .loading.transforms import eval_transform, normalize_batch, train_transform
+from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
+from .store import expand_names, shown_path
 
 # %% auto 0
 __all__ = ['PRECISIONS', 'TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform',

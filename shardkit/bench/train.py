@@ -4,10 +4,12 @@
 
 # %% ../../nbs/44_bench_train.ipynb 3
 from __future__ import annotations
-import os, statistics, time
+import os
+import statistics
+import time
 from pathlib import Path
-from .core import BenchError, cpu_seconds, format_bench, run_child
 from ..loading.sources import shard_urls
+from .core import BenchError, cpu_seconds, format_bench, run_child
 
 # %% auto 0
 __all__ = ['CONTENDERS', 'bench_train', 'train_table', 'bench_train_cli']

@@ -4,7 +4,11 @@
 
 # %% ../../nbs/25_stream.ipynb 2
 from __future__ import annotations
-import collections, copy, functools, hashlib, sys
+import collections
+import copy
+import functools
+import hashlib
+import sys
 from itertools import islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
@@ -12,8 +16,8 @@ import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
+from .collate import _MAPPED, _convert, _PooledBatch, _Tagged, _worker_pool, collate
 from .sources import EpochShards, LoaderError, _chain1, _rng, buffer_shuffle, rank_and_world
-from .collate import _MAPPED, _PooledBatch, _Tagged, _convert, _worker_pool, collate
 
 # %% auto 0
 __all__ = ['SkipAndCount', 'ShardDataset', 'ShardLoader', 'skip_resumed', 'saved_count', 'check_position']
