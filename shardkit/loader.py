@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from .errors import UsageError
 from .loading.collate import collate
 from .loading.sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
-from .loading.stream import ShardDataset, ShardLoader, _handler, skip_resumed
+from .loading.stream import ShardDataset, ShardLoader, error_handler, skip_resumed
 from .loading.transforms import TrainTransform, sample_to_tuple, train_transform
 from .shards.fields import IMAGE_EXTS
 from .shards.read import url_samples
@@ -48,7 +48,7 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
     if access == "random": return _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
                                                  rank, world_size, normalize, allow_pickle)
-    urls, handler = shard_urls(sources), _handler(handler)
+    urls, handler = shard_urls(sources), error_handler(handler)
     if resampled and not epoch_samples:
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
     if epoch_samples and not resampled:

@@ -21,12 +21,12 @@ from webdataset.autodecode import Decoder
 from webdataset.cache import StreamingOpen
 from .loading import gpu, jpeg
 from .loading import random as random_access
-from .loading.collate import _Tagged
+from .loading.collate import WorkerTagged
 from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, shuffle_samples
 from .loading.transforms import sample_to_tuple
 from .shards.fields import ShardError
-from .shards.read import _open_shards, tar_members, url_samples
+from .shards.read import open_shards, tar_members, url_samples
 
 # %% auto 0
 __all__ = ['SLOTS', 'SLOT', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'loader_parts',
@@ -90,7 +90,7 @@ def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable |
 # %% ../nbs/41_stage_timing.ipynb
 def batch_len(batch) -> int:
     "Samples in `batch`: the length of its first field (a tensor's first dimension), else 1."
-    if isinstance(batch, _Tagged): batch = batch.item  # a shardkit worker's batch travels tagged with its number
+    if isinstance(batch, WorkerTagged): batch = batch.item  # a shardkit worker's batch travels tagged with its number
     first = (next(iter(batch.values()), None) if isinstance(batch, dict)
              else batch[0] if isinstance(batch, (tuple, list)) and batch else None)
     if isinstance(first, torch.Tensor): return int(first.shape[0]) if first.ndim else 1
@@ -150,7 +150,7 @@ def _timed_stream(stream, clocks):
 
 def _read_shards(src, clocks: ProfileClocks, handler=wds.reraise_exception):
     "`url_samples`, its opening and reads timed as 'read': the same samples in the same order."
-    opened, open_next = _open_shards(src, handler), timed_call(next, "read", clocks)
+    opened, open_next = open_shards(src, handler), timed_call(next, "read", clocks)
     while (d := open_next(opened, None)) is not None:
         try: yield from wt.group_by_keys(tar_members(_timed_stream(d["stream"], clocks), d["url"]), handler=handler)
         except ShardError as e:

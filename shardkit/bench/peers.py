@@ -23,8 +23,8 @@ import webdataset as wds
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 from ..loader import create_dataloader, create_dataset
-from ..loading.collate import _convert as _convert_batch
-from ..loading.collate import _PooledBatch
+from ..loading.collate import PooledBatch
+from ..loading.collate import convert_batch
 from ..loading.transforms import train_transform
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from ..store import shown_path
@@ -227,9 +227,9 @@ class _RandomEpochs:
         batches = [(epoch, ids[i:i + 64]) for i in range(0, len(ids), 64)]
         workers = min(self.workers, len(batches))
         self.ds.pool_batches = workers > 0  # as RandomAccessLoader: batches made in the workers' reused shared buffers
-        dl = torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=_convert_batch,
+        dl = torch.utils.data.DataLoader(self.ds, sampler=batches, batch_size=None, collate_fn=convert_batch,
                                          num_workers=workers)
-        return (b.unpool() if isinstance(b, _PooledBatch) else b for b in dl)
+        return (b.unpool() if isinstance(b, PooledBatch) else b for b in dl)
 
 # %% ../../nbs/34_bench_peers.ipynb
 def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes"]

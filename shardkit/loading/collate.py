@@ -12,7 +12,7 @@ from torch.utils.data import default_convert, get_worker_info
 from .sources import LoaderError
 
 # %% auto 0
-__all__ = ['collate']
+__all__ = ['MAPPED_BUFFERS', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged', 'convert_batch']
 
 # %% ../../nbs/24_collate.ipynb
 def _stack(col: tuple, i: int, buffers: dict | None = None):
@@ -43,10 +43,10 @@ def _shared_out(x: torch.Tensor, n: int, i: int, buffers: dict | None) -> torch.
 
 def collate(samples: Sequence[tuple]) -> tuple:
     "A batch from sample tuples: tensors stacked, numbers as tensors, other values as lists."
-    pool = _worker_pool()
+    pool = worker_pool()
     slot = pool.acquire() if pool is not None else None
     if slot is None: return tuple(_stack(col, i) for i, col in enumerate(zip(*samples)))
-    return _PooledBatch([_stack(col, i, pool.buffers[slot]) for i, col in enumerate(zip(*samples))], pool.flags, slot)
+    return PooledBatch([_stack(col, i, pool.buffers[slot]) for i, col in enumerate(zip(*samples))], pool.flags, slot)
 
 
 # %% ../../nbs/24_collate.ipynb
@@ -67,7 +67,7 @@ class _WorkerPool:
 
 _POOL: list = [None, None]  # (the worker's dataset, its pool): a worker process serves one dataset
 
-def _worker_pool() -> _WorkerPool | None:
+def worker_pool() -> _WorkerPool | None:
     "This worker's pool, if it works for a loader that hands batches back (`ShardLoader`); None in the main process."
     info = get_worker_info()
     if info is None or not getattr(info.dataset, "pool_batches", False): return None
@@ -75,13 +75,13 @@ def _worker_pool() -> _WorkerPool | None:
     return _POOL[1]
 
 # %% ../../nbs/24_collate.ipynb
-class _PooledBatch(tuple):
+class PooledBatch(tuple):
     "A worker's batch in one of its pool's buffers: `unpool()` copies it out and hands the buffer back."
     def __new__(cls, values, flags=None, slot: int | None = None):
         batch = super().__new__(cls, values)
         batch.flags, batch.slot = flags, slot
         return batch
-    def __reduce__(self): return _PooledBatch, (tuple(self), self.flags, self.slot)
+    def __reduce__(self): return PooledBatch, (tuple(self), self.flags, self.slot)
 
     def unpool(self) -> list:
         "The batch in ordinary memory (numpy copies: one thread), a list as DataLoader's; its buffer freed for reuse."
@@ -92,21 +92,22 @@ class _PooledBatch(tuple):
             _keep_mapped((self.flags.data_ptr(), self.slot), (self.flags, tuple(self)))
         return out
 
-_MAPPED: collections.OrderedDict = collections.OrderedDict()
+# pool buffers the main process keeps mapped (cleared when a loader starts new workers)
+MAPPED_BUFFERS: collections.OrderedDict = collections.OrderedDict()
 
 def _keep_mapped(key, value, most: int = 32):
     "Keep the main process's mapping of a pool buffer until its next batch: torch reuses it (no new mmap, page faults)."
-    _MAPPED[key] = value
-    _MAPPED.move_to_end(key)
-    while len(_MAPPED) > most: _MAPPED.popitem(last=False)
+    MAPPED_BUFFERS[key] = value
+    MAPPED_BUFFERS.move_to_end(key)
+    while len(MAPPED_BUFFERS) > most: MAPPED_BUFFERS.popitem(last=False)
 
-class _Tagged:
+class WorkerTagged:
     "An item a loader worker hands to the main process, with the worker's number (counts of what each worker gave)."
     __slots__ = ("worker", "item")
     def __init__(self, worker: int, item): self.worker, self.item = worker, item
-    def __reduce__(self): return _Tagged, (self.worker, self.item)
+    def __reduce__(self): return WorkerTagged, (self.worker, self.item)
 
-def _convert(batch):
+def convert_batch(batch):
     "ShardLoader's collate_fn: DataLoader's default_convert, but a pooled batch stays one (it would lose its flags)."
-    if isinstance(batch, _Tagged): return _Tagged(batch.worker, _convert(batch.item))
-    return batch if isinstance(batch, _PooledBatch) else default_convert(batch)
+    if isinstance(batch, WorkerTagged): return WorkerTagged(batch.worker, convert_batch(batch.item))
+    return batch if isinstance(batch, PooledBatch) else default_convert(batch)

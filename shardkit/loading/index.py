@@ -16,8 +16,8 @@ from ..shards.read import is_meta_member, scan_tar
 from .sources import shard_urls
 
 # %% auto 0
-__all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'SampleIndex', 'sample_index',
-           'index_ais', 'synthetic_listing', 'index_scale']
+__all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'key_from_header', 'SampleIndex',
+           'sample_index', 'index_ais', 'synthetic_listing', 'index_scale']
 
 # %% ../../nbs/26_sample_index.ipynb
 class RandomAccessError(ShardkitError):
@@ -83,7 +83,7 @@ def _data_fields(keys: Sequence[str]) -> tuple[str, ...]:
     "The tar fields among the loader's `keys` (not `__key__`, `__url__`), lower-cased as WebDataset does."
     return tuple(dict.fromkeys(k.lower() for k in keys if not k.startswith("__")))
 
-def _key_from_header(header: bytes, field: str, where: str) -> str:
+def key_from_header(header: bytes, field: str, where: str) -> str:
     "The WebDataset key in the 512-byte tar header of a member that holds `field` (the name fills its first 100 bytes)."
     key, got = split_key(header[:100].split(b"\0", 1)[0].decode("ascii", "replace"))
     if key is None or got.lower() != field:
@@ -102,7 +102,7 @@ class SampleIndex:
         if self.keys is None:
             path, off = self.shards[self.shard[i]], int(self.offset[i, 0])
             with open(path, "rb") as f:
-                return _key_from_header(os.pread(f.fileno(), 512, off - 512), self.fields[0], path)
+                return key_from_header(os.pread(f.fileno(), 512, off - 512), self.fields[0], path)
         return bytes(self.keys[(self.key_end[i - 1] if i else 0):self.key_end[i]]).decode()
     @property
     def nbytes(self) -> int:

@@ -14,12 +14,12 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..shards.fields import IMAGE_EXTS
 from .transforms import TrainTransform, sample_to_tuple, train_transform
-from .collate import _MAPPED, _PooledBatch, _convert, collate
+from .collate import MAPPED_BUFFERS, PooledBatch, convert_batch, collate
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
 from ..errors import UsageError
 from ..store import open_store, shown_path
-from .index import RandomAccessError, SampleIndex, _key_from_header, sample_index
+from .index import RandomAccessError, SampleIndex, key_from_header, sample_index
 from ..shards.fields import refuse_pickle
 
 # %% auto 0
@@ -51,7 +51,7 @@ class LocalReader:
                 if len(data) != n + head:
                     raise RandomAccessError(f"shard {shown_path(path)}: sample {i} is cut short ({len(data)} of {n + head} bytes); "
                                             "the shard changed after indexing: build the loader again")
-                if head: key, data = _key_from_header(data[:512], idx.fields[0], path), data[512:]
+                if head: key, data = key_from_header(data[:512], idx.fields[0], path), data[512:]
                 row.append(data)
             keys.append(key); out.append(row)
         return keys, out
@@ -132,11 +132,11 @@ def __iter__(self: RandomAccessLoader):
     if todo:
         workers = min(self.num_workers, len(todo))
         self.dataset.pool_batches = workers > 0  # the workers collate into shared buffers they reuse (the streaming loader's pool)
-        _MAPPED.clear()  # new workers, new buffers: unmap the last epoch's
-        dl = DataLoader(self.dataset, sampler=todo, batch_size=None, collate_fn=_convert, num_workers=workers, **self.kw)
+        MAPPED_BUFFERS.clear()  # new workers, new buffers: unmap the last epoch's
+        dl = DataLoader(self.dataset, sampler=todo, batch_size=None, collate_fn=convert_batch, num_workers=workers, **self.kw)
         for b in dl:
             self.batch += 1
-            yield b.unpool() if isinstance(b, _PooledBatch) else b
+            yield b.unpool() if isinstance(b, PooledBatch) else b
     self.epoch, self.batch = epoch + 1, 0
 
 # %% ../../nbs/27_random.ipynb

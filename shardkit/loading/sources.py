@@ -17,7 +17,7 @@ from ..errors import ShardkitError
 from ..store import open_store, shown_path
 
 # %% auto 0
-__all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'EpochShards', 'split_count', 'take_share',
+__all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'EpochShards', 'split_count', 'take_share',
            'buffer_shuffle', 'shuffle_samples']
 
 # %% ../../nbs/21_sources.ipynb
@@ -60,7 +60,9 @@ def seed_for(*parts) -> int:
     "A 63-bit seed derived from `parts` (a stable hash, the same in every process)."
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
-def _rng(*parts) -> random.Random: return random.Random(seed_for(*parts))
+def seeded_rng(*parts) -> random.Random:
+    "A `random.Random` seeded from `parts` (seed, epoch, a purpose, ...) by `seed_for`: one stream of draws per purpose."
+    return random.Random(seed_for(*parts))
 
 # %% ../../nbs/21_sources.ipynb
 class EpochShards(IterableDataset):
@@ -89,10 +91,10 @@ class EpochShards(IterableDataset):
         ctx = self.ctx = self.context()
         self.epoch += 1
         if self.resampled:
-            rng = _rng(self.seed, ctx["epoch"], "resample", ctx["slot"])
+            rng = seeded_rng(self.seed, ctx["epoch"], "resample", ctx["slot"])
             while True: yield dict(url=rng.choice(self.urls))
         urls = list(self.urls)
-        if self.shuffle: _rng(self.seed, ctx["epoch"], "shards").shuffle(urls)
+        if self.shuffle: seeded_rng(self.seed, ctx["epoch"], "shards").shuffle(urls)
         for url in urls[ctx["slot"]::ctx["slots"]]: yield dict(url=url)
 
 # %% ../../nbs/21_sources.ipynb
@@ -128,7 +130,7 @@ def shuffle_samples(src: Iterable, shards: EpochShards, bufsize: int = 1000):
     first = next(src, None)
     if first is None: return
     c = shards.ctx
-    yield from buffer_shuffle(_chain1(first, src), bufsize, _rng(c["seed"], c["epoch"], "samples", c["slot"]))
+    yield from buffer_shuffle(_chain1(first, src), bufsize, seeded_rng(c["seed"], c["epoch"], "samples", c["slot"]))
 
 def _chain1(first, rest):
     yield first

@@ -9,18 +9,18 @@ import copy
 import functools
 import hashlib
 import sys
-from itertools import islice
+from itertools import chain, islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
 import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
-from .collate import _MAPPED, _convert, _PooledBatch, _Tagged, _worker_pool, collate
-from .sources import EpochShards, LoaderError, _chain1, _rng, buffer_shuffle, rank_and_world
+from .collate import MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
+from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'ShardDataset', 'ShardLoader', 'skip_resumed', 'saved_count', 'check_position']
+__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'ShardLoader', 'skip_resumed', 'saved_count', 'check_position']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -42,7 +42,7 @@ class SkipAndCount:
         self.counts, self.example = {}, {}
         return line
 
-def _handler(handler) -> Callable:
+def error_handler(handler) -> Callable:
     "The webdataset handler for `handler`: 'raise' (the default), 'skip' (SkipAndCount) or a function."
     if callable(handler): return handler
     if handler == "raise": return wds.reraise_exception
@@ -62,9 +62,9 @@ class ShardDataset(wds.DataPipeline):
     def __iter__(self):
         # A new epoch in a worker: DataLoader has dropped, unread, every batch of the last one still on its way (its
         # reset drains them before the workers go on), so buffers whose batches were never handed back are free again
-        if (pool := _worker_pool()) is not None: pool.flags.zero_()
+        if (pool := worker_pool()) is not None: pool.flags.zero_()
         if self.tag_workers:  # under a ShardLoader: each item says which worker made it (the loader counts them)
-            for x in super().__iter__(): yield _Tagged(self.shards.ctx["worker"], x)
+            for x in super().__iter__(): yield WorkerTagged(self.shards.ctx["worker"], x)
         else: yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
         if report: print(report, file=sys.stderr, flush=True)
@@ -95,7 +95,7 @@ class ShardLoader(wds.WebLoader):
         dataset = dataset.rebatched(batch_size) if rebatch else copy.copy(dataset)
         dataset.pool_batches = num_workers > 0  # workers reuse batch buffers; iterator1 copies each batch out, frees it
         dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the state
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": _convert, **kw})
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": convert_batch, **kw})
         self.dataset, self.num_workers, self.bufsize, self.epoch = dataset, num_workers, shuffle, 0
         self._workers_next = None
         self._taken, self._running, self._resumed, self._next = [0] * max(num_workers, 1), False, None, 0
@@ -114,7 +114,7 @@ class ShardLoader(wds.WebLoader):
         if getattr(loader, "_iterator", None) is not None and self._workers_next != self.epoch:
             loader._iterator._shutdown_workers()  # persistent workers asked for another epoch (set_epoch): start afresh
             loader._iterator = None
-        if getattr(loader, "_iterator", None) is None: _MAPPED.clear()  # new workers, new buffers: unmap the old ones
+        if getattr(loader, "_iterator", None) is None: MAPPED_BUFFERS.clear()  # new workers, new buffers: unmap the old ones
         self._taken, self._resumed, self._running = self._resumed or [0] * max(self.num_workers, 1), None, True
         self._next = shards.rotation[1] if shards.rotation and shards.rotation[0] == self.epoch else 0
         source = self._counted(iter(loader))  # starts the workers (they copy the dataset at this epoch) or resumes them
@@ -128,16 +128,16 @@ class ShardLoader(wds.WebLoader):
 def _counted(self: ShardLoader, items):
     "The workers' batches in ordinary memory, each counted for the worker that made it; the epoch ends when they do."
     for t in items:
-        if isinstance(t, _Tagged):
+        if isinstance(t, WorkerTagged):
             self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
-        yield t.unpool() if isinstance(t, _PooledBatch) else t
+        yield t.unpool() if isinstance(t, PooledBatch) else t
     self._running = False
 
 @patch
 def _shuffle(self: ShardLoader, src):
     shards = self.dataset.shards
     rank, _ = rank_and_world(shards.rank, shards.world_size)
-    return buffer_shuffle(src, self.bufsize, _rng(shards.seed, self.epoch, "loader", rank))
+    return buffer_shuffle(src, self.bufsize, seeded_rng(shards.seed, self.epoch, "loader", rank))
 
 # %% ../../nbs/25_stream.ipynb
 def skip_resumed(src, shards: EpochShards):
@@ -148,7 +148,7 @@ def skip_resumed(src, shards: EpochShards):
     r, c = shards.resume, shards.ctx
     n = r["skip"][c["worker"]] if r and r["epoch"] == c["epoch"] and c["worker"] < len(r["skip"]) else 0
     shards.resume = None  # once: in a worker this is its own copy; without workers, the loader's
-    it = _chain1(first, src)
+    it = chain((first,), src)
     if n: collections.deque(islice(it, n), maxlen=0)
     yield from it
 

@@ -17,8 +17,8 @@ from ..store import LocalStore, open_store, shown_path
 from .fields import ShardError, split_key
 
 # %% auto 0
-__all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'url_samples', 'sample_digests',
-           'count_samples', 'list_shards', 'is_meta_member', 'scan_tar']
+__all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'open_shards', 'url_samples',
+           'sample_digests', 'count_samples', 'list_shards', 'is_meta_member', 'scan_tar']
 
 # %% ../../nbs/04_read.ipynb
 def _tar_reason(e: Exception) -> str:
@@ -185,7 +185,8 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
 
 
 # %% ../../nbs/04_read.ipynb
-def _open_shards(src: Iterable[dict], handler: Callable):
+def open_shards(src: Iterable[dict], handler: Callable):
+    "Each shard of `src` ({url: ...} dicts) opened as a stream (`stream` added); a shard that fails goes to `handler`."
     for d in src:
         try: stream = wds.gopen(d["url"])
         except Exception as e:
@@ -197,7 +198,7 @@ def _open_shards(src: Iterable[dict], handler: Callable):
 
 def url_samples(src: Iterable[dict], handler: Callable = wds.reraise_exception):
     "Samples (dicts of raw bytes) from a stream of `dict(url=...)`, each shard closed as soon as it is read."
-    for d in _open_shards(src, handler):
+    for d in open_shards(src, handler):
         try: yield from group_by_keys(tar_members(d["stream"], d["url"]), handler=handler)
         except ShardError as e:  # a broken or unsafe shard: the handler decides (raise, or skip and count)
             if handler(e): continue
