@@ -1,5 +1,5 @@
 """Project-level promises: the installed set is consistent, and the README's two commands are what CI runs."""
-import re, subprocess, sys
+import ast, re, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,3 +100,21 @@ def test_lines_are_at_most_120_characters():
     long = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "shardkit").rglob("*.py")) if p.name != "_modidx.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 120 and not line.startswith("__all__ = [")]
     assert not long, f"{len(long)} lines over 120 characters (fix them in their notebooks): " + ", ".join(long[:20])
+
+
+def test_no_module_takes_another_modules_private_names():
+    "What two modules share has a public name in its home: no `from .x import _name` across the package's modules."
+    pkg, found = ROOT / "shardkit", []
+    for p in sorted(pkg.rglob("*.py")):
+        if p.name == "_modidx.py": continue
+        here = ".".join(p.relative_to(pkg).with_suffix("").parts)
+        for n in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(n, ast.ImportFrom): continue
+            if n.level: parts = here.split(".")[: len(here.split(".")) - n.level] + ([n.module] if n.module else [])
+            elif (n.module or "").startswith("shardkit."): parts = n.module.split(".")[1:]
+            else: continue
+            if ".".join(parts) == here: continue  # a module importing its own names (spawned workers find them by name)
+            found += [f"{p.relative_to(ROOT)}:{n.lineno} {a.name}" for a in n.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, "private names imported from another module (give them a public name in their home): " + \
+        ", ".join(found)
