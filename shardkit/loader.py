@@ -15,10 +15,11 @@ import webdataset as wds
 from fastcore.basics import patch
 from .errors import UsageError
 from .loading.collate import collate
+from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
 from .loading.stream import ShardDataset, ShardLoader, error_handler, skip_resumed
 from .loading.transforms import TrainTransform, sample_to_tuple, train_transform
-from .shards.fields import IMAGE_EXTS
+from .shards.fields import is_image_key
 from .shards.read import url_samples
 
 # %% auto 0
@@ -31,19 +32,29 @@ def _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_
     if resampled or epoch_samples:
         raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
     from shardkit.loading.random import create_random_loader
-    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
+    if transform is None and any(map(is_image_key, keys)):
         transform = train_transform(normalize=normalize)
     return create_random_loader(sources, keys=keys, transform=transform, batch_size=batch_size or 64, num_workers=0,
                                 seed=0 if seed is None else seed, rank=rank, world_size=world_size,
                                 allow_pickle=allow_pickle)
 
 # %% ../nbs/28_loader.ipynb
-def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.png"), transform=None,
-                   shuffle: int = 1000, batch_size: int | None = 16, seed: int | None = None,
-                   resampled: bool = False, epoch_samples: int | None = None,
-                   rank: int | None = None, world_size: int | None = None,
-                   normalize: bool = False, shuffle_shards: bool = True,
-                   handler: str | Callable = "raise", allow_pickle: bool = False, access: str = "stream"):
+def create_dataset(sources,                      # Shards: a store, a directory, ais://bucket, a brace template or URLs
+                   keys: Sequence[str] = ("cls", "image.jpg", "trimap.png"),  # Fields of each sample, in this order
+                   transform=None,               # Applied to each sample's tuple; None: train_transform() for images
+                   shuffle: int = 1000,          # Each worker's sample shuffle buffer (samples); 0: shard order
+                   batch_size: int | None = 16,  # Samples per batch, made in the workers; None: single samples
+                   seed: int | None = None,      # Seed of shard order, shuffles and crops; None: random (0 with ranks)
+                   resampled: bool = False,      # Draw shards with replacement, `epoch_samples` per epoch
+                   epoch_samples: int | None = None,  # Samples per epoch of the whole job (with `resampled`)
+                   rank: int | None = None,      # This process's rank; None: from torch.distributed (or 0)
+                   world_size: int | None = None,  # How many ranks share the shards; None: from torch.distributed
+                   normalize: bool = False,      # float32 ImageNet-normalised images instead of uint8
+                   shard_shuffle: bool = True,   # Shuffle the shard order each epoch (False: as listed)
+                   handler: str | Callable = "raise",  # A bad sample: "raise", "skip" (counted, reported) or a function
+                   allow_pickle: bool = False,   # Decode .pyd/.pickle fields (only for shards you trust)
+                   access: str = "stream",       # "stream": shards in order; "random": a global shuffle
+                  ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
     if access == "random": return _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
@@ -56,10 +67,10 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
     if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
     seed_given = seed is not None
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
-    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
+    if transform is None and any(map(is_image_key, keys)):
         transform = train_transform(normalize=normalize)
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
-    shards = EpochShards(urls, seed, shuffle=shuffle_shards, resampled=resampled, rank=rank, world_size=world_size)
+    shards = EpochShards(urls, seed, shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
@@ -75,19 +86,22 @@ def create_dataset(sources, keys: Sequence[str] = ("cls", "image.jpg", "trimap.p
 def create_dataloader(dataset: ShardDataset,         # from create_dataset
                       num_workers: int = 4,          # worker processes that decode and augment
                       batch_size: int | None = 64,   # samples per batch (the workers make them)
-                      shuffle: int = 0,              # N: the post's unbatch, shuffle across workers, rebatch
+                      shuffle_across: int = 0,       # N: the post's unbatch, shuffle across workers, rebatch
                       device=None,                   # None: batches in CPU memory; "cuda": on the GPU, one batch ahead
                       **kw                           # more DataLoader arguments
                       ) -> ShardLoader | DeviceLoader:
     "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`, on `device` if given."
-    from shardkit.loading.random import RandomAccessLoader
     if isinstance(dataset, RandomAccessLoader):  # create_dataset(access="random") made the loader already
         dataset.num_workers, dataset.batch_size = num_workers, batch_size or dataset.batch_size
         return dataset if device is None else DeviceLoader(dataset, device)
     if not isinstance(dataset, ShardDataset):
-        raise TypeError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
-    if shuffle and not dataset.batch_size:
-        raise LoaderError("shuffle=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
+        raise UsageError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
+    if "shuffle" in kw:  # its name until 2026-11: tutorials and scripts may still pass it
+        warnings.warn("create_dataloader(shuffle=N) is now shuffle_across=N (create_dataset's shuffle is each "
+                      "worker's buffer)", DeprecationWarning, stacklevel=2)
+        shuffle_across = kw.pop("shuffle")
+    if shuffle_across and not dataset.batch_size:
+        raise LoaderError("shuffle_across=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
     sh = dataset.shards
     _, world = rank_and_world(sh.rank, sh.world_size)
     if not sh.resampled and max(num_workers, 1) * world > len(sh.urls):
@@ -97,7 +111,7 @@ def create_dataloader(dataset: ShardDataset,         # from create_dataset
                       f"Use at most {max(len(sh.urls) // world, 1)} workers, or write more, smaller shards.",
                       stacklevel=2)
     kw.setdefault("persistent_workers", num_workers > 0)  # no worker start-up at every epoch
-    loader = ShardLoader(dataset, num_workers=num_workers, batch_size=batch_size, shuffle=shuffle, **kw)
+    loader = ShardLoader(dataset, num_workers=num_workers, batch_size=batch_size, shuffle_across=shuffle_across, **kw)
     return loader if device is None else DeviceLoader(loader, device)
 
 # %% ../nbs/28_loader.ipynb

@@ -285,7 +285,7 @@ def verdicts(p: Profile) -> list[str]:
     if p.workers and m["rebatch"] * p.rate / 1000 > 0.1:
         out.append(f"the main process spends {m['rebatch']:.2f} ms/sample "
                    f"({m['rebatch'] * p.rate / 10:.0f}% of its time) taking the workers' batches apart and stacking "
-                   "new ones: let the workers make the training batches (create_dataloader, shuffle=0)")
+                   "new ones: let the workers make the training batches (create_dataloader, shuffle_across=0)")
     elif p.workers and m["receive"] * p.rate / 1000 > 0.3:
         out.append(f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample "
                    f"({m['receive'] * p.rate / 10:.0f}% of its time), CPU the step may need: send less "

@@ -303,7 +303,7 @@ def _passes(loader):
 # %% ../nbs/30_train.ipynb
 def _val_loader(val_urls, size, batch_size, workers, rank, world, dev):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
-    ds = create_dataset(val_urls, keys=_FIELDS, transform=eval_transform(size), shuffle=0, shuffle_shards=False,
+    ds = create_dataset(val_urls, keys=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
                         batch_size=batch_size, seed=0, rank=rank, world_size=world)
     with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
         warnings.filterwarnings("ignore", message=".*get no shard and stay idle")

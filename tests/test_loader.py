@@ -3,6 +3,7 @@ import warnings
 import pytest
 import torch
 import webdataset as wds
+from shardkit.errors import UsageError
 from shardkit.loader import create_dataloader, create_dataset
 from shardkit.loading.transforms import MissingField, train_transform
 from shardkit.loading.sources import split_count
@@ -120,7 +121,7 @@ def test_bad_arguments_say_what_to_do(shards):
     with pytest.raises(ValueError, match="needs resampled=True"): create_dataset(shards, epoch_samples=10)
     with pytest.raises(ValueError, match="rank 3 is not in 0..1"): list(_dataset(shards, rank=3, world_size=2))
     with pytest.raises(MissingField, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, keys=("cls", "image.png"))))
-    with pytest.raises(TypeError, match="needs a dataset from create_dataset"): create_dataloader(wds.WebDataset(shards, shardshuffle=False))
+    with pytest.raises(UsageError, match="needs a dataset from create_dataset"): create_dataloader(wds.WebDataset(shards, shardshuffle=False))
 
 
 def test_skip_counts_samples_missing_a_field(shards, capsys):
@@ -160,7 +161,7 @@ def test_workers_batch_at_the_loader_batch_size_and_the_post_way_still_works(sha
     sizes = [len(b[0]) for b in create_dataloader(ds, num_workers=2, batch_size=4)]
     assert sum(sizes) == len(ALL) and max(sizes) == 4
     assert ds.batch_size == 16, "the dataset handed in is left as it was"
-    post = create_dataloader(ds, num_workers=2, batch_size=7, shuffle=100)  # unbatch, shuffle across workers, rebatch
+    post = create_dataloader(ds, num_workers=2, batch_size=7, shuffle_across=100)  # unbatch, shuffle across workers, rebatch
     assert [len(b[0]) for b in post] == [7, 7, 7, 7, 2]
     assert sorted(_keys(post)) == ALL
 

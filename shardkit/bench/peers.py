@@ -23,8 +23,7 @@ import webdataset as wds
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 from ..loader import create_dataloader, create_dataset
-from ..loading.collate import PooledBatch
-from ..loading.collate import convert_batch
+from ..loading.collate import PooledBatch, convert_batch
 from ..loading.transforms import train_transform
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from ..store import shown_path

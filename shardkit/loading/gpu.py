@@ -23,7 +23,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
 from ..loader import create_dataloader
-from ..shards.fields import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size
+from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size, is_image_key, is_jpeg_key
 from ..shards.read import url_samples
 from .sources import EpochShards, LoaderError, rank_and_world, seed_for, shard_urls, shuffle_samples
 from .stream import ShardDataset, ShardLoader, skip_resumed
@@ -366,8 +366,8 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
                       prefetch: int = 2,                 # Batches made ahead on a side stream; 0: the caller's stream
                      ) -> GpuLoader:
     "A loader whose workers read shards and draw crops; each batch is decoded (nvJPEG) and augmented on `device`."
-    images = [k for k in keys if k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
-    if len(images) != 1 or images[0].rsplit(".", 1)[-1].lower() not in ("jpg", "jpeg"):
+    images = [k for k in keys if is_image_key(k)]
+    if len(images) != 1 or not is_jpeg_key(images[0]):
         raise LoaderError(f"keys={tuple(keys)} must name exactly one JPEG field (such as 'image.jpg') for the GPU to "
                           f"decode, not {images}; for other images (PNG, trimaps) use the CPU loader, "
                           "create_dataloader(create_dataset(...))")

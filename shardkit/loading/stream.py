@@ -89,17 +89,17 @@ class ShardDataset(wds.DataPipeline):
 
 # %% ../../nbs/25_stream.ipynb
 class ShardLoader(wds.WebLoader):
-    "A WebLoader over a ShardDataset whose workers make the training batches (`shuffle`: the post's); a pass, an epoch."
-    def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle: int = 0, **kw):
-        rebatch = not shuffle and batch_size and batch_size != dataset.batch_size
+    "A WebLoader over a ShardDataset whose workers make the training batches; each pass is an epoch."
+    def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle_across: int = 0, **kw):
+        rebatch = not shuffle_across and batch_size and batch_size != dataset.batch_size
         dataset = dataset.rebatched(batch_size) if rebatch else copy.copy(dataset)
         dataset.pool_batches = num_workers > 0  # workers reuse batch buffers; iterator1 copies each batch out, frees it
         dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the state
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": convert_batch, **kw})
-        self.dataset, self.num_workers, self.bufsize, self.epoch = dataset, num_workers, shuffle, 0
+        self.dataset, self.num_workers, self.shuffle_across, self.epoch = dataset, num_workers, shuffle_across, 0
         self._workers_next = None
         self._taken, self._running, self._resumed, self._next = [0] * max(num_workers, 1), False, None, 0
-        if shuffle:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
+        if shuffle_across:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
             self.append(wds.unbatched())
             self.append(self._shuffle)
             if batch_size: self.append(wds.batched(batch_size, collation_fn=collate, partial=True))
@@ -137,7 +137,7 @@ def _counted(self: ShardLoader, items):
 def _shuffle(self: ShardLoader, src):
     shards = self.dataset.shards
     rank, _ = rank_and_world(shards.rank, shards.world_size)
-    return buffer_shuffle(src, self.bufsize, seeded_rng(shards.seed, self.epoch, "loader", rank))
+    return buffer_shuffle(src, self.shuffle_across, seeded_rng(shards.seed, self.epoch, "loader", rank))
 
 # %% ../../nbs/25_stream.ipynb
 def skip_resumed(src, shards: EpochShards):
@@ -187,8 +187,8 @@ def _shards_digest(urls: tuple[str, ...]) -> str:
 @patch
 def state_dict(self: ShardLoader) -> dict:
     "Where this loader is: the epoch and each worker's batches handed out in it, and the settings a resume must share."
-    if self.bufsize:
-        raise LoaderError("exact resume needs create_dataloader(shuffle=0): the loader's cross-worker buffer is not "
+    if self.shuffle_across:
+        raise LoaderError("exact resume needs create_dataloader(shuffle_across=0): the loader's cross-worker buffer is not "
                           "restored (the workers' own shuffle buffers, create_dataset(shuffle=N), are)")
     sh, ds = self.dataset.shards, self.dataset
     rank, world = rank_and_world(sh.rank, sh.world_size)
