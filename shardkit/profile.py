@@ -18,7 +18,8 @@ from .errors import UsageError
 from .loading import jpeg
 from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
-from .stage_timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts, restart_workers
+from .loading.stream import restart_workers
+from .stage_timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts
 
 # %% auto 0
 __all__ = ['MAIN_PARTS', 'COLORS', 'PIPELINES', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'compare', 'plot_stages',

@@ -24,13 +24,14 @@ from .loading import random as random_access
 from .loading.collate import WorkerTagged
 from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, shuffle_samples
+from .loading.stream import restart_workers
 from .loading.transforms import sample_to_tuple
 from .shards.fields import ShardError
 from .shards.read import open_shards, tar_members, url_samples
 
 # %% auto 0
 __all__ = ['SLOTS', 'SLOT', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'loader_parts',
-           'restart_workers', 'instrumented']
+           'instrumented']
 
 # %% ../nbs/41_stage_timing.ipynb
 SLOTS = ("read", "parse", "shuffle", "header", "decode", "augment", "collate", "other", "rebatch")  # rebatch: main
@@ -217,12 +218,6 @@ def loader_parts(loader) -> tuple:
 def _jpegs_in(pack) -> int:
     "Samples in a GPU loader worker's batch, a pack of JPEGs (`batch_len` would count the bytes of its first field)."
     return len(pack.keys)
-
-def restart_workers(dl):
-    "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
-    if dl is not None and getattr(dl, "_iterator", None) is not None:
-        dl._iterator._shutdown_workers()
-        dl._iterator = None
 
 # %% ../nbs/41_stage_timing.ipynb
 class _TimedReader:

@@ -20,7 +20,8 @@ from .collate import MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'ShardLoader', 'skip_resumed', 'saved_count', 'check_position']
+__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'skip_resumed', 'saved_count',
+           'check_position']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -88,6 +89,12 @@ class ShardDataset(wds.DataPipeline):
                 f"seed={self.shards.seed}, resampled={self.shards.resampled}, epoch={self.shards.epoch})")
 
 # %% ../../nbs/25_stream.ipynb
+def restart_workers(dl):
+    "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
+    if dl is not None and getattr(dl, "_iterator", None) is not None:
+        dl._iterator._shutdown_workers()
+        dl._iterator = None
+
 class ShardLoader(wds.WebLoader):
     "A WebLoader over a ShardDataset whose workers make the training batches; each pass is an epoch."
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle_across: int = 0, **kw):
@@ -111,9 +118,7 @@ class ShardLoader(wds.WebLoader):
     def iterator1(self):
         shards, loader = self.dataset.shards, self.pipeline[0]
         self.epoch = shards.epoch
-        if getattr(loader, "_iterator", None) is not None and self._workers_next != self.epoch:
-            loader._iterator._shutdown_workers()  # persistent workers asked for another epoch (set_epoch): start afresh
-            loader._iterator = None
+        if self._workers_next != self.epoch: restart_workers(loader)  # asked for another epoch (set_epoch): afresh
         if getattr(loader, "_iterator", None) is None: MAPPED_BUFFERS.clear()  # new workers, new buffers: unmap the old ones
         self._taken, self._resumed, self._running = self._resumed or [0] * max(self.num_workers, 1), None, True
         self._next = shards.rotation[1] if shards.rotation and shards.rotation[0] == self.epoch else 0
