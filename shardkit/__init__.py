@@ -10,7 +10,7 @@ __all__ = []
 _API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets", "synthesize_folder": "folder",
         "convert_folder": "folder", "shuffle_shards": "shuffle", "verify_shards": "shards.manifest", "run_etl": "etl",
         "create_dataset": "loader", "create_dataloader": "loader", "create_gpu_loader": "loading.gpu",
-        "train_transform": "loading.transforms", "profile_pipeline": "profile", "train": "train",
+        "train_transform": "loading.transforms", "profile_pipeline": "profile", "train_epochs": "train",
         "ShardkitError": "errors"}
 
 def __getattr__(name: str):

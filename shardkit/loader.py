@@ -89,7 +89,7 @@ def create_dataloader(dataset: ShardDataset,         # from create_dataset
                       shuffle_across: int = 0,       # N: the post's unbatch, shuffle across workers, rebatch
                       device=None,                   # None: batches in CPU memory; "cuda": on the GPU, one batch ahead
                       **kw                           # more DataLoader arguments
-                      ) -> ShardLoader | DeviceLoader:
+                      ) -> "ShardLoader | DeviceLoader":
     "A `webdataset.WebLoader` over `dataset` whose workers make batches of `batch_size`, on `device` if given."
     if isinstance(dataset, RandomAccessLoader):  # create_dataset(access="random") made the loader already
         dataset.num_workers, dataset.batch_size = num_workers, batch_size or dataset.batch_size
