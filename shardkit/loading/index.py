@@ -93,6 +93,7 @@ def _key_from_header(header: bytes, field: str, where: str) -> str:
 
 class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
+    shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
     def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
@@ -163,7 +164,9 @@ def sample_index(source,                                   # A directory, tar pa
     remote = [p for p in paths if "://" in p]
     if remote: raise UsageError(f"random access reads local tar files or ais:// buckets, not URLs like {remote[0]}")
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    return _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
+    idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
+    idx.shard_bytes = np.array([os.path.getsize(p) for p in paths], np.int64)
+    return idx
 
 # %% ../../nbs/26_sample_index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
@@ -173,16 +176,16 @@ def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
 def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:
     "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing."
     from aistore.sdk.list_object_flag import ListObjectFlag
-    shards, members = [], []
+    shards, members, sizes = [], [], []
     for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size", flags=[ListObjectFlag.ARCH_DIR]):
         if shards and e.name.startswith(shards[-1] + "/"):
             members[-1].append((e.name[len(shards[-1]) + 1:], int(e.size)))
-        elif e.name.endswith(ARCHIVE_EXTS): shards.append(e.name); members.append([])
+        elif e.name.endswith(ARCHIVE_EXTS): shards.append(e.name); members.append([]); sizes.append(int(e.size))
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
     groups = [_group_listing(m, f"ais://{store.bucket.name}/{s}") for s, m in zip(shards, members)]
     idx = _select(groups, shards, fields, source=f"ais://{store.bucket.name}")
-    idx.endpoint = store.endpoint
+    idx.endpoint, idx.shard_bytes = store.endpoint, np.array(sizes, np.int64)
     return idx
 
 # %% ../../nbs/26_sample_index.ipynb

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/27_random.ipynb 3
 from __future__ import annotations
-import os, types, warnings
+import fcntl, hashlib, os, shutil, types, warnings
+from contextlib import contextmanager
+from urllib.parse import quote
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
@@ -17,13 +19,17 @@ from .transforms import TrainTransform, sample_to_tuple, train_transform
 from .collate import _MAPPED, _PooledBatch, _convert, collate
 from .sources import rank_and_world, seed_for
 from ..errors import UsageError
-from ..store import open_store, shown_path
-from .index import RandomAccessError, SampleIndex, _key_from_header, sample_index
+from ..store import open_store, parse_size, shown_path
+from ..config import private_dir, shardkit_home
+from ..shards.read import is_meta_member, scan_tar, tar_entries
+from .index import RandomAccessError, SampleIndex, _key_from_header, group_members, sample_index
 from ..shards.fields import refuse_pickle
 
 # %% auto 0
-__all__ = ['LocalReader', 'epoch_batches', 'RandomAccessDataset', 'RandomAccessLoader', 'create_random_loader', 'AISReader',
-           'build_shard_index']
+__all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'epoch_batches', 'epoch_order', 'order_quality',
+           'RandomAccessDataset', 'RandomAccessLoader', 'ShardCache', 'shard_fetcher', 'member_offsets',
+           'CachedShardReader', 'shard_cache_dir', 'shard_reader', 'create_random_loader', 'AISReader',
+           'build_shard_index', 'RangeReader']
 
 # %% ../../nbs/27_random.ipynb
 class LocalReader:
@@ -57,12 +63,12 @@ class LocalReader:
 
 # %% ../../nbs/27_random.ipynb
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
-                  pad: bool = False, drop_last: bool = True) -> list[np.ndarray]:
-    "Rank `rank`'s batches (arrays of sample numbers) of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone."
+                  pad: bool = False, drop_last: bool = True, order: np.ndarray | None = None) -> list[np.ndarray]:
+    "Rank `rank`'s batches of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone (or `order`), cut."
     if not (drop_last or pad) and world_size > 1:
         raise UsageError(f"with {world_size} ranks every rank needs the same number of full batches (DDP waits for all of "
                          "them): keep drop_last=True, or pass pad=True to repeat samples")
-    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n)
+    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n) if order is None else order
     if not (drop_last or pad): return [perm[i:i + batch_size] for i in range(0, n, batch_size)]  # one rank: a partial last batch
     step = batch_size * world_size
     steps = -(-n // step) if pad else n // step
@@ -71,6 +77,33 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0,
                          "use a smaller batch_size, or pad=True to repeat samples")
     perm = np.resize(perm, steps * step)  # drops the tail, or pads with the permutation's first entries
     return list(perm.reshape(steps, world_size, batch_size)[:, rank])
+
+# %% ../../nbs/27_random.ipynb
+def epoch_order(shard: np.ndarray,           # Each sample's shard number (`SampleIndex.shard`: sorted, shards contiguous)
+                seed: int,                   # Seed of the run
+                epoch: int,                  # Epoch: each draws its own order
+                window: int | None = None,   # Shards per window; None: one global permutation of all samples
+               ) -> np.ndarray:              # Every sample number once, in the epoch's order
+    "The order of epoch `epoch`: a global permutation, or shards permuted in windows of `window` shuffled together."
+    rng = np.random.default_rng(seed_for(seed, epoch, "permutation"))
+    if window is None: return rng.permutation(len(shard))
+    if window < 1: raise UsageError(f"window must be at least 1 shard, got {window}")
+    counts = np.bincount(shard) if len(shard) else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    shards = rng.permutation(len(counts))
+    parts = [rng.permutation(np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards[w:w + window]]))
+             for w in range(0, len(shards), window)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+def order_quality(shard: np.ndarray, order: np.ndarray) -> dict:
+    "How mixed `order` is: the fraction of neighbours from one shard, and the mean gap (in samples) between them."
+    s = shard[order]
+    pos = np.empty(len(order), np.int64); pos[order] = np.arange(len(order))
+    by_shard = np.lexsort((pos, shard))  # each shard's samples, in epoch order
+    same = shard[by_shard][1:] == shard[by_shard][:-1]
+    gaps = np.diff(pos[by_shard])[same]
+    return dict(same_shard_neighbours=float((s[1:] == s[:-1]).mean()) if len(s) > 1 else 0.0,
+                mean_gap=float(gaps.mean()) if len(gaps) else 0.0)
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -103,18 +136,22 @@ class RandomAccessDataset(Dataset):
 class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable with `state_dict` / `load_state_dict`; equal per rank with several."
     def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2, rank: int | None = None,
-                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None, **kw):
+                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None, window: int | None = None, **kw):
         self.dataset, self.batch_size, self.num_workers, self.pad, self.kw = dataset, batch_size, num_workers, pad, kw
         self.rank, self.world_size = rank_and_world(rank, world_size)
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)  # None: DataLoader's default with one rank
-        self.epoch, self.batch, self._restored = 0, 0, False
+        self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property
     def seed(self) -> int: return self.dataset.seed
     def batches(self, epoch: int) -> list[np.ndarray]:
-        "This rank's batches of `epoch` (arrays of sample numbers)."
-        return epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank, self.world_size, self.pad, self.drop_last)
+        "This rank's batches of `epoch` (arrays of sample numbers): a global permutation, or windows of `window` shards."
+        if self._cut[0] != epoch:
+            order = None if self.window is None else epoch_order(self.dataset.index.shard, self.seed, epoch, self.window)
+            self._cut = (epoch, epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank,
+                                              self.world_size, self.pad, self.drop_last, order))
+        return self._cut[1]
     def __len__(self): return len(self.batches(self.epoch))
 
     def set_epoch(self, epoch: int):
@@ -156,16 +193,189 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
 
 # %% ../../nbs/27_random.ipynb
+@contextmanager
+def _locked(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
+class ShardCache:
+    "A bounded folder of whole shards on local disk: each fetched once, written atomically, evicted least recently used."
+    def __init__(self, folder: str | Path,            # The cache's own folder (made private, 0o700)
+                 max_shards: int = 16,                 # Keep at most this many shards
+                 max_bytes: int | str | None = None,   # ... and at most this many bytes (e.g. '2GB'); None: no byte bound
+                ):
+        if max_shards < 1: raise UsageError(f"a shard cache holds at least 1 shard, not max_shards={max_shards}")
+        self.folder, self.max_shards, self.max_bytes = private_dir(Path(folder)), max_shards, parse_size(max_bytes)
+        self.fetched = 0  # shards this process fetched
+
+    def file(self, shard: str, size: int) -> Path:
+        "Where the copy of `shard` (of `size` bytes) lives in the cache: named by a hash of both."
+        h = hashlib.blake2b(f"{shard}\0{size}".encode(), digest_size=12).hexdigest()
+        return self.folder / f"{h}.tar"
+
+    def files(self) -> list[Path]: return sorted(self.folder.glob("*.tar"))
+    def __repr__(self):
+        files = self.files()
+        return (f"ShardCache({shown_path(self.folder)}: {len(files)} of {self.max_shards} shards, "
+                f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB" + (f" of {self.max_bytes / 1e6:.1f})" if self.max_bytes else ")"))
+
+# %% ../../nbs/27_random.ipynb
+@patch
+def get(self: ShardCache, shard: str, size: int, fetch) -> Path:
+    "The local copy of `shard` (`size` bytes), made the most recently used; on a miss `fetch(shard, path)` writes it."
+    if self.max_bytes and size > self.max_bytes:
+        raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache ({self.max_bytes / 1e6:.1f} MB); "
+                         "give the cache more bytes")
+    f = self.file(shard, size)
+    with _locked(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
+        if f.exists(): os.utime(f); return f
+        tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
+        try:
+            fetch(shard, tmp)
+            if (got := tmp.stat().st_size) != size:
+                raise RandomAccessError(f"shard {shard} came as {got} bytes where the index says {size}; "
+                                        "the shard changed after indexing: build the loader again")
+            with _locked(self.folder / ".lock"): self._make_room(size); os.replace(tmp, f)
+        finally: tmp.unlink(missing_ok=True)
+    self.fetched += 1
+    return f
+
+@patch
+def _make_room(self: ShardCache, size: int):
+    "Evict least recently used shards until one of `size` bytes fits both bounds."
+    entries = []
+    for p in self.files():
+        try: st = p.stat(); entries.append((st.st_mtime_ns, st.st_size, p))
+        except FileNotFoundError: pass  # evicted by another process meanwhile
+    entries.sort()
+    total = sum(e[1] for e in entries)
+    while entries and (len(entries) >= self.max_shards or (self.max_bytes and total + size > self.max_bytes)):
+        _, n, p = entries.pop(0); p.unlink(missing_ok=True); total -= n
+
+# %% ../../nbs/27_random.ipynb
+def _copy_file(shard: str, dest: Path): shutil.copyfile(shard, dest)
+
+class _AISFetch:
+    "Streams a whole shard of an AIStore bucket to a local file (one GET, redirected to its target); a session per process."
+    def __init__(self, endpoint: str, bucket: str): self.endpoint, self.bucket, self.pid = endpoint, bucket, None
+    def session(self) -> requests.Session:
+        if self.pid != os.getpid(): self.s, self.pid = requests.Session(), os.getpid()
+        return self.s
+    def url(self, shard: str) -> str: return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
+    def __call__(self, shard: str, dest: Path):
+        try:
+            with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
+                if r.status_code != 200: raise RandomAccessError(f"GET ais://{self.bucket}/{shard} answered HTTP {r.status_code}; is it still there?")
+                for chunk in r.iter_content(1 << 20): f.write(chunk)
+        except requests.RequestException as e:
+            raise RandomAccessError(f"cannot fetch ais://{self.bucket}/{shard} from {self.endpoint} ({type(e).__name__})") from None
+
+def shard_fetcher(index: SampleIndex):
+    "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it from AIStore, or copies a local tar."
+    return _AISFetch(index.endpoint, index.source[len("ais://"):]) if index.source.startswith("ais://") else _copy_file
+
+# %% ../../nbs/27_random.ipynb
+def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
+    "The first sample number of shard `s` in `idx`, and one past its last (shards are contiguous)."
+    return int(np.searchsorted(idx.shard, s)), int(np.searchsorted(idx.shard, s, side="right"))
+
+def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.ndarray, np.ndarray]:
+    "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
+    g, (a, b), F = group_members(names, offsets, sizes, shard=idx.shards[s]), _rows(idx, s), len(idx.fields)
+    kb, ends = bytes(g["keys"]), g["key_end"].tolist()
+    row = {kb[e0:e1].decode(): r for r, (e0, e1) in enumerate(zip([0] + ends[:-1], ends))}
+    off, size, have = np.full((len(ends), F), -1, np.int64), np.full((len(ends), F), -1, np.int64), g["fields"].tolist()
+    for j, f in enumerate(idx.fields):
+        if f in have: m = g["m_field"] == have.index(f); off[g["m_sample"][m], j], size[g["m_sample"][m], j] = g["m_offset"][m], g["m_size"][m]
+    rows = []
+    for i in range(a, b):
+        r = row.get(key := idx.key(i))
+        if r is None or (size[r] != idx.size[i]).any():
+            raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {key!r} is not as indexed in the copy read now; "
+                                    "the shard changed after indexing: build the loader again")
+        rows.append(r)
+    return off[rows], size[rows]
+
+# %% ../../nbs/27_random.ipynb
+class CachedShardReader:
+    "Reads fields of samples from whole-shard copies in a `ShardCache` with `os.pread`, fetching a shard on a miss."
+    def __init__(self, index: SampleIndex, cache: ShardCache, fetch=None):
+        if index.shard_bytes is None: raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
+        self.cache, self.fetch, self.open, self.pid = cache, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
+        self.max_open = max(64, 2 * cache.max_shards)
+
+    def _shard(self, idx: SampleIndex, s: int) -> tuple:
+        "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
+        if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
+        if s in self.open: self.open.move_to_end(s); return self.open[s]
+        path = self.cache.get(idx.shards[s], int(idx.shard_bytes[s]), self.fetch)
+        a, b = _rows(idx, s)
+        where = (idx.offset[a:b], idx.size[a:b]) if idx.offset is not None else member_offsets(idx, s, *scan_tar(path))
+        if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
+        self.open[s] = (os.open(path, os.O_RDONLY), a, *where)
+        return self.open[s]
+
+    def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
+        "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
+        keys, out = [], []
+        for i in ids:
+            fd, a, off, size = self._shard(idx, int(idx.shard[i]))
+            o, n = off[i - a].tolist(), size[i - a].tolist()
+            row = [os.pread(fd, k, p) for p, k in zip(o, n)]
+            if any(len(x) != k for x, k in zip(row, n)): raise RandomAccessError(f"shard {idx.shards[idx.shard[i]]}: sample {i} is cut short in the cache")
+            keys.append(idx.key(i) if idx.keys is not None else _key_from_header(os.pread(fd, 512, o[0] - 512), idx.fields[0], idx.shards[idx.shard[i]]))
+            out.append(row)
+        return keys, out
+
+# %% ../../nbs/27_random.ipynb
+READ_MODES = ("local", "cache", "range", "getbatch")
+DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench_random: the only mode near streaming's rate
+
+def shard_cache_dir(index: SampleIndex) -> Path:
+    "The shard cache folder of `index`'s source: `$SHARDKIT_HOME/cache/shards/<hash of source and endpoint>`."
+    h = hashlib.blake2b(f"{getattr(index, 'endpoint', '')}\0{index.source}".encode(), digest_size=8).hexdigest()
+    return shardkit_home() / "cache" / "shards" / h
+
+def shard_reader(index: SampleIndex,              # What to read
+                 read: str = "auto",              # One of READ_MODES; 'auto': 'local' for local tars, DEFAULT_AIS_READ for ais://
+                 shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' counts bytes
+                ) -> tuple:                       # (the reader, the window of shards its order needs or None)
+    "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
+    ais = index.source.startswith("ais://")
+    if read == "auto": read = DEFAULT_AIS_READ if ais else "local"
+    if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")
+    if read in ("range", "getbatch") and not ais: raise UsageError(f"read={read!r} is for ais:// buckets; use 'local' or 'cache'")
+    if read == "local" and ais: raise UsageError("read='local' is for local tars; for ais:// use 'cache', 'range' or 'getbatch'")
+    if read == "local": return LocalReader(), None
+    if read == "range": return RangeReader(index), None
+    if read == "getbatch": return AISReader(index), None
+    if isinstance(shard_cache, int): cache = ShardCache(shard_cache_dir(index), max_shards=shard_cache)
+    else: cache = ShardCache(shard_cache_dir(index), max_shards=max(len(index.shards), 1), max_bytes=shard_cache)
+    fits = cache.max_shards if cache.max_bytes is None else cache.max_bytes // max(int(index.shard_bytes.max()), 1)
+    if fits < 1: raise UsageError(f"a shard cache of {shard_cache} holds no shard of {shown_path(index.source)} "
+                                  f"(the largest is {index.shard_bytes.max() / 1e6:.1f} MB); give it more")
+    return CachedShardReader(index, cache), int(min(fits, cache.max_shards))
+
+# %% ../../nbs/27_random.ipynb
 def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
-                         cache: bool | str | Path = True, **kw) -> RandomAccessLoader:
-    "A resumable loader reading `keys` of the samples of `source` (directory, tar paths, `ais://bucket`) in a seeded global order."
+                         cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
+                         window: int | None | str = "auto", **kw) -> RandomAccessLoader:
+    "A resumable loader of `keys` of the samples of `source` (directory, tar paths, `ais://bucket`) in a seeded order."
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform()
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
-    ds = RandomAccessDataset(sample_index(source, keys, cache), keys, transform, seed, allow_pickle)
-    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, **kw)
+    index = sample_index(source, keys, cache)
+    reader, fits = shard_reader(index, read, shard_cache)  # fits: the shards a window may span (None: any)
+    if window == "auto": window = fits
+    elif fits is not None and (window is None or window > fits):
+        raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
+                         f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
+    ds = RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader)
+    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, window, **kw)
 
 # %% ../../nbs/27_random.ipynb
 class AISReader:
@@ -235,3 +445,44 @@ def build_shard_index(store, timeout: float = 600) -> str:
     res = store.client.job(job_id=job).wait(timeout=timeout)
     if getattr(res, "success", True) is False: raise RandomAccessError(f"index-shard job {job} on {store.spec} failed: {res.error}")
     return job
+
+# %% ../../nbs/27_random.ipynb
+class RangeReader:
+    "Reads each sample of an AIStore bucket with one HTTP range GET, straight to the target that holds its shard."
+    def __init__(self, index: SampleIndex):
+        self.fetch, self.pid = _AISFetch(index.endpoint, index.source[len("ais://"):]), None
+
+    def _shard(self, idx: SampleIndex, s: int) -> tuple:
+        "(target URL, first sample number, offsets, sizes) of shard `s`: its headers are read once per process."
+        if self.pid != os.getpid(): self.known, self.pid = {}, os.getpid()
+        if s not in self.known:
+            sess, url = self.fetch.session(), self.fetch.url(idx.shards[s])
+            try:
+                with sess.get(url, stream=True, timeout=(5, 120)) as r:
+                    if r.status_code != 200: raise self.fetch_error(idx, s, f"HTTP {r.status_code}")
+                    ents = [e for e in tar_entries(r.raw, idx.shards[s], data=False) if e.is_file and not is_meta_member(e.name)]
+                r = sess.get(url, allow_redirects=False, timeout=(5, 30)); r.close()
+            except requests.RequestException as e: raise self.fetch_error(idx, s, type(e).__name__) from None
+            target = r.headers.get("Location", url)  # the proxy redirects to the target; keep that URL for the shard
+            where = member_offsets(idx, s, [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents])
+            self.known[s] = (target, _rows(idx, s)[0], *where)
+        return self.known[s]
+
+    def fetch_error(self, idx: SampleIndex, s: int, why: str) -> RandomAccessError:
+        return RandomAccessError(f"cannot read shard {idx.source}/{idx.shards[s]} ({why}); is it still there?")
+
+# %% ../../nbs/27_random.ipynb
+@patch
+def read(self: RangeReader, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
+    "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one range GET per sample)."
+    sess, keys, out = self.fetch.session(), [], []
+    for i in ids:
+        url, a, off, size = self._shard(idx, int(idx.shard[i]))
+        o, n = off[i - a], size[i - a]
+        lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
+        try: r = sess.get(url, headers={"Range": f"bytes={lo}-{hi - 1}"}, timeout=(5, 60))
+        except requests.RequestException as e: raise self.fetch_error(idx, int(idx.shard[i]), type(e).__name__) from None
+        if r.status_code != 206 or len(r.content) != hi - lo:
+            raise self.fetch_error(idx, int(idx.shard[i]), f"a range GET answered HTTP {r.status_code}, {len(r.content)} bytes")
+        keys.append(idx.key(i)); out.append([r.content[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
+    return keys, out
