@@ -35,7 +35,8 @@ def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[in
     return n, time.perf_counter() - t0, cpu_seconds() - c0
 
 def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
-                 samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False, read: str = "auto") -> dict:
+                 samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False,
+                 read: str = "auto") -> dict:
     "Samples/s, CPU ms/sample of the random-access loader on `source` (epochs, >= `samples`); `read_only`: bytes only."
     t0 = time.perf_counter()
     loader = create_random_loader(source, keys, train_transform(size), batch_size, num_workers, seed, read=read)
@@ -47,7 +48,7 @@ def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size:
                 num_workers=0 if read_only else num_workers, batch_size=batch_size, read_only=read_only)
 
 def bench_ais_index(store, **kw) -> dict:
-    "`bench_random` of GetBatch on AIStore bucket `store`, reading only and decoding, without and then with the cluster's index."
+    "`bench_random` of GetBatch on AIStore bucket `store`, reading only and decoding, without and with its shard index."
     kw = dict(kw, read="getbatch")
     def both(): return {"read": bench_random(store, read_only=True, **kw), "decode": bench_random(store, **kw)}
     without = both()
@@ -116,7 +117,8 @@ def bench_read_modes(store,                                   # An ais:// bucket
 def modes_table(rows: dict) -> str:
     "Rows of `bench_read_modes` as a text table."
     cols = {"name": ("read mode", "{}"), "rate": ("samples/s", "{:,.0f}"), "ratio": ("x streaming", "{:.3f}"),
-            "ais_ms": ("AIStore CPU ms/sample", "{:.4f}"), "samples": ("samples", "{:,d}"), "setup_s": ("setup s", "{:.1f}")}
+            "ais_ms": ("AIStore CPU ms/sample", "{:.4f}"), "samples": ("samples", "{:,d}"),
+            "setup_s": ("setup s", "{:.1f}")}
     return format_bench([dict(r, name=k) for k, r in rows.items()], cols)
 
 # %% ../../nbs/36_bench_random.ipynb
@@ -130,7 +132,7 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
                      workers: int = 2,          # DataLoader workers
                      samples: int = 2000,       # Samples per timed run (whole epochs)
                      batch_size: int = 64,      # Samples per batch
-                     shard_index: store_true = False,  # On AIStore: measure GetBatch, build the cluster's index, measure again
+                     shard_index: store_true = False,  # On AIStore: GetBatch, then build the cluster's index, and again
                      modes: store_true = False, # On AIStore: every read mode (cache, range, GetBatch) against streaming
                      keys: str = None):         # Fields to read, comma-separated (default: the class label and JPEG)
     "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."

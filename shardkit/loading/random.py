@@ -79,7 +79,7 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0,
     return list(perm.reshape(steps, world_size, batch_size)[:, rank])
 
 # %% ../../nbs/27_random.ipynb
-def epoch_order(shard: np.ndarray,           # Each sample's shard number (`SampleIndex.shard`: sorted, shards contiguous)
+def epoch_order(shard: np.ndarray,           # Each sample's shard number (`SampleIndex.shard`: shards contiguous)
                 seed: int,                   # Seed of the run
                 epoch: int,                  # Epoch: each draws its own order
                 window: int | None = None,   # Shards per window; None: one global permutation of all samples
@@ -136,7 +136,8 @@ class RandomAccessDataset(Dataset):
 class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable with `state_dict` / `load_state_dict`; equal per rank with several."
     def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2, rank: int | None = None,
-                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None, window: int | None = None, **kw):
+                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None,
+                 window: int | None = None, **kw):
         self.dataset, self.batch_size, self.num_workers, self.pad, self.kw = dataset, batch_size, num_workers, pad, kw
         self.rank, self.world_size = rank_and_world(rank, world_size)
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)  # None: DataLoader's default with one rank
@@ -146,9 +147,10 @@ class RandomAccessLoader:
     @property
     def seed(self) -> int: return self.dataset.seed
     def batches(self, epoch: int) -> list[np.ndarray]:
-        "This rank's batches of `epoch` (arrays of sample numbers): a global permutation, or windows of `window` shards."
+        "This rank's batches of `epoch` (arrays of sample numbers): a global permutation, or windows of shards."
         if self._cut[0] != epoch:
-            order = None if self.window is None else epoch_order(self.dataset.index.shard, self.seed, epoch, self.window)
+            w = self.window
+            order = None if w is None else epoch_order(self.dataset.index.shard, self.seed, epoch, w)
             self._cut = (epoch, epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank,
                                               self.world_size, self.pad, self.drop_last, order))
         return self._cut[1]
@@ -201,10 +203,10 @@ def _locked(path: Path):
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 class ShardCache:
-    "A bounded folder of whole shards on local disk: each fetched once, written atomically, evicted least recently used."
+    "A bounded folder of whole shards on local disk: fetched once, written atomically, evicted least recently used."
     def __init__(self, folder: str | Path,            # The cache's own folder (made private, 0o700)
                  max_shards: int = 16,                 # Keep at most this many shards
-                 max_bytes: int | str | None = None,   # ... and at most this many bytes (e.g. '2GB'); None: no byte bound
+                 max_bytes: int | str | None = None,   # ... and at most this many bytes (e.g. '2GB'); None: no bound
                 ):
         if max_shards < 1: raise UsageError(f"a shard cache holds at least 1 shard, not max_shards={max_shards}")
         self.folder, self.max_shards, self.max_bytes = private_dir(Path(folder)), max_shards, parse_size(max_bytes)
@@ -217,16 +219,17 @@ class ShardCache:
 
     def files(self) -> list[Path]: return sorted(self.folder.glob("*.tar"))
     def __repr__(self):
-        files = self.files()
+        files, most = self.files(), f" of {self.max_bytes / 1e6:.1f}" if self.max_bytes else ""
         return (f"ShardCache({shown_path(self.folder)}: {len(files)} of {self.max_shards} shards, "
-                f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB" + (f" of {self.max_bytes / 1e6:.1f})" if self.max_bytes else ")"))
+                f"{sum(f.stat().st_size for f in files) / 1e6:.1f}{most} MB)")
 
 # %% ../../nbs/27_random.ipynb
 @patch
 def get(self: ShardCache, shard: str, size: int, fetch) -> Path:
     "The local copy of `shard` (`size` bytes), made the most recently used; on a miss `fetch(shard, path)` writes it."
     if self.max_bytes and size > self.max_bytes:
-        raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache ({self.max_bytes / 1e6:.1f} MB); "
+        raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache "
+                         f"({self.max_bytes / 1e6:.1f} MB); "
                          "give the cache more bytes")
     f = self.file(shard, size)
     with _locked(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
@@ -258,7 +261,7 @@ def _make_room(self: ShardCache, size: int):
 def _copy_file(shard: str, dest: Path): shutil.copyfile(shard, dest)
 
 class _AISFetch:
-    "Streams a whole shard of an AIStore bucket to a local file (one GET, redirected to its target); a session per process."
+    "Streams a whole shard of an AIStore bucket to a local file (one GET, redirected to its target)."
     def __init__(self, endpoint: str, bucket: str): self.endpoint, self.bucket, self.pid = endpoint, bucket, None
     def session(self) -> requests.Session:
         if self.pid != os.getpid(): self.s, self.pid = requests.Session(), os.getpid()
@@ -267,10 +270,13 @@ class _AISFetch:
     def __call__(self, shard: str, dest: Path):
         try:
             with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
-                if r.status_code != 200: raise RandomAccessError(f"GET ais://{self.bucket}/{shard} answered HTTP {r.status_code}; is it still there?")
+                if r.status_code != 200:
+                    raise RandomAccessError(f"GET ais://{self.bucket}/{shard} answered HTTP {r.status_code}; "
+                                            "is it still there?")
                 for chunk in r.iter_content(1 << 20): f.write(chunk)
         except requests.RequestException as e:
-            raise RandomAccessError(f"cannot fetch ais://{self.bucket}/{shard} from {self.endpoint} ({type(e).__name__})") from None
+            raise RandomAccessError(f"cannot fetch ais://{self.bucket}/{shard} from {self.endpoint} "
+                                    f"({type(e).__name__})") from None
 
 def shard_fetcher(index: SampleIndex):
     "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it from AIStore, or copies a local tar."
@@ -288,12 +294,15 @@ def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.
     row = {kb[e0:e1].decode(): r for r, (e0, e1) in enumerate(zip([0] + ends[:-1], ends))}
     off, size, have = np.full((len(ends), F), -1, np.int64), np.full((len(ends), F), -1, np.int64), g["fields"].tolist()
     for j, f in enumerate(idx.fields):
-        if f in have: m = g["m_field"] == have.index(f); off[g["m_sample"][m], j], size[g["m_sample"][m], j] = g["m_offset"][m], g["m_size"][m]
+        if f not in have: continue
+        m = g["m_field"] == have.index(f)
+        off[g["m_sample"][m], j], size[g["m_sample"][m], j] = g["m_offset"][m], g["m_size"][m]
     rows = []
     for i in range(a, b):
         r = row.get(key := idx.key(i))
         if r is None or (size[r] != idx.size[i]).any():
-            raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {key!r} is not as indexed in the copy read now; "
+            raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {key!r} is not as indexed in the "
+                                    "copy read now; "
                                     "the shard changed after indexing: build the loader again")
         rows.append(r)
     return off[rows], size[rows]
@@ -302,7 +311,8 @@ def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.
 class CachedShardReader:
     "Reads fields of samples from whole-shard copies in a `ShardCache` with `os.pread`, fetching a shard on a miss."
     def __init__(self, index: SampleIndex, cache: ShardCache, fetch=None):
-        if index.shard_bytes is None: raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
+        if index.shard_bytes is None:
+            raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
         self.cache, self.fetch, self.open, self.pid = cache, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
         self.max_open = max(64, 2 * cache.max_shards)
 
@@ -324,8 +334,11 @@ class CachedShardReader:
             fd, a, off, size = self._shard(idx, int(idx.shard[i]))
             o, n = off[i - a].tolist(), size[i - a].tolist()
             row = [os.pread(fd, k, p) for p, k in zip(o, n)]
-            if any(len(x) != k for x, k in zip(row, n)): raise RandomAccessError(f"shard {idx.shards[idx.shard[i]]}: sample {i} is cut short in the cache")
-            keys.append(idx.key(i) if idx.keys is not None else _key_from_header(os.pread(fd, 512, o[0] - 512), idx.fields[0], idx.shards[idx.shard[i]]))
+            where = idx.shards[idx.shard[i]]
+            if any(len(x) != k for x, k in zip(row, n)):
+                raise RandomAccessError(f"shard {where}: sample {i} is cut short in the cache; clear it and run again")
+            keys.append(idx.key(i) if idx.keys is not None
+                        else _key_from_header(os.pread(fd, 512, o[0] - 512), idx.fields[0], where))
             out.append(row)
         return keys, out
 
@@ -339,15 +352,17 @@ def shard_cache_dir(index: SampleIndex) -> Path:
     return shardkit_home() / "cache" / "shards" / h
 
 def shard_reader(index: SampleIndex,              # What to read
-                 read: str = "auto",              # One of READ_MODES; 'auto': 'local' for local tars, DEFAULT_AIS_READ for ais://
-                 shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' counts bytes
+                 read: str = "auto",              # READ_MODES or 'auto' (local tars: 'local', ais://: DEFAULT_AIS_READ)
+                 shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' bytes
                 ) -> tuple:                       # (the reader, the window of shards its order needs or None)
     "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
     ais = index.source.startswith("ais://")
     if read == "auto": read = DEFAULT_AIS_READ if ais else "local"
     if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")
-    if read in ("range", "getbatch") and not ais: raise UsageError(f"read={read!r} is for ais:// buckets; use 'local' or 'cache'")
-    if read == "local" and ais: raise UsageError("read='local' is for local tars; for ais:// use 'cache', 'range' or 'getbatch'")
+    if read in ("range", "getbatch") and not ais:
+        raise UsageError(f"read={read!r} is for ais:// buckets; use 'local' or 'cache'")
+    if read == "local" and ais:
+        raise UsageError("read='local' is for local tars; for ais:// use 'cache', 'range' or 'getbatch'")
     if read == "local": return LocalReader(), None
     if read == "range": return RangeReader(index), None
     if read == "getbatch": return AISReader(index), None
@@ -460,11 +475,12 @@ class RangeReader:
             try:
                 with sess.get(url, stream=True, timeout=(5, 120)) as r:
                     if r.status_code != 200: raise self.fetch_error(idx, s, f"HTTP {r.status_code}")
-                    ents = [e for e in tar_entries(r.raw, idx.shards[s], data=False) if e.is_file and not is_meta_member(e.name)]
+                    ents = [e for e in tar_entries(r.raw, idx.shards[s], data=False)
+                            if e.is_file and not is_meta_member(e.name)]
                 r = sess.get(url, allow_redirects=False, timeout=(5, 30)); r.close()
             except requests.RequestException as e: raise self.fetch_error(idx, s, type(e).__name__) from None
             target = r.headers.get("Location", url)  # the proxy redirects to the target; keep that URL for the shard
-            where = member_offsets(idx, s, [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents])
+            where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
             self.known[s] = (target, _rows(idx, s)[0], *where)
         return self.known[s]
 
@@ -481,8 +497,10 @@ def read(self: RangeReader, idx: SampleIndex, ids) -> tuple[list[str], list[list
         o, n = off[i - a], size[i - a]
         lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
         try: r = sess.get(url, headers={"Range": f"bytes={lo}-{hi - 1}"}, timeout=(5, 60))
-        except requests.RequestException as e: raise self.fetch_error(idx, int(idx.shard[i]), type(e).__name__) from None
+        except requests.RequestException as e:
+            raise self.fetch_error(idx, int(idx.shard[i]), type(e).__name__) from None
         if r.status_code != 206 or len(r.content) != hi - lo:
-            raise self.fetch_error(idx, int(idx.shard[i]), f"a range GET answered HTTP {r.status_code}, {len(r.content)} bytes")
+            why = f"a range GET answered HTTP {r.status_code}, {len(r.content)} bytes"
+            raise self.fetch_error(idx, int(idx.shard[i]), why)
         keys.append(idx.key(i)); out.append([r.content[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
     return keys, out
