@@ -21,7 +21,8 @@ def _write_shards(folder, sizes=SIZES):
     for s, n in enumerate(sizes):
         paths.append(str(folder / f"small-{s:05d}.tar"))
         with wds.TarWriter(paths[-1]) as w:
-            for i in range(n): w.write({"__key__": f"s{s}_{i:02d}", "bin": rng.bytes(int(rng.integers(100, 3000))), "cls": i})
+            for i in range(n):
+                w.write({"__key__": f"s{s}_{i:02d}", "bin": rng.bytes(int(rng.integers(100, 3000))), "cls": i})
     return paths
 
 
@@ -114,7 +115,7 @@ def test_cache_refuses_what_it_cannot_hold(shards):
         _loader(src, read="cache", shard_cache=2, window=5)
     with pytest.raises(UsageError, match="holds no shard"):
         _loader(src, read="cache", shard_cache="1KB")
-    with pytest.raises(UsageError, match="is for ais:// buckets"):
+    with pytest.raises(UsageError, match=r"read=.range. cannot read local shards.*use one of"):
         _loader(src, read="range")
 
 
@@ -171,3 +172,46 @@ def test_range_read_returns_the_tar_members_bytes(shards, bucket):
     for k, (cls, data) in zip(keys, rows):
         assert (cls, data) == (members[f"{k}.cls"], members[f"{k}.bin"])
     assert sorted(_keys(dl)) == ALL
+
+
+class _RangeHandler(__import__("http.server").server.SimpleHTTPRequestHandler):
+    "Serves files with `Range: bytes=a-b` (206), as object stores do; quiet."
+    def log_message(self, *args): pass
+
+    def do_GET(self):
+        rng = self.headers.get("Range")
+        if not rng: return super().do_GET()
+        a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+        with open(self.translate_path(self.path), "rb") as f: f.seek(a); data = f.read(b - a + 1)
+        self.send_response(206); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def http_base(shards):
+    import functools, http.server, threading
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                          functools.partial(_RangeHandler, directory=os.path.dirname(shards[0])))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _urls(base): return [f"{base}/small-{s:05d}.tar" for s in range(len(SIZES))]
+
+
+def test_http_defaults_to_the_shard_cache(shards, http_base):
+    dl = _loader(_urls(http_base), shard_cache=3, batch_size=4, num_workers=2, seed=1)
+    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.window == 3
+    e0 = _keys(dl)
+    assert sorted(e0) == ALL and len(_cache_files(dl)) <= 3
+    assert _keys(_loader(os.path.dirname(shards[0]), read="cache", shard_cache=3, batch_size=4, seed=1)) == e0
+
+
+def test_http_range_read_returns_the_tar_members_bytes(shards, http_base):
+    dl = _loader(_urls(http_base), read="range", batch_size=4)
+    local = _loader(os.path.dirname(shards[0]), read="local", batch_size=4)
+    ids = list(range(len(ALL)))
+    assert dl.dataset.reader.read(dl.dataset.index, ids) == local.dataset.reader.read(local.dataset.index, ids)
+    with tarfile.open(shards[0]) as t: first = t.extractfile(t.getmember("s0_00.bin")).read()
+    assert dl.dataset.samples([0])[0]["bin"] == first

@@ -12,12 +12,12 @@ from ..config import shardkit_home
 from ..shards.fields import split_key
 from ..store import AISStore, open_store, shown_path
 from ..errors import ShardkitError, UsageError
-from ..shards.read import is_meta_member, scan_tar
+from ..shards.read import is_meta_member, scan_tar, tar_entries
 from .sources import shard_urls
 
 # %% auto 0
-__all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'SampleIndex', 'sample_index',
-           'index_ais', 'synthetic_listing', 'index_scale']
+__all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'SampleIndex', 'index_url',
+           'sample_index', 'index_ais', 'synthetic_listing', 'index_scale']
 
 # %% ../../nbs/26_sample_index.ipynb
 class RandomAccessError(ShardkitError):
@@ -66,17 +66,19 @@ def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}
     g = group_members(*scan_tar(path), shard=str(path))
-    if cfile is not None:
-        tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
-        try:
-            cfile.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(tmpf, **g)
-            os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
-        except OSError as e:
-            warnings.warn(f"cannot cache the index of {shown_path(path)} in {shown_path(cfile.parent)} ({e.strerror}); "
-                          "it is rebuilt every run. "
-                          "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
+    if cfile is not None: _save_index(g, cfile, shown_path(path))
     return g
+
+def _save_index(g: dict, cfile: Path, shard: str):
+    tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
+    try:
+        cfile.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmpf, **g)
+        os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
+    except OSError as e:
+        warnings.warn(f"cannot cache the index of {shard} in {shown_path(cfile.parent)} ({e.strerror}); "
+                      "it is rebuilt every run. "
+                      "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
 
 # %% ../../nbs/26_sample_index.ipynb
 def _data_fields(keys: Sequence[str]) -> tuple[str, ...]:
@@ -94,6 +96,7 @@ def _key_from_header(header: bytes, field: str, where: str) -> str:
 class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
     shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
+    kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs) or 'ais' (a bucket)
     def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
@@ -114,7 +117,8 @@ class SampleIndex:
                 f"fields={self.fields}, {self.nbytes / max(len(self), 1):.1f} bytes/sample, keys {keys})")
 
 # %% ../../nbs/26_sample_index.ipynb
-def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source: str) -> SampleIndex:
+def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source: str, keep_keys: bool = False
+           ) -> SampleIndex:
     "One `SampleIndex` over per-shard `groups`, keeping offset and size of `fields` only."
     counts = np.array([len(g["key_end"]) for g in groups], np.int64)
     n, F = int(counts.sum()), len(fields)
@@ -137,7 +141,8 @@ def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source
                       fields, source)
     _check_complete(idx, groups)
     if not (offset >= 0).all(): idx.offset = None  # a listing (AIStore): members are read by name
-    elif F and all(bool(g["plain"]) for g in groups): idx.keys = idx.key_end = None  # read back from the tar headers
+    elif F and not keep_keys and all(bool(g["plain"]) for g in groups):
+        idx.keys = idx.key_end = None  # read back from the tar headers
     return idx
 
 def _check_complete(idx: SampleIndex, groups: list[dict]):
@@ -148,6 +153,27 @@ def _check_complete(idx: SampleIndex, groups: list[dict]):
     raise RandomAccessError(f"{len(bad)} samples lack a field the loader asks for, e.g. sample {idx.key(i)!r} in shard "
                             f"{idx.shards[s]} has no {lacks}; that shard has fields {groups[s]['fields'].tolist()}. "
                             "Pass keys= with fields every sample has")
+
+# %% ../../nbs/26_sample_index.ipynb
+def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int]:
+    "The sample index of the tar at HTTP(S) `url` (one streamed read), cached by URL, size and validator; and its size."
+    import requests
+    try:
+        h = requests.head(url, allow_redirects=True, timeout=(5, 30))
+        if h.status_code != 200: raise RandomAccessError(f"HEAD {url} answered HTTP {h.status_code}; is it there?")
+        size, tag = int(h.headers.get("Content-Length", -1)), h.headers.get("ETag") or h.headers.get("Last-Modified")
+        key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
+        cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
+        if cfile is not None and cfile.exists():
+            with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size
+        with requests.get(url, stream=True, timeout=(5, 120)) as r:
+            if r.status_code != 200: raise RandomAccessError(f"GET {url} answered HTTP {r.status_code}")
+            ents = [e for e in tar_entries(r.raw, url, data=False) if e.is_file and not is_meta_member(e.name)]
+    except requests.RequestException as e:
+        raise RandomAccessError(f"cannot read shard {url} ({type(e).__name__})") from None
+    g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
+    if cfile is not None: _save_index(g, cfile, url)
+    return g, size
 
 # %% ../../nbs/26_sample_index.ipynb
 ARCHIVE_EXTS = (".tar", ".tgz", ".tar.gz", ".tar.lz4", ".zip")
@@ -161,9 +187,15 @@ def sample_index(source,                                   # A directory, tar pa
     fields = _data_fields(keys)
     if isinstance(source, AISStore) or str(source).startswith("ais://"): return index_ais(open_store(source), fields)
     paths = shard_urls(source, pattern)
-    remote = [p for p in paths if "://" in p]
-    if remote: raise UsageError(f"random access reads local tar files or ais:// buckets, not URLs like {remote[0]}")
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
+    remote = [p for p in paths if "://" in p]
+    if remote:
+        if bad := [p for p in paths if not p.startswith(("http://", "https://"))]:
+            raise UsageError(f"random access reads local tars, http(s) URLs or ais:// buckets, not {bad[0]}")
+        got = [index_url(p, cache) for p in paths]
+        idx = _select([g for g, _ in got], paths, fields, source=name, keep_keys=True)
+        idx.shard_bytes, idx.kind = np.array([n for _, n in got], np.int64), "http"
+        return idx
     idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
     idx.shard_bytes = np.array([os.path.getsize(p) for p in paths], np.int64)
     return idx
@@ -185,7 +217,7 @@ def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
     groups = [_group_listing(m, f"ais://{store.bucket.name}/{s}") for s, m in zip(shards, members)]
     idx = _select(groups, shards, fields, source=f"ais://{store.bucket.name}")
-    idx.endpoint, idx.shard_bytes = store.endpoint, np.array(sizes, np.int64)
+    idx.endpoint, idx.shard_bytes, idx.kind = store.endpoint, np.array(sizes, np.int64), "ais"
     return idx
 
 # %% ../../nbs/26_sample_index.ipynb

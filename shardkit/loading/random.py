@@ -260,27 +260,31 @@ def _make_room(self: ShardCache, size: int):
 # %% ../../nbs/27_random.ipynb
 def _copy_file(shard: str, dest: Path): shutil.copyfile(shard, dest)
 
-class _AISFetch:
-    "Streams a whole shard of an AIStore bucket to a local file (one GET, redirected to its target)."
-    def __init__(self, endpoint: str, bucket: str): self.endpoint, self.bucket, self.pid = endpoint, bucket, None
+class _HTTPFetch:
+    "Streams a whole shard to a local file with one GET (on AIStore, redirected to its target); a session per process."
+    def __init__(self, endpoint: str | None = None, bucket: str | None = None):
+        self.endpoint, self.bucket, self.pid = endpoint, bucket, None
     def session(self) -> requests.Session:
         if self.pid != os.getpid(): self.s, self.pid = requests.Session(), os.getpid()
         return self.s
-    def url(self, shard: str) -> str: return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
+    def url(self, shard: str) -> str:
+        "The URL of `shard`: itself, or its AIStore object URL."
+        if self.endpoint is None: return shard
+        return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
+    def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
     def __call__(self, shard: str, dest: Path):
         try:
             with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
                 if r.status_code != 200:
-                    raise RandomAccessError(f"GET ais://{self.bucket}/{shard} answered HTTP {r.status_code}; "
-                                            "is it still there?")
+                    raise RandomAccessError(f"GET {self.name(shard)} answered HTTP {r.status_code}; is it still there?")
                 for chunk in r.iter_content(1 << 20): f.write(chunk)
         except requests.RequestException as e:
-            raise RandomAccessError(f"cannot fetch ais://{self.bucket}/{shard} from {self.endpoint} "
-                                    f"({type(e).__name__})") from None
+            raise RandomAccessError(f"cannot fetch {self.name(shard)} ({type(e).__name__})") from None
 
 def shard_fetcher(index: SampleIndex):
-    "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it from AIStore, or copies a local tar."
-    return _AISFetch(index.endpoint, index.source[len("ais://"):]) if index.source.startswith("ais://") else _copy_file
+    "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it over HTTP (AIStore too) or copies it."
+    if index.kind == "ais": return _HTTPFetch(index.endpoint, index.source[len("ais://"):])
+    return _HTTPFetch() if index.kind == "http" else _copy_file
 
 # %% ../../nbs/27_random.ipynb
 def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
@@ -352,17 +356,15 @@ def shard_cache_dir(index: SampleIndex) -> Path:
     return shardkit_home() / "cache" / "shards" / h
 
 def shard_reader(index: SampleIndex,              # What to read
-                 read: str = "auto",              # READ_MODES or 'auto' (local tars: 'local', ais://: DEFAULT_AIS_READ)
+                 read: str = "auto",              # One of READ_MODES, or 'auto': the default for the source
                  shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' bytes
                 ) -> tuple:                       # (the reader, the window of shards its order needs or None)
     "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
-    ais = index.source.startswith("ais://")
-    if read == "auto": read = DEFAULT_AIS_READ if ais else "local"
+    can = {"local": ("local", "cache"), "http": ("cache", "range"), "ais": ("cache", "range", "getbatch")}[index.kind]
+    if read == "auto": read = {"local": "local", "http": "cache", "ais": DEFAULT_AIS_READ}[index.kind]
     if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")
-    if read in ("range", "getbatch") and not ais:
-        raise UsageError(f"read={read!r} is for ais:// buckets; use 'local' or 'cache'")
-    if read == "local" and ais:
-        raise UsageError("read='local' is for local tars; for ais:// use 'cache', 'range' or 'getbatch'")
+    if read not in can:
+        raise UsageError(f"read={read!r} cannot read {index.kind} shards ({index.source}); use one of {can}")
     if read == "local": return LocalReader(), None
     if read == "range": return RangeReader(index), None
     if read == "getbatch": return AISReader(index), None
@@ -463,29 +465,30 @@ def build_shard_index(store, timeout: float = 600) -> str:
 
 # %% ../../nbs/27_random.ipynb
 class RangeReader:
-    "Reads each sample of an AIStore bucket with one HTTP range GET, straight to the target that holds its shard."
-    def __init__(self, index: SampleIndex):
-        self.fetch, self.pid = _AISFetch(index.endpoint, index.source[len("ais://"):]), None
+    "Reads each sample with one HTTP range GET (AIStore: straight to the target that holds its shard)."
+    def __init__(self, index: SampleIndex): self.fetch, self.pid = shard_fetcher(index), None
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
-        "(target URL, first sample number, offsets, sizes) of shard `s`: its headers are read once per process."
+        "(URL, first sample number, offsets, sizes) of shard `s`; without offsets, its headers read once per process."
         if self.pid != os.getpid(): self.known, self.pid = {}, os.getpid()
-        if s not in self.known:
-            sess, url = self.fetch.session(), self.fetch.url(idx.shards[s])
-            try:
+        if s in self.known: return self.known[s]
+        sess, url, (a, b) = self.fetch.session(), self.fetch.url(idx.shards[s]), _rows(idx, s)
+        try:
+            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
+            else:
                 with sess.get(url, stream=True, timeout=(5, 120)) as r:
                     if r.status_code != 200: raise self.fetch_error(idx, s, f"HTTP {r.status_code}")
                     ents = [e for e in tar_entries(r.raw, idx.shards[s], data=False)
                             if e.is_file and not is_meta_member(e.name)]
-                r = sess.get(url, allow_redirects=False, timeout=(5, 30)); r.close()
-            except requests.RequestException as e: raise self.fetch_error(idx, s, type(e).__name__) from None
-            target = r.headers.get("Location", url)  # the proxy redirects to the target; keep that URL for the shard
-            where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
-            self.known[s] = (target, _rows(idx, s)[0], *where)
+                where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
+            with sess.get(url, allow_redirects=False, stream=True, timeout=(5, 30)) as r:
+                target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
+        except requests.RequestException as e: raise self.fetch_error(idx, s, type(e).__name__) from None
+        self.known[s] = (target, a, *where)
         return self.known[s]
 
     def fetch_error(self, idx: SampleIndex, s: int, why: str) -> RandomAccessError:
-        return RandomAccessError(f"cannot read shard {idx.source}/{idx.shards[s]} ({why}); is it still there?")
+        return RandomAccessError(f"cannot read shard {self.fetch.name(idx.shards[s])} ({why}); is it still there?")
 
 # %% ../../nbs/27_random.ipynb
 @patch
