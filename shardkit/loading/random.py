@@ -225,25 +225,26 @@ class ShardCache:
 
 # %% ../../nbs/27_random.ipynb
 @patch
-def get(self: ShardCache, shard: str, size: int, fetch) -> Path:
-    "The local copy of `shard` (`size` bytes), made the most recently used; on a miss `fetch(shard, path)` writes it."
+def open(self: ShardCache, shard: str, size: int, fetch) -> int:
+    "An open descriptor of the copy of `shard` (`size` bytes), now most recently used; a miss calls `fetch`."
     if self.max_bytes and size > self.max_bytes:
         raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache "
                          f"({self.max_bytes / 1e6:.1f} MB); "
                          "give the cache more bytes")
     f = self.file(shard, size)
     with _locked(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
-        if f.exists(): os.utime(f); return f
+        with _locked(self.folder / ".lock"):  # opened before anyone can evict it
+            if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
         tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
         try:
             fetch(shard, tmp)
             if (got := tmp.stat().st_size) != size:
                 raise RandomAccessError(f"shard {shard} came as {got} bytes where the index says {size}; "
                                         "the shard changed after indexing: build the loader again")
-            with _locked(self.folder / ".lock"): self._make_room(size); os.replace(tmp, f)
+            with _locked(self.folder / ".lock"): self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
         finally: tmp.unlink(missing_ok=True)
     self.fetched += 1
-    return f
+    return fd
 
 @patch
 def _make_room(self: ShardCache, size: int):
@@ -291,6 +292,13 @@ def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
     "The first sample number of shard `s` in `idx`, and one past its last (shards are contiguous)."
     return int(np.searchsorted(idx.shard, s)), int(np.searchsorted(idx.shard, s, side="right"))
 
+def _scan_fd(fd: int, name: str) -> tuple[list, list, list]:
+    "Names, data offsets and sizes of the members of the tar open as `fd`, from its headers (`scan_tar` of a path)."
+    with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)
+        ents = [e for e in tar_entries(f, name, data=False) if e.is_file and not is_meta_member(e.name)]
+    return [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents]
+
 def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.ndarray, np.ndarray]:
     "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
     g, (a, b), F = group_members(names, offsets, sizes, shard=idx.shards[s]), _rows(idx, s), len(idx.fields)
@@ -324,11 +332,13 @@ class CachedShardReader:
         "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
         if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
         if s in self.open: self.open.move_to_end(s); return self.open[s]
-        path = self.cache.get(idx.shards[s], int(idx.shard_bytes[s]), self.fetch)
-        a, b = _rows(idx, s)
-        where = (idx.offset[a:b], idx.size[a:b]) if idx.offset is not None else member_offsets(idx, s, *scan_tar(path))
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), self.fetch), _rows(idx, s)
+        try:
+            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]  # a copy of an indexed tar: same offsets
+            else: where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]))
+        except BaseException: os.close(fd); raise
         if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
-        self.open[s] = (os.open(path, os.O_RDONLY), a, *where)
+        self.open[s] = (fd, a, *where)
         return self.open[s]
 
     def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
