@@ -345,7 +345,10 @@ class CachedShardReader:
         "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
         keys, out = [], []
         for i in ids:
-            fd, a, off, size = self._shard(idx, int(idx.shard[i]))
+            try: fd, a, off, size = self._shard(idx, s := int(idx.shard[i]))
+            except RandomAccessError as e:  # name the source and the sample too
+                where = f"{idx.source}/{idx.shards[s]}" if idx.kind == "ais" else idx.shards[s]
+                raise RandomAccessError(f"{where}, sample {idx.key(i)!r}: {e}") from None
             o, n = off[i - a].tolist(), size[i - a].tolist()
             row = [os.pread(fd, k, p) for p, k in zip(o, n)]
             where = idx.shards[idx.shard[i]]
