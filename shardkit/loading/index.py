@@ -4,7 +4,7 @@
 
 # %% ../../nbs/26_sample_index.ipynb 2
 from __future__ import annotations
-import hashlib, os, time, warnings
+import hashlib, json, os, shutil, time, warnings
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -16,8 +16,8 @@ from ..shards.read import is_meta_member, scan_tar, tar_entries
 from .sources import shard_urls
 
 # %% auto 0
-__all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'SampleIndex', 'index_url',
-           'sample_index', 'index_ais', 'synthetic_listing', 'index_scale']
+__all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'SampleIndex', 'save_index',
+           'load_index', 'index_url', 'sample_index', 'index_ais', 'synthetic_listing', 'index_scale']
 
 # %% ../../nbs/26_sample_index.ipynb
 class RandomAccessError(ShardkitError):
@@ -155,6 +155,39 @@ def _check_complete(idx: SampleIndex, groups: list[dict]):
                             "Pass keys= with fields every sample has")
 
 # %% ../../nbs/26_sample_index.ipynb
+_ARRAYS = ("shard", "offset", "size", "keys", "key_end", "shard_bytes")
+
+def save_index(idx: SampleIndex, folder: str | Path) -> Path:
+    "Write `idx` to `folder` as `.npy` arrays and `meta.json` (built aside, then renamed), for `load_index`."
+    folder = Path(folder); tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    for name in _ARRAYS:
+        if (a := getattr(idx, name, None)) is not None: np.save(tmp / f"{name}.npy", np.ascontiguousarray(a))
+    meta = dict(shards=list(idx.shards), fields=list(idx.fields), source=str(idx.source), kind=idx.kind,
+                endpoint=getattr(idx, "endpoint", None))
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    try: os.rename(tmp, folder)
+    except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process saved the same index first
+    return folder
+
+def load_index(folder: str | Path) -> SampleIndex:
+    "The index saved in `folder`, its arrays memory-mapped read-only: the processes of a machine share one copy."
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    a = {n: np.load(folder / f"{n}.npy", mmap_mode="r") if (folder / f"{n}.npy").exists() else None for n in _ARRAYS}
+    idx = SampleIndex(meta["shards"], a["shard"], a["offset"], a["size"], a["keys"], a["key_end"], meta["fields"],
+                      meta["source"])
+    idx.shard_bytes, idx.kind = a["shard_bytes"], meta["kind"]
+    if meta["endpoint"]: idx.endpoint = meta["endpoint"]
+    return idx
+
+def _joined_path(paths: list[str], fields: Sequence[str], cache: bool | str | Path) -> Path:
+    "Where the joined index of local shards `paths` for `fields` is kept: named by each shard's path, size and mtime."
+    h = hashlib.blake2b(repr(("joined-v1", tuple(fields))).encode(), digest_size=16)
+    for p in paths: st = os.stat(p); h.update(f"\0{Path(p).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return (index_cache_dir() if cache is True else Path(cache)) / "joined" / h.hexdigest()
+
+# %% ../../nbs/26_sample_index.ipynb
 def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int]:
     "The sample index of the tar at HTTP(S) `url` (one streamed read), cached by URL, size and validator; and its size."
     import requests
@@ -196,9 +229,13 @@ def sample_index(source,                                   # A directory, tar pa
         idx = _select([g for g, _ in got], paths, fields, source=name, keep_keys=True)
         idx.shard_bytes, idx.kind = np.array([n for _, n in got], np.int64), "http"
         return idx
+    joined = _joined_path(paths, fields, cache) if cache else None
+    if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
     idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
     idx.shard_bytes = np.array([os.path.getsize(p) for p in paths], np.int64)
-    return idx
+    if joined is None: return idx
+    try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
+    except OSError: return idx  # an unwritable cache: index_tar has warned
 
 # %% ../../nbs/26_sample_index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
