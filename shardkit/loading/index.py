@@ -17,7 +17,8 @@ from .sources import shard_urls
 
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'SampleIndex', 'save_index',
-           'load_index', 'index_url', 'sample_index', 'index_ais', 'synthetic_listing', 'index_scale']
+           'load_index', 'index_url', 'sample_index', 'index_ais', 'synthetic_listing', 'index_scale',
+           'synthetic_index', 'index_memory']
 
 # %% ../../nbs/26_sample_index.ipynb
 class RandomAccessError(ShardkitError):
@@ -243,16 +244,19 @@ def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
     return group_members([m[0] for m in members], np.full(len(members), -1, np.int64), [m[1] for m in members], shard)
 
 def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:
-    "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing."
+    "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing, streamed."
     from aistore.sdk.list_object_flag import ListObjectFlag
-    shards, members, sizes = [], [], []
+    shards, sizes, groups, members = [], [], [], []
+    where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"
     for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size", flags=[ListObjectFlag.ARCH_DIR]):
         if shards and e.name.startswith(shards[-1] + "/"):
-            members[-1].append((e.name[len(shards[-1]) + 1:], int(e.size)))
-        elif e.name.endswith(ARCHIVE_EXTS): shards.append(e.name); members.append([]); sizes.append(int(e.size))
+            members.append((e.name[len(shards[-1]) + 1:], int(e.size)))
+        elif e.name.endswith(ARCHIVE_EXTS):
+            if shards: groups.append(_group_listing(members, where()))  # one shard's names at a time, then arrays
+            shards.append(e.name); sizes.append(int(e.size)); members = []
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
-    groups = [_group_listing(m, f"ais://{store.bucket.name}/{s}") for s, m in zip(shards, members)]
+    groups.append(_group_listing(members, where()))
     idx = _select(groups, shards, fields, source=f"ais://{store.bucket.name}")
     idx.endpoint, idx.shard_bytes, idx.kind = store.endpoint, np.array(sizes, np.int64), "ais"
     return idx
@@ -282,3 +286,42 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
     return dict(samples=n, seconds=secs, peak_mb=peak / 2**20, bytes_per_sample=idx.nbytes / n, samples_per_s=n / secs,
                 keys_in_memory=idx.keys is not None,
                 ais_bytes_per_sample=idx.shard.itemsize + idx.size.itemsize * len(fields) + key_bytes)
+
+# %% ../../nbs/26_sample_index.ipynb
+def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls", "jpg"), keys: bool = False
+                   ) -> SampleIndex:
+    "An index of `n` made-up samples built as arrays: offsets (keys in tar headers), or 15-character keys (AIStore)."
+    S, F = -(-n // per_shard), len(fields)
+    shard, size = (np.arange(n) // per_shard).astype(np.int32), np.full((n, F), 110_000, np.int32)
+    offset, kb, key_end = None, None, None
+    if keys:  # img000000000042 ...: built a million at a time
+        kb = np.empty((n, 15), np.uint8); kb[:, :3] = np.frombuffer(b"img", np.uint8)
+        for a in range(0, n, 1 << 20):
+            i = np.arange(a, min(a + (1 << 20), n), dtype=np.int64)[:, None]
+            kb[a:a + len(i), 3:] = 48 + i // 10 ** np.arange(11, -1, -1) % 10
+        kb, key_end = kb.ravel(), 15 * np.arange(1, n + 1, dtype=np.int64)
+    else: offset = 1024 + 111_616 * np.arange(n * F, dtype=np.int64).reshape(n, F)
+    idx = SampleIndex([f"s{s:07d}.tar" for s in range(S)], shard, offset, size, kb, key_end, fields, "synthetic")
+    idx.shard_bytes = np.full(S, per_shard * F * 111_616, np.int64)
+    return idx
+
+_MEASURE = '''
+import json, sys, numpy as np
+from shardkit.loading.index import load_index
+from shardkit.loading.random import epoch_batches, epoch_order
+def anon(): return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")).split()[1]) * 1024
+a0 = anon(); idx = load_index(sys.argv[1]); idx.key(len(idx) - 1) if idx.keys is not None else 0; a1 = anon()
+b = epoch_batches(len(idx), 64, 0, 0, order=epoch_order(idx.shard, 0, 0, window=16)); a2 = anon()
+print(json.dumps(dict(load=a1 - a0, order=a2 - a1)))
+'''
+
+def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
+    "Bytes on disk, and private memory of a fresh process that maps the saved index of `n` samples and cuts an epoch."
+    import subprocess, sys, tempfile
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        disk = sum(f.stat().st_size for f in save_index(synthetic_index(n, keys=keys), Path(d) / "i").iterdir())
+        out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
+    if out.returncode: raise ShardkitError(f"measuring the mapped index failed: {out.stderr[-500:]}")
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(samples=n, disk_bytes_per_sample=disk / n, load_private_bytes=m["load"], order_private_bytes=m["order"],
+                private_bytes_per_sample=(m["load"] + m["order"]) / n)

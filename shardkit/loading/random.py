@@ -91,8 +91,9 @@ def epoch_order(shard: np.ndarray,           # Each sample's shard number (`Samp
     counts = np.bincount(shard) if len(shard) else np.zeros(0, np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)])
     shards = rng.permutation(len(counts))
-    parts = [rng.permutation(np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards[w:w + window]]))
-             for w in range(0, len(shards), window)]
+    dt = np.int32 if len(shard) < 2**31 else np.int64  # 4 bytes a sample where they suffice
+    ids = lambda w: np.concatenate([np.arange(starts[s], starts[s + 1], dtype=dt) for s in shards[w:w + window]])
+    parts = [rng.permutation(ids(w)) for w in range(0, len(shards), window)]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 def order_quality(shard: np.ndarray, order: np.ndarray) -> dict:
