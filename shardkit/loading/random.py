@@ -395,7 +395,7 @@ def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), tra
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
                          cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
                          window: int | None | str = "auto", **kw) -> RandomAccessLoader:
-    "A resumable loader of `keys` of the samples of `source` (directory, tar paths, `ais://bucket`) in a seeded order."
+    "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform()
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
