@@ -16,7 +16,7 @@ from .core import cpu_seconds, format_bench
 from .peers import shard_fields
 from ..loading.sources import shard_urls
 from ..config import private_dir
-from ..loader import create_dataset
+from ..loader import create_dataloader, create_dataset
 from ..store import open_store
 
 # %% auto 0
@@ -76,9 +76,9 @@ def ais_cluster_cpu(endpoint: str) -> float:
     return total
 
 # %% ../../nbs/36_bench_random.ipynb
-def _setup(store, mode: str, keys, batch_size: int, seed: int, shard_cache) -> tuple:
+def _setup(store, mode: str, keys, batch_size: int, seed: int, shard_cache, num_workers: int) -> tuple:
     "A loader reading with `mode` (a `read=` of create_random_loader), made ready for a timed epoch; setup seconds."
-    dl = create_random_loader(store, keys, transform=None, batch_size=batch_size, num_workers=0, seed=seed,
+    dl = create_random_loader(store, keys, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
                               read=mode, shard_cache=shard_cache)
     ds, t0 = dl.dataset, time.perf_counter()
     if mode == "cache": shutil.rmtree(ds.reader.cache.folder, ignore_errors=True); private_dir(ds.reader.cache.folder)
@@ -94,19 +94,24 @@ def bench_read_modes(store,                                   # An ais:// bucket
                      shard_cache: int | str = 2,              # The cache's bound (shards, or bytes as '2GB')
                      getbatch_samples: int = 2000,            # GetBatch reads only these
                      seed: int = 0,                           # Seed of both loaders
+                     num_workers: int = 0,                    # DataLoader workers of both loaders
                     ) -> dict:                                # mode -> rate, ais_ms, ratio, samples, setup_s
-    "Samples/s and AIStore CPU ms per sample of one epoch of `store` in each of `modes`, no workers, against streaming."
+    "Samples/s and AIStore CPU ms per sample of one epoch of `store` in each of `modes`, against streaming."
     rows, endpoint = {}, open_store(store).endpoint
     for mode in modes:
         setup_s, most = 0.0, None
-        if mode == "stream": dl = create_dataset(store, keys=keys, batch_size=batch_size, seed=seed)
+        if mode == "stream":
+            dl = create_dataset(store, keys=keys, batch_size=batch_size, seed=seed)
+            if num_workers: dl = create_dataloader(dl, num_workers=num_workers, batch_size=batch_size)
         else:
-            dl, setup_s = _setup(store, mode, keys, batch_size, seed, shard_cache)
+            dl, setup_s = _setup(store, mode, keys, batch_size, seed, shard_cache, num_workers)
             most = getbatch_samples if mode == "getbatch" else None
         c0, t0, n = ais_cluster_cpu(endpoint), time.perf_counter(), 0
-        for b in dl:
+        it = iter(dl)
+        for b in it:
             n += len(b[0])
             if most and n >= most: break
+        del it  # workers end here, not inside the next timing
         secs, cpu = time.perf_counter() - t0, ais_cluster_cpu(endpoint) - c0
         rows[mode] = dict(rate=n / secs, ais_ms=1000 * cpu / n, samples=n, setup_s=setup_s)
     base = rows.get("stream", {}).get("rate", float("nan"))
@@ -142,7 +147,7 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
     kw = dict(num_workers=workers, samples=samples, batch_size=batch_size, keys=fields)
     if modes:
         if not str(src).startswith("ais://"): raise UsageError(f"--modes is for ais:// buckets, not {src}")
-        return print(modes_table(bench_read_modes(src, keys=fields, batch_size=batch_size)))
+        return print(modes_table(bench_read_modes(src, keys=fields, batch_size=batch_size, num_workers=workers)))
     if shard_index:
         if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")
         res = bench_ais_index(src, **kw)

@@ -480,11 +480,10 @@ def build_shard_index(store, timeout: float = 600) -> str:
 # %% ../../nbs/27_random.ipynb
 class RangeReader:
     "Reads each sample with one HTTP range GET (AIStore: straight to the target that holds its shard)."
-    def __init__(self, index: SampleIndex): self.fetch, self.pid = shard_fetcher(index), None
+    def __init__(self, index: SampleIndex): self.fetch, self.known = shard_fetcher(index), {}
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
-        "(URL, first sample number, offsets, sizes) of shard `s`; without offsets, its headers read once per process."
-        if self.pid != os.getpid(): self.known, self.pid = {}, os.getpid()
+        "(URL, first sample number, offsets, sizes) of shard `s`; offsets from its headers if the index has none."
         if s in self.known: return self.known[s]
         sess, url, (a, b) = self.fetch.session(), self.fetch.url(idx.shards[s]), _rows(idx, s)
         try:
