@@ -215,3 +215,21 @@ def test_http_range_read_returns_the_tar_members_bytes(shards, http_base):
     assert dl.dataset.reader.read(dl.dataset.index, ids) == local.dataset.reader.read(local.dataset.index, ids)
     with tarfile.open(shards[0]) as t: first = t.extractfile(t.getmember("s0_00.bin")).read()
     assert dl.dataset.samples([0])[0]["bin"] == first
+
+
+def test_cache_copies_of_a_rewritten_local_tar_are_new(tmp_path):
+    paths = _write_shards(tmp_path / "s", sizes=(3, 2))
+    first = sorted(_keys(_loader(str(tmp_path / "s"), read="cache", shard_cache=2)))
+    old = [(s["bin"], s["cls"]) for s in wds.WebDataset(paths[1], shardshuffle=False)]
+    size = os.path.getsize(paths[1])
+    with wds.TarWriter(paths[1]) as w:  # the same size, other keys
+        for i, (data, cls) in enumerate(old): w.write({"__key__": f"x1_{i:02d}", "bin": data, "cls": cls})
+    os.utime(paths[1], ns=(0, os.stat(paths[1]).st_mtime_ns + 10**9))
+    assert os.path.getsize(paths[1]) == size
+    again = sorted(_keys(_loader(str(tmp_path / "s"), read="cache", shard_cache=2)))
+    assert first[-2:] == ["s1_00", "s1_01"] and again[-2:] == ["x1_00", "x1_01"]
+
+
+def test_a_global_order_from_a_cache_that_holds_every_shard(shards):
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=len(SIZES), window=None, batch_size=5)
+    assert dl.window is None and sorted(_keys(dl)) == ALL

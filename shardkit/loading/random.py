@@ -213,9 +213,9 @@ class ShardCache:
         self.folder, self.max_shards, self.max_bytes = private_dir(Path(folder)), max_shards, parse_size(max_bytes)
         self.fetched = 0  # shards this process fetched
 
-    def file(self, shard: str, size: int) -> Path:
-        "Where the copy of `shard` (of `size` bytes) lives in the cache: named by a hash of both."
-        h = hashlib.blake2b(f"{shard}\0{size}".encode(), digest_size=12).hexdigest()
+    def file(self, shard: str, size: int, version: str = "") -> Path:
+        "Where the copy of `shard` (`size` bytes, `version`: e.g. a local file's mtime) lives: named by their hash."
+        h = hashlib.blake2b(f"{shard}\0{size}\0{version}".encode(), digest_size=12).hexdigest()
         return self.folder / f"{h}.tar"
 
     def files(self) -> list[Path]: return sorted(self.folder.glob("*.tar"))
@@ -226,13 +226,13 @@ class ShardCache:
 
 # %% ../../nbs/27_random.ipynb
 @patch
-def open(self: ShardCache, shard: str, size: int, fetch) -> int:
+def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> int:
     "An open descriptor of the copy of `shard` (`size` bytes), now most recently used; a miss calls `fetch`."
     if self.max_bytes and size > self.max_bytes:
         raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache "
                          f"({self.max_bytes / 1e6:.1f} MB); "
                          "give the cache more bytes")
-    f = self.file(shard, size)
+    f = self.file(shard, size, version)
     with _locked(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
         with _locked(self.folder / ".lock"):  # opened before anyone can evict it
             if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
@@ -333,7 +333,8 @@ class CachedShardReader:
         "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
         if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
         if s in self.open: self.open.move_to_end(s); return self.open[s]
-        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), self.fetch), _rows(idx, s)
+        version = str(os.stat(idx.shards[s]).st_mtime_ns) if idx.kind == "local" else ""  # a rewritten tar: a new copy
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), self.fetch, version), _rows(idx, s)
         try:
             if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]  # a copy of an indexed tar: same offsets
             else: where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]))
@@ -402,7 +403,7 @@ def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), tra
     index = sample_index(source, keys, cache)
     reader, fits = shard_reader(index, read, shard_cache)  # fits: the shards a window may span (None: any)
     if window == "auto": window = fits
-    elif fits is not None and (window is None or window > fits):
+    elif fits is not None and fits < len(index.shards) and (window is None or window > fits):
         raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
                          f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
     ds = RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader)
