@@ -47,13 +47,18 @@ def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size:
     return dict(source=str(source), rate=n / secs, cpu_ms=1000 * cpu / n, samples=n, index_s=index_s,
                 num_workers=0 if read_only else num_workers, batch_size=batch_size, read_only=read_only)
 
-def bench_ais_index(store, **kw) -> dict:
-    "`bench_random` of GetBatch on AIStore bucket `store`, reading only and decoding, without and with its shard index."
+def bench_ais_index(store, modes: bool = True, **kw) -> dict:
+    "GetBatch on bucket `store` (`bench_random`) without and with its shard index; then every read mode side by side."
     kw = dict(kw, read="getbatch")
     def both(): return {"read": bench_random(store, read_only=True, **kw), "decode": bench_random(store, **kw)}
     without = both()
     t0 = time.perf_counter(); build_shard_index(store); build_s = time.perf_counter() - t0
-    return {"without index": without, "with index": both(), "build_s": build_s}
+    out = {"without index": without, "with index": both(), "build_s": build_s}
+    if modes:  # defined below: the cache, range reads and GetBatch against streaming the same bucket
+        out["modes"] = bench_read_modes(store, keys=kw.get("keys", ("cls", "image.jpg")),
+                                        batch_size=kw.get("batch_size", 64), num_workers=kw.get("num_workers", 0),
+                                        getbatch_samples=kw.get("samples", 2000))
+    return out
 
 # %% ../../nbs/36_bench_random.ipynb
 def ais_cluster_cpu(endpoint: str) -> float:
@@ -152,5 +157,6 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
         if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")
         res = bench_ais_index(src, **kw)
         rows = {f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()}
+        print(modes_table(res["modes"]))
     else: rows = {"read": bench_random(src, read_only=True, **kw), "decode": bench_random(src, **kw)}
     print(random_table(rows))
