@@ -233,3 +233,10 @@ def test_cache_copies_of_a_rewritten_local_tar_are_new(tmp_path):
 def test_a_global_order_from_a_cache_that_holds_every_shard(shards):
     dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=len(SIZES), window=None, batch_size=5)
     assert dl.window is None and sorted(_keys(dl)) == ALL
+
+
+def test_batches_follow_a_batch_size_set_later(shards):
+    "create_dataloader sets batch_size on a loader from create_dataset(access='random'): batches must follow it."
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4)
+    dl.batch_size = 5
+    assert [len(b) for b in dl.batches(0)][:-1] == [5] * (len(ALL) // 5)

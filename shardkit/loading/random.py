@@ -149,11 +149,12 @@ class RandomAccessLoader:
     def seed(self) -> int: return self.dataset.seed
     def batches(self, epoch: int) -> list[np.ndarray]:
         "This rank's batches of `epoch` (arrays of sample numbers): a global permutation, or windows of shards."
-        if self._cut[0] != epoch:
+        key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window)
+        if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
             w = self.window
             order = None if w is None else epoch_order(self.dataset.index.shard, self.seed, epoch, w)
-            self._cut = (epoch, epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank,
-                                              self.world_size, self.pad, self.drop_last, order))
+            self._cut = (key, epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank,
+                                            self.world_size, self.pad, self.drop_last, order))
         return self._cut[1]
     def __len__(self): return len(self.batches(self.epoch))
 
