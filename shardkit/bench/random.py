@@ -4,7 +4,9 @@
 
 # %% ../../nbs/36_bench_random.ipynb 2
 from __future__ import annotations
-import time
+import shutil, time
+from pathlib import Path
+from urllib.parse import urlparse
 from typing import Sequence
 from fastcore.script import store_true
 from ..loading.transforms import train_transform
@@ -13,9 +15,13 @@ from ..loading.random import RandomAccessLoader, build_shard_index, create_rando
 from .core import cpu_seconds, format_bench
 from .peers import shard_fields
 from ..loading.sources import shard_urls
+from ..config import private_dir
+from ..loader import create_dataloader, create_dataset
+from ..store import open_store
 
 # %% auto 0
-__all__ = ['bench_random', 'bench_ais_index', 'random_table', 'bench_random_cli']
+__all__ = ['bench_random', 'bench_ais_index', 'ais_cluster_cpu', 'bench_read_modes', 'modes_table', 'random_table',
+           'bench_random_cli']
 
 # %% ../../nbs/36_bench_random.ipynb
 def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[int, float, float]:
@@ -29,10 +35,11 @@ def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[in
     return n, time.perf_counter() - t0, cpu_seconds() - c0
 
 def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
-                 samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False) -> dict:
+                 samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False,
+                 read: str = "auto") -> dict:
     "Samples/s, CPU ms/sample of the random-access loader on `source` (epochs, >= `samples`); `read_only`: bytes only."
     t0 = time.perf_counter()
-    loader = create_random_loader(source, keys, train_transform(size), batch_size, num_workers, seed)
+    loader = create_random_loader(source, keys, train_transform(size), batch_size, num_workers, seed, read=read)
     index_s, n, secs, cpu = time.perf_counter() - t0, 0, 0.0, 0.0
     while n < samples:
         k, s, c = _timed_pass(loader, read_only)
@@ -40,12 +47,89 @@ def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size:
     return dict(source=str(source), rate=n / secs, cpu_ms=1000 * cpu / n, samples=n, index_s=index_s,
                 num_workers=0 if read_only else num_workers, batch_size=batch_size, read_only=read_only)
 
-def bench_ais_index(store, **kw) -> dict:
-    "`bench_random` on AIStore bucket `store`, reading only and decoding, without and then with the cluster's index."
+def bench_ais_index(store, modes: bool = True, **kw) -> dict:
+    "GetBatch on bucket `store` (`bench_random`) without and with its shard index; then every read mode side by side."
+    kw = dict(kw, read="getbatch")
     def both(): return {"read": bench_random(store, read_only=True, **kw), "decode": bench_random(store, **kw)}
     without = both()
     t0 = time.perf_counter(); build_shard_index(store); build_s = time.perf_counter() - t0
-    return {"without index": without, "with index": both(), "build_s": build_s}
+    out = {"without index": without, "with index": both(), "build_s": build_s}
+    if modes:  # defined below: the cache, range reads and GetBatch against streaming the same bucket
+        out["modes"] = bench_read_modes(store, keys=kw.get("keys", ("cls", "image.jpg")),
+                                        batch_size=kw.get("batch_size", 64), num_workers=kw.get("num_workers", 0),
+                                        getbatch_samples=kw.get("samples", 2000))
+    return out
+
+# %% ../../nbs/36_bench_random.ipynb
+def ais_cluster_cpu(endpoint: str) -> float:
+    "CPU seconds used so far by the `aisnode` processes on this machine of the cluster whose proxy serves `endpoint`."
+    import psutil
+    port, nodes, root = urlparse(endpoint).port, [], None
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if not (p.info["name"] or "").startswith("aisnode"): continue
+        nodes.append(p)
+        try: listens = any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))
+        except psutil.Error: listens = False
+        conf = [a.split("=", 1)[1] for a in p.info["cmdline"] or [] if a.startswith("-config=")]
+        if listens and conf: root = str(Path(conf[0]).parent.parent)  # <root>/proxy0/ais.json
+    if root is None: return float("nan")  # not a cluster on this machine
+    total = 0.0
+    for p in nodes:
+        try:
+            if any(a.startswith(f"-config={root}/") for a in p.cmdline()): t = p.cpu_times(); total += t.user + t.system
+        except psutil.Error: pass
+    return total
+
+# %% ../../nbs/36_bench_random.ipynb
+def _setup(store, mode: str, keys, batch_size: int, seed: int, shard_cache, num_workers: int) -> tuple:
+    "A loader reading with `mode` (a `read=` of create_random_loader), made ready for a timed epoch; setup seconds."
+    dl = create_random_loader(store, keys, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
+                              read=mode, shard_cache=shard_cache)
+    ds, t0 = dl.dataset, time.perf_counter()
+    if mode == "cache": shutil.rmtree(ds.reader.cache.folder, ignore_errors=True); private_dir(ds.reader.cache.folder)
+    if mode == "range":
+        for s in range(len(ds.index.shards)): ds.reader._shard(ds.index, s)
+    if mode == "getbatch": build_shard_index(store)
+    return dl, time.perf_counter() - t0
+
+def bench_read_modes(store,                                   # An ais:// bucket of shards
+                     keys: Sequence[str] = ("__key__", "cls", "bin"),  # What both loaders deliver (no image decoding)
+                     modes: Sequence[str] = ("stream", "cache", "range", "getbatch"),  # What to compare
+                     batch_size: int = 64,                    # Samples per batch
+                     shard_cache: int | str = 2,              # The cache's bound (shards, or bytes as '2GB')
+                     getbatch_samples: int = 2000,            # GetBatch reads only these
+                     seed: int = 0,                           # Seed of both loaders
+                     num_workers: int = 0,                    # DataLoader workers of both loaders
+                    ) -> dict:                                # mode -> rate, ais_ms, ratio, samples, setup_s
+    "Samples/s and AIStore CPU ms per sample of one epoch of `store` in each of `modes`, against streaming."
+    rows, endpoint = {}, open_store(store).endpoint
+    for mode in modes:
+        setup_s, most = 0.0, None
+        if mode == "stream":
+            dl = create_dataset(store, keys=keys, batch_size=batch_size, seed=seed)
+            if num_workers: dl = create_dataloader(dl, num_workers=num_workers, batch_size=batch_size)
+        else:
+            dl, setup_s = _setup(store, mode, keys, batch_size, seed, shard_cache, num_workers)
+            most = getbatch_samples if mode == "getbatch" else None
+        c0, t0, n = ais_cluster_cpu(endpoint), time.perf_counter(), 0
+        it = iter(dl)
+        for b in it:
+            n += len(b[0])
+            if most and n >= most: break
+        del it  # workers end here, not inside the next timing
+        secs, cpu = time.perf_counter() - t0, ais_cluster_cpu(endpoint) - c0
+        rows[mode] = dict(rate=n / secs, ais_ms=1000 * cpu / n, samples=n, setup_s=setup_s)
+    base = rows.get("stream", {}).get("rate", float("nan"))
+    for r in rows.values(): r["ratio"] = r["rate"] / base
+    return rows
+
+# %% ../../nbs/36_bench_random.ipynb
+def modes_table(rows: dict) -> str:
+    "Rows of `bench_read_modes` as a text table."
+    cols = {"name": ("read mode", "{}"), "rate": ("samples/s", "{:,.0f}"), "ratio": ("x streaming", "{:.3f}"),
+            "ais_ms": ("AIStore CPU ms/sample", "{:.4f}"), "samples": ("samples", "{:,d}"),
+            "setup_s": ("setup s", "{:.1f}")}
+    return format_bench([dict(r, name=k) for k, r in rows.items()], cols)
 
 # %% ../../nbs/36_bench_random.ipynb
 def random_table(rows: dict) -> str:
@@ -58,16 +142,21 @@ def bench_random_cli(src: str,                  # Shards: a directory, a brace t
                      workers: int = 2,          # DataLoader workers
                      samples: int = 2000,       # Samples per timed run (whole epochs)
                      batch_size: int = 64,      # Samples per batch
-                     shard_index: store_true = False,  # On AIStore: measure, build the cluster's index, measure again
+                     shard_index: store_true = False,  # On AIStore: GetBatch, then build the cluster's index, and again
+                     modes: store_true = False, # On AIStore: every read mode (cache, range, GetBatch) against streaming
                      keys: str = None):         # Fields to read, comma-separated (default: the class label and JPEG)
     "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."
     if keys: fields = tuple(k.strip() for k in keys.split(",") if k.strip())
     else:  # `cls` + `jpg` (ImageNet) or `image.jpg` (Pets)
         f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])
     kw = dict(num_workers=workers, samples=samples, batch_size=batch_size, keys=fields)
+    if modes:
+        if not str(src).startswith("ais://"): raise UsageError(f"--modes is for ais:// buckets, not {src}")
+        return print(modes_table(bench_read_modes(src, keys=fields, batch_size=batch_size, num_workers=workers)))
     if shard_index:
         if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")
         res = bench_ais_index(src, **kw)
         rows = {f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()}
+        print(modes_table(res["modes"]))
     else: rows = {"read": bench_random(src, read_only=True, **kw), "decode": bench_random(src, **kw)}
     print(random_table(rows))

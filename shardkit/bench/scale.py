@@ -193,7 +193,7 @@ def _ais_getbatch(spec):
     "Images and labels by GetBatch, 64 samples (128 members) a request; without the shard index, fewer (each a scan)."
     most = min(spec["n"], spec["ais_samples"] if spec["stage"].endswith("index") else spec["ais_scan_samples"])
     dl = create_random_loader(_bucket(spec, True), keys=("jpg", "cls"), transform=lambda v: v, batch_size=64,
-                              num_workers=0)
+                              num_workers=0, read="getbatch")
     raw = torch.utils.data.DataLoader(_RawBatches(dl, most), batch_size=None, num_workers=spec["workers"], timeout=600)
     def run():
         sizes = [b for batch in raw for b in batch]

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/26_sample_index.ipynb 2
 from __future__ import annotations
-import hashlib, os, time, warnings
+import hashlib, json, os, shutil, time, warnings
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -12,12 +12,13 @@ from ..config import shardkit_home
 from ..shards.fields import split_key
 from ..store import AISStore, open_store, shown_path
 from ..errors import ShardkitError, UsageError
-from ..shards.read import is_meta_member, scan_tar
+from ..shards.read import is_meta_member, scan_tar, tar_entries
 from .sources import shard_urls
 
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'key_from_header', 'SampleIndex',
-           'sample_index', 'index_ais', 'synthetic_listing', 'index_scale']
+           'save_index', 'load_index', 'index_url', 'sample_index', 'index_ais', 'synthetic_listing', 'index_scale',
+           'synthetic_index', 'index_memory']
 
 # %% ../../nbs/26_sample_index.ipynb
 class RandomAccessError(ShardkitError):
@@ -66,17 +67,19 @@ def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}
     g = group_members(*scan_tar(path), shard=str(path))
-    if cfile is not None:
-        tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
-        try:
-            cfile.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(tmpf, **g)
-            os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
-        except OSError as e:
-            warnings.warn(f"cannot cache the index of {shown_path(path)} in {shown_path(cfile.parent)} ({e.strerror}); "
-                          "it is rebuilt every run. "
-                          "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
+    if cfile is not None: _save_index(g, cfile, shown_path(path))
     return g
+
+def _save_index(g: dict, cfile: Path, shard: str):
+    tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
+    try:
+        cfile.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmpf, **g)
+        os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
+    except OSError as e:
+        warnings.warn(f"cannot cache the index of {shard} in {shown_path(cfile.parent)} ({e.strerror}); "
+                      "it is rebuilt every run. "
+                      "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
 
 # %% ../../nbs/26_sample_index.ipynb
 def _data_fields(keys: Sequence[str]) -> tuple[str, ...]:
@@ -93,6 +96,8 @@ def key_from_header(header: bytes, field: str, where: str) -> str:
 
 class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
+    shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
+    kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs) or 'ais' (a bucket)
     def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
@@ -113,7 +118,8 @@ class SampleIndex:
                 f"fields={self.fields}, {self.nbytes / max(len(self), 1):.1f} bytes/sample, keys {keys})")
 
 # %% ../../nbs/26_sample_index.ipynb
-def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source: str) -> SampleIndex:
+def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source: str, keep_keys: bool = False
+           ) -> SampleIndex:
     "One `SampleIndex` over per-shard `groups`, keeping offset and size of `fields` only."
     counts = np.array([len(g["key_end"]) for g in groups], np.int64)
     n, F = int(counts.sum()), len(fields)
@@ -136,7 +142,8 @@ def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source
                       fields, source)
     _check_complete(idx, groups)
     if not (offset >= 0).all(): idx.offset = None  # a listing (AIStore): members are read by name
-    elif F and all(bool(g["plain"]) for g in groups): idx.keys = idx.key_end = None  # read back from the tar headers
+    elif F and not keep_keys and all(bool(g["plain"]) for g in groups):
+        idx.keys = idx.key_end = None  # read back from the tar headers
     return idx
 
 def _check_complete(idx: SampleIndex, groups: list[dict]):
@@ -147,6 +154,60 @@ def _check_complete(idx: SampleIndex, groups: list[dict]):
     raise RandomAccessError(f"{len(bad)} samples lack a field the loader asks for, e.g. sample {idx.key(i)!r} in shard "
                             f"{idx.shards[s]} has no {lacks}; that shard has fields {groups[s]['fields'].tolist()}. "
                             "Pass keys= with fields every sample has")
+
+# %% ../../nbs/26_sample_index.ipynb
+_ARRAYS = ("shard", "offset", "size", "keys", "key_end", "shard_bytes")
+
+def save_index(idx: SampleIndex, folder: str | Path) -> Path:
+    "Write `idx` to `folder` as `.npy` arrays and `meta.json` (built aside, then renamed), for `load_index`."
+    folder = Path(folder); tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    for name in _ARRAYS:
+        if (a := getattr(idx, name, None)) is not None: np.save(tmp / f"{name}.npy", np.ascontiguousarray(a))
+    meta = dict(shards=list(idx.shards), fields=list(idx.fields), source=str(idx.source), kind=idx.kind,
+                endpoint=getattr(idx, "endpoint", None))
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    try: os.rename(tmp, folder)
+    except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process saved the same index first
+    return folder
+
+def load_index(folder: str | Path) -> SampleIndex:
+    "The index saved in `folder`, its arrays memory-mapped read-only: the processes of a machine share one copy."
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    a = {n: np.load(folder / f"{n}.npy", mmap_mode="r") if (folder / f"{n}.npy").exists() else None for n in _ARRAYS}
+    idx = SampleIndex(meta["shards"], a["shard"], a["offset"], a["size"], a["keys"], a["key_end"], meta["fields"],
+                      meta["source"])
+    idx.shard_bytes, idx.kind = a["shard_bytes"], meta["kind"]
+    if meta["endpoint"]: idx.endpoint = meta["endpoint"]
+    return idx
+
+def _joined_path(paths: list[str], fields: Sequence[str], cache: bool | str | Path) -> Path:
+    "Where the joined index of local shards `paths` for `fields` is kept: named by each shard's path, size and mtime."
+    h = hashlib.blake2b(repr(("joined-v1", tuple(fields))).encode(), digest_size=16)
+    for p in paths: st = os.stat(p); h.update(f"\0{Path(p).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return (index_cache_dir() if cache is True else Path(cache)) / "joined" / h.hexdigest()
+
+# %% ../../nbs/26_sample_index.ipynb
+def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int]:
+    "The sample index of the tar at HTTP(S) `url` (one streamed read), cached by URL, size and validator; and its size."
+    import requests
+    try:
+        h = requests.head(url, allow_redirects=True, timeout=(5, 30))
+        if h.status_code != 200: raise RandomAccessError(f"HEAD {url} answered HTTP {h.status_code}; is it there?")
+        size, tag = int(h.headers.get("Content-Length", -1)), h.headers.get("ETag") or h.headers.get("Last-Modified")
+        key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
+        cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
+        if cfile is not None and cfile.exists():
+            with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size
+        with requests.get(url, stream=True, timeout=(5, 120)) as r:
+            if r.status_code != 200: raise RandomAccessError(f"GET {url} answered HTTP {r.status_code}")
+            ents = [e for e in tar_entries(r.raw, url, data=False) if e.is_file and not is_meta_member(e.name)]
+    except requests.RequestException as e:
+        raise RandomAccessError(f"cannot read shard {url} ({type(e).__name__})") from None
+    g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
+    if cfile is not None: _save_index(g, cfile, url)
+    return g, size
 
 # %% ../../nbs/26_sample_index.ipynb
 ARCHIVE_EXTS = (".tar", ".tgz", ".tar.gz", ".tar.lz4", ".zip")
@@ -160,10 +221,22 @@ def sample_index(source,                                   # A directory, tar pa
     fields = _data_fields(keys)
     if isinstance(source, AISStore) or str(source).startswith("ais://"): return index_ais(open_store(source), fields)
     paths = shard_urls(source, pattern)
-    remote = [p for p in paths if "://" in p]
-    if remote: raise UsageError(f"random access reads local tar files or ais:// buckets, not URLs like {remote[0]}")
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    return _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
+    remote = [p for p in paths if "://" in p]
+    if remote:
+        if bad := [p for p in paths if not p.startswith(("http://", "https://"))]:
+            raise UsageError(f"random access reads local tars, http(s) URLs or ais:// buckets, not {bad[0]}")
+        got = [index_url(p, cache) for p in paths]
+        idx = _select([g for g, _ in got], paths, fields, source=name, keep_keys=True)
+        idx.shard_bytes, idx.kind = np.array([n for _, n in got], np.int64), "http"
+        return idx
+    joined = _joined_path(paths, fields, cache) if cache else None
+    if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
+    idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
+    idx.shard_bytes = np.array([os.path.getsize(p) for p in paths], np.int64)
+    if joined is None: return idx
+    try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
+    except OSError: return idx  # an unwritable cache: index_tar has warned
 
 # %% ../../nbs/26_sample_index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
@@ -171,18 +244,21 @@ def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
     return group_members([m[0] for m in members], np.full(len(members), -1, np.int64), [m[1] for m in members], shard)
 
 def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:
-    "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing."
+    "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing, streamed."
     from aistore.sdk.list_object_flag import ListObjectFlag
-    shards, members = [], []
+    shards, sizes, groups, members = [], [], [], []
+    where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"
     for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size", flags=[ListObjectFlag.ARCH_DIR]):
         if shards and e.name.startswith(shards[-1] + "/"):
-            members[-1].append((e.name[len(shards[-1]) + 1:], int(e.size)))
-        elif e.name.endswith(ARCHIVE_EXTS): shards.append(e.name); members.append([])
+            members.append((e.name[len(shards[-1]) + 1:], int(e.size)))
+        elif e.name.endswith(ARCHIVE_EXTS):
+            if shards: groups.append(_group_listing(members, where()))  # one shard's names at a time, then arrays
+            shards.append(e.name); sizes.append(int(e.size)); members = []
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
-    groups = [_group_listing(m, f"ais://{store.bucket.name}/{s}") for s, m in zip(shards, members)]
+    groups.append(_group_listing(members, where()))
     idx = _select(groups, shards, fields, source=f"ais://{store.bucket.name}")
-    idx.endpoint = store.endpoint
+    idx.endpoint, idx.shard_bytes, idx.kind = store.endpoint, np.array(sizes, np.int64), "ais"
     return idx
 
 # %% ../../nbs/26_sample_index.ipynb
@@ -210,3 +286,42 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
     return dict(samples=n, seconds=secs, peak_mb=peak / 2**20, bytes_per_sample=idx.nbytes / n, samples_per_s=n / secs,
                 keys_in_memory=idx.keys is not None,
                 ais_bytes_per_sample=idx.shard.itemsize + idx.size.itemsize * len(fields) + key_bytes)
+
+# %% ../../nbs/26_sample_index.ipynb
+def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls", "jpg"), keys: bool = False
+                   ) -> SampleIndex:
+    "An index of `n` made-up samples built as arrays: offsets (keys in tar headers), or 15-character keys (AIStore)."
+    S, F = -(-n // per_shard), len(fields)
+    shard, size = (np.arange(n) // per_shard).astype(np.int32), np.full((n, F), 110_000, np.int32)
+    offset, kb, key_end = None, None, None
+    if keys:  # img000000000042 ...: built a million at a time
+        kb = np.empty((n, 15), np.uint8); kb[:, :3] = np.frombuffer(b"img", np.uint8)
+        for a in range(0, n, 1 << 20):
+            i = np.arange(a, min(a + (1 << 20), n), dtype=np.int64)[:, None]
+            kb[a:a + len(i), 3:] = 48 + i // 10 ** np.arange(11, -1, -1) % 10
+        kb, key_end = kb.ravel(), 15 * np.arange(1, n + 1, dtype=np.int64)
+    else: offset = 1024 + 111_616 * np.arange(n * F, dtype=np.int64).reshape(n, F)
+    idx = SampleIndex([f"s{s:07d}.tar" for s in range(S)], shard, offset, size, kb, key_end, fields, "synthetic")
+    idx.shard_bytes = np.full(S, per_shard * F * 111_616, np.int64)
+    return idx
+
+_MEASURE = '''
+import json, sys, numpy as np
+from shardkit.loading.index import load_index
+from shardkit.loading.random import epoch_batches, epoch_order
+def anon(): return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")).split()[1]) * 1024
+a0 = anon(); idx = load_index(sys.argv[1]); idx.key(len(idx) - 1) if idx.keys is not None else 0; a1 = anon()
+b = epoch_batches(len(idx), 64, 0, 0, order=epoch_order(idx.shard, 0, 0, window=16)); a2 = anon()
+print(json.dumps(dict(load=a1 - a0, order=a2 - a1)))
+'''
+
+def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
+    "Bytes on disk, and private memory of a fresh process that maps the saved index of `n` samples and cuts an epoch."
+    import subprocess, sys, tempfile
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        disk = sum(f.stat().st_size for f in save_index(synthetic_index(n, keys=keys), Path(d) / "i").iterdir())
+        out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
+    if out.returncode: raise ShardkitError(f"measuring the mapped index failed: {out.stderr[-500:]}")
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(samples=n, disk_bytes_per_sample=disk / n, load_private_bytes=m["load"], order_private_bytes=m["order"],
+                private_bytes_per_sample=(m["load"] + m["order"]) / n)

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/27_random.ipynb 3
 from __future__ import annotations
-import os, types, warnings
+import fcntl, hashlib, os, shutil, types, warnings
+from contextlib import contextmanager
+from urllib.parse import quote
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
@@ -18,13 +20,17 @@ from .collate import MAPPED_BUFFERS, PooledBatch, convert_batch, collate
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
 from ..errors import UsageError
-from ..store import open_store, shown_path
-from .index import RandomAccessError, SampleIndex, key_from_header, sample_index
+from ..store import open_store, parse_size, shown_path
+from ..config import private_dir, shardkit_home
+from ..shards.read import is_meta_member, scan_tar, tar_entries
+from .index import RandomAccessError, SampleIndex, key_from_header, group_members, sample_index
 from ..shards.fields import refuse_pickle
 
 # %% auto 0
-__all__ = ['LocalReader', 'epoch_batches', 'RandomAccessDataset', 'RandomAccessLoader', 'create_random_loader', 'AISReader',
-           'build_shard_index']
+__all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'epoch_batches', 'epoch_order', 'order_quality',
+           'RandomAccessDataset', 'RandomAccessLoader', 'ShardCache', 'shard_fetcher', 'member_offsets',
+           'CachedShardReader', 'shard_cache_dir', 'shard_reader', 'create_random_loader', 'AISReader',
+           'build_shard_index', 'RangeReader']
 
 # %% ../../nbs/27_random.ipynb
 class LocalReader:
@@ -58,12 +64,12 @@ class LocalReader:
 
 # %% ../../nbs/27_random.ipynb
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
-                  pad: bool = False, drop_last: bool = True) -> list[np.ndarray]:
-    "Rank `rank`'s batches (arrays of sample numbers) of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone."
+                  pad: bool = False, drop_last: bool = True, order: np.ndarray | None = None) -> list[np.ndarray]:
+    "Rank `rank`'s batches of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone (or `order`), cut."
     if not (drop_last or pad) and world_size > 1:
         raise UsageError(f"with {world_size} ranks every rank needs the same number of full batches (DDP waits for all of "
                          "them): keep drop_last=True, or pass pad=True to repeat samples")
-    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n)
+    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n) if order is None else order
     if not (drop_last or pad): return [perm[i:i + batch_size] for i in range(0, n, batch_size)]  # one rank: a partial last batch
     step = batch_size * world_size
     steps = -(-n // step) if pad else n // step
@@ -72,6 +78,34 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0,
                          "use a smaller batch_size, or pad=True to repeat samples")
     perm = np.resize(perm, steps * step)  # drops the tail, or pads with the permutation's first entries
     return list(perm.reshape(steps, world_size, batch_size)[:, rank])
+
+# %% ../../nbs/27_random.ipynb
+def epoch_order(shard: np.ndarray,           # Each sample's shard number (`SampleIndex.shard`: shards contiguous)
+                seed: int,                   # Seed of the run
+                epoch: int,                  # Epoch: each draws its own order
+                window: int | None = None,   # Shards per window; None: one global permutation of all samples
+               ) -> np.ndarray:              # Every sample number once, in the epoch's order
+    "The order of epoch `epoch`: a global permutation, or shards permuted in windows of `window` shuffled together."
+    rng = np.random.default_rng(seed_for(seed, epoch, "permutation"))
+    if window is None: return rng.permutation(len(shard))
+    if window < 1: raise UsageError(f"window must be at least 1 shard, got {window}")
+    counts = np.bincount(shard) if len(shard) else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    shards = rng.permutation(len(counts))
+    dt = np.int32 if len(shard) < 2**31 else np.int64  # 4 bytes a sample where they suffice
+    ids = lambda w: np.concatenate([np.arange(starts[s], starts[s + 1], dtype=dt) for s in shards[w:w + window]])
+    parts = [rng.permutation(ids(w)) for w in range(0, len(shards), window)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+def order_quality(shard: np.ndarray, order: np.ndarray) -> dict:
+    "How mixed `order` is: the fraction of neighbours from one shard, and the mean gap (in samples) between them."
+    s = shard[order]
+    pos = np.empty(len(order), np.int64); pos[order] = np.arange(len(order))
+    by_shard = np.lexsort((pos, shard))  # each shard's samples, in epoch order
+    same = shard[by_shard][1:] == shard[by_shard][:-1]
+    gaps = np.diff(pos[by_shard])[same]
+    return dict(same_shard_neighbours=float((s[1:] == s[:-1]).mean()) if len(s) > 1 else 0.0,
+                mean_gap=float(gaps.mean()) if len(gaps) else 0.0)
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -104,18 +138,25 @@ class RandomAccessDataset(Dataset):
 class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable with `state_dict` / `load_state_dict`; equal per rank with several."
     def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2, rank: int | None = None,
-                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None, **kw):
+                 world_size: int | None = None, pad: bool = False, drop_last: bool | None = None,
+                 window: int | None = None, **kw):
         self.dataset, self.batch_size, self.num_workers, self.pad, self.kw = dataset, batch_size, num_workers, pad, kw
         self.rank, self.world_size = rank_and_world(rank, world_size)
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)  # None: DataLoader's default with one rank
-        self.epoch, self.batch, self._restored = 0, 0, False
+        self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property
     def seed(self) -> int: return self.dataset.seed
     def batches(self, epoch: int) -> list[np.ndarray]:
-        "This rank's batches of `epoch` (arrays of sample numbers)."
-        return epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank, self.world_size, self.pad, self.drop_last)
+        "This rank's batches of `epoch` (arrays of sample numbers): a global permutation, or windows of shards."
+        key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window)
+        if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
+            w = self.window
+            order = None if w is None else epoch_order(self.dataset.index.shard, self.seed, epoch, w)
+            self._cut = (key, epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank,
+                                            self.world_size, self.pad, self.drop_last, order))
+        return self._cut[1]
     def __len__(self): return len(self.batches(self.epoch))
 
     def set_epoch(self, epoch: int):
@@ -162,16 +203,218 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
 
 # %% ../../nbs/27_random.ipynb
+@contextmanager
+def _locked(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
+class ShardCache:
+    "A bounded folder of whole shards on local disk: fetched once, written atomically, evicted least recently used."
+    def __init__(self, folder: str | Path,            # The cache's own folder (made private, 0o700)
+                 max_shards: int = 16,                 # Keep at most this many shards
+                 max_bytes: int | str | None = None,   # ... and at most this many bytes (e.g. '2GB'); None: no bound
+                ):
+        if max_shards < 1: raise UsageError(f"a shard cache holds at least 1 shard, not max_shards={max_shards}")
+        self.folder, self.max_shards, self.max_bytes = private_dir(Path(folder)), max_shards, parse_size(max_bytes)
+        self.fetched = 0  # shards this process fetched
+
+    def file(self, shard: str, size: int, version: str = "") -> Path:
+        "Where the copy of `shard` (`size` bytes, `version`: e.g. a local file's mtime) lives: named by their hash."
+        h = hashlib.blake2b(f"{shard}\0{size}\0{version}".encode(), digest_size=12).hexdigest()
+        return self.folder / f"{h}.tar"
+
+    def files(self) -> list[Path]: return sorted(self.folder.glob("*.tar"))
+    def __repr__(self):
+        files, most = self.files(), f" of {self.max_bytes / 1e6:.1f}" if self.max_bytes else ""
+        return (f"ShardCache({shown_path(self.folder)}: {len(files)} of {self.max_shards} shards, "
+                f"{sum(f.stat().st_size for f in files) / 1e6:.1f}{most} MB)")
+
+# %% ../../nbs/27_random.ipynb
+@patch
+def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> int:
+    "An open descriptor of the copy of `shard` (`size` bytes), now most recently used; a miss calls `fetch`."
+    if self.max_bytes and size > self.max_bytes:
+        raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache "
+                         f"({self.max_bytes / 1e6:.1f} MB); "
+                         "give the cache more bytes")
+    f = self.file(shard, size, version)
+    with _locked(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
+        with _locked(self.folder / ".lock"):  # opened before anyone can evict it
+            if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
+        tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
+        try:
+            fetch(shard, tmp)
+            if (got := tmp.stat().st_size) != size:
+                raise RandomAccessError(f"shard {shard} came as {got} bytes where the index says {size}; "
+                                        "the shard changed after indexing: build the loader again")
+            with _locked(self.folder / ".lock"): self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
+        finally: tmp.unlink(missing_ok=True)
+    self.fetched += 1
+    return fd
+
+@patch
+def _make_room(self: ShardCache, size: int):
+    "Evict least recently used shards until one of `size` bytes fits both bounds."
+    entries = []
+    for p in self.files():
+        try: st = p.stat(); entries.append((st.st_mtime_ns, st.st_size, p))
+        except FileNotFoundError: pass  # evicted by another process meanwhile
+    entries.sort()
+    total = sum(e[1] for e in entries)
+    while entries and (len(entries) >= self.max_shards or (self.max_bytes and total + size > self.max_bytes)):
+        _, n, p = entries.pop(0); p.unlink(missing_ok=True); total -= n
+
+# %% ../../nbs/27_random.ipynb
+def _copy_file(shard: str, dest: Path): shutil.copyfile(shard, dest)
+
+class _HTTPFetch:
+    "Streams a whole shard to a local file with one GET (on AIStore, redirected to its target); a session per process."
+    def __init__(self, endpoint: str | None = None, bucket: str | None = None):
+        self.endpoint, self.bucket, self.pid = endpoint, bucket, None
+    def session(self) -> requests.Session:
+        if self.pid != os.getpid(): self.s, self.pid = requests.Session(), os.getpid()
+        return self.s
+    def url(self, shard: str) -> str:
+        "The URL of `shard`: itself, or its AIStore object URL."
+        if self.endpoint is None: return shard
+        return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
+    def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
+    def __call__(self, shard: str, dest: Path):
+        try:
+            with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
+                if r.status_code != 200:
+                    raise RandomAccessError(f"GET {self.name(shard)} answered HTTP {r.status_code}; is it still there?")
+                for chunk in r.iter_content(1 << 20): f.write(chunk)
+        except requests.RequestException as e:
+            raise RandomAccessError(f"cannot fetch {self.name(shard)} ({type(e).__name__})") from None
+
+def shard_fetcher(index: SampleIndex):
+    "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it over HTTP (AIStore too) or copies it."
+    if index.kind == "ais": return _HTTPFetch(index.endpoint, index.source[len("ais://"):])
+    return _HTTPFetch() if index.kind == "http" else _copy_file
+
+# %% ../../nbs/27_random.ipynb
+def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
+    "The first sample number of shard `s` in `idx`, and one past its last (shards are contiguous)."
+    return int(np.searchsorted(idx.shard, s)), int(np.searchsorted(idx.shard, s, side="right"))
+
+def _scan_fd(fd: int, name: str) -> tuple[list, list, list]:
+    "Names, data offsets and sizes of the members of the tar open as `fd`, from its headers (`scan_tar` of a path)."
+    with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)
+        ents = [e for e in tar_entries(f, name, data=False) if e.is_file and not is_meta_member(e.name)]
+    return [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents]
+
+def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.ndarray, np.ndarray]:
+    "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
+    g, (a, b), F = group_members(names, offsets, sizes, shard=idx.shards[s]), _rows(idx, s), len(idx.fields)
+    kb, ends = bytes(g["keys"]), g["key_end"].tolist()
+    row = {kb[e0:e1].decode(): r for r, (e0, e1) in enumerate(zip([0] + ends[:-1], ends))}
+    off, size, have = np.full((len(ends), F), -1, np.int64), np.full((len(ends), F), -1, np.int64), g["fields"].tolist()
+    for j, f in enumerate(idx.fields):
+        if f not in have: continue
+        m = g["m_field"] == have.index(f)
+        off[g["m_sample"][m], j], size[g["m_sample"][m], j] = g["m_offset"][m], g["m_size"][m]
+    rows = []
+    for i in range(a, b):
+        r = row.get(key := idx.key(i))
+        if r is None or (size[r] != idx.size[i]).any():
+            raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {key!r} is not as indexed in the "
+                                    "copy read now; "
+                                    "the shard changed after indexing: build the loader again")
+        rows.append(r)
+    return off[rows], size[rows]
+
+# %% ../../nbs/27_random.ipynb
+class CachedShardReader:
+    "Reads fields of samples from whole-shard copies in a `ShardCache` with `os.pread`, fetching a shard on a miss."
+    def __init__(self, index: SampleIndex, cache: ShardCache, fetch=None):
+        if index.shard_bytes is None:
+            raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
+        self.cache, self.fetch, self.open, self.pid = cache, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
+        self.max_open = max(64, 2 * cache.max_shards)
+
+    def _shard(self, idx: SampleIndex, s: int) -> tuple:
+        "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
+        if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
+        if s in self.open: self.open.move_to_end(s); return self.open[s]
+        version = str(os.stat(idx.shards[s]).st_mtime_ns) if idx.kind == "local" else ""  # a rewritten tar: a new copy
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), self.fetch, version), _rows(idx, s)
+        try:
+            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]  # a copy of an indexed tar: same offsets
+            else: where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]))
+        except BaseException: os.close(fd); raise
+        if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
+        self.open[s] = (fd, a, *where)
+        return self.open[s]
+
+    def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
+        "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
+        keys, out = [], []
+        for i in ids:
+            try: fd, a, off, size = self._shard(idx, s := int(idx.shard[i]))
+            except RandomAccessError as e:  # name the source and the sample too
+                where = f"{idx.source}/{idx.shards[s]}" if idx.kind == "ais" else idx.shards[s]
+                raise RandomAccessError(f"{where}, sample {idx.key(i)!r}: {e}") from None
+            o, n = off[i - a].tolist(), size[i - a].tolist()
+            row = [os.pread(fd, k, p) for p, k in zip(o, n)]
+            where = idx.shards[idx.shard[i]]
+            if any(len(x) != k for x, k in zip(row, n)):
+                raise RandomAccessError(f"shard {where}: sample {i} is cut short in the cache; clear it and run again")
+            keys.append(idx.key(i) if idx.keys is not None
+                        else key_from_header(os.pread(fd, 512, o[0] - 512), idx.fields[0], where))
+            out.append(row)
+        return keys, out
+
+# %% ../../nbs/27_random.ipynb
+READ_MODES = ("local", "cache", "range", "getbatch")
+DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench_random: the only mode near streaming's rate
+
+def shard_cache_dir(index: SampleIndex) -> Path:
+    "The shard cache folder of `index`'s source: `$SHARDKIT_HOME/cache/shards/<hash of source and endpoint>`."
+    h = hashlib.blake2b(f"{getattr(index, 'endpoint', '')}\0{index.source}".encode(), digest_size=8).hexdigest()
+    return shardkit_home() / "cache" / "shards" / h
+
+def shard_reader(index: SampleIndex,              # What to read
+                 read: str = "auto",              # One of READ_MODES, or 'auto': the default for the source
+                 shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' bytes
+                ) -> tuple:                       # (the reader, the window of shards its order needs or None)
+    "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
+    can = {"local": ("local", "cache"), "http": ("cache", "range"), "ais": ("cache", "range", "getbatch")}[index.kind]
+    if read == "auto": read = {"local": "local", "http": "cache", "ais": DEFAULT_AIS_READ}[index.kind]
+    if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")
+    if read not in can:
+        raise UsageError(f"read={read!r} cannot read {index.kind} shards ({index.source}); use one of {can}")
+    if read == "local": return LocalReader(), None
+    if read == "range": return RangeReader(index), None
+    if read == "getbatch": return AISReader(index), None
+    if isinstance(shard_cache, int): cache = ShardCache(shard_cache_dir(index), max_shards=shard_cache)
+    else: cache = ShardCache(shard_cache_dir(index), max_shards=max(len(index.shards), 1), max_bytes=shard_cache)
+    fits = cache.max_shards if cache.max_bytes is None else cache.max_bytes // max(int(index.shard_bytes.max()), 1)
+    if fits < 1: raise UsageError(f"a shard cache of {shard_cache} holds no shard of {shown_path(index.source)} "
+                                  f"(the largest is {index.shard_bytes.max() / 1e6:.1f} MB); give it more")
+    return CachedShardReader(index, cache), int(min(fits, cache.max_shards))
+
+# %% ../../nbs/27_random.ipynb
 def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
-                         cache: bool | str | Path = True, **kw) -> RandomAccessLoader:
-    "A resumable loader reading `keys` of the samples of `source` (directory, tar paths, `ais://bucket`) in a seeded global order."
+                         cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
+                         window: int | None | str = "auto", **kw) -> RandomAccessLoader:
+    "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys): transform = train_transform()
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder here, not in every worker
-    ds = RandomAccessDataset(sample_index(source, keys, cache), keys, transform, seed, allow_pickle)
-    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, **kw)
+    index = sample_index(source, keys, cache)
+    reader, fits = shard_reader(index, read, shard_cache)  # fits: the shards a window may span (None: any)
+    if window == "auto": window = fits
+    elif fits is not None and fits < len(index.shards) and (window is None or window > fits):
+        raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
+                         f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
+    ds = RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader)
+    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, window, **kw)
 
 # %% ../../nbs/27_random.ipynb
 class AISReader:
@@ -241,3 +484,47 @@ def build_shard_index(store, timeout: float = 600) -> str:
     res = store.client.job(job_id=job).wait(timeout=timeout)
     if getattr(res, "success", True) is False: raise RandomAccessError(f"index-shard job {job} on {store.spec} failed: {res.error}")
     return job
+
+# %% ../../nbs/27_random.ipynb
+class RangeReader:
+    "Reads each sample with one HTTP range GET (AIStore: straight to the target that holds its shard)."
+    def __init__(self, index: SampleIndex): self.fetch, self.known = shard_fetcher(index), {}
+
+    def _shard(self, idx: SampleIndex, s: int) -> tuple:
+        "(URL, first sample number, offsets, sizes) of shard `s`; offsets from its headers if the index has none."
+        if s in self.known: return self.known[s]
+        sess, url, (a, b) = self.fetch.session(), self.fetch.url(idx.shards[s]), _rows(idx, s)
+        try:
+            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
+            else:
+                with sess.get(url, stream=True, timeout=(5, 120)) as r:
+                    if r.status_code != 200: raise self.fetch_error(idx, s, f"HTTP {r.status_code}")
+                    ents = [e for e in tar_entries(r.raw, idx.shards[s], data=False)
+                            if e.is_file and not is_meta_member(e.name)]
+                where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
+            with sess.get(url, allow_redirects=False, stream=True, timeout=(5, 30)) as r:
+                target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
+        except requests.RequestException as e: raise self.fetch_error(idx, s, type(e).__name__) from None
+        self.known[s] = (target, a, *where)
+        return self.known[s]
+
+    def fetch_error(self, idx: SampleIndex, s: int, why: str) -> RandomAccessError:
+        return RandomAccessError(f"cannot read shard {self.fetch.name(idx.shards[s])} ({why}); is it still there?")
+
+# %% ../../nbs/27_random.ipynb
+@patch
+def read(self: RangeReader, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
+    "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one range GET per sample)."
+    sess, keys, out = self.fetch.session(), [], []
+    for i in ids:
+        url, a, off, size = self._shard(idx, int(idx.shard[i]))
+        o, n = off[i - a], size[i - a]
+        lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
+        try: r = sess.get(url, headers={"Range": f"bytes={lo}-{hi - 1}"}, timeout=(5, 60))
+        except requests.RequestException as e:
+            raise self.fetch_error(idx, int(idx.shard[i]), type(e).__name__) from None
+        if r.status_code != 206 or len(r.content) != hi - lo:
+            why = f"a range GET answered HTTP {r.status_code}, {len(r.content)} bytes"
+            raise self.fetch_error(idx, int(idx.shard[i]), why)
+        keys.append(idx.key(i)); out.append([r.content[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
+    return keys, out

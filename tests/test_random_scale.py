@@ -1,0 +1,242 @@
+"""Random access at scale (issue 30): the shard cache mode (exact epochs, resume, the cache bound), windowed shard
+order, and HTTP range reads on a local AIStore."""
+import os, tarfile, uuid
+import numpy as np
+import pytest
+import webdataset as wds
+from shardkit.errors import UsageError
+from shardkit.loading.index import sample_index
+from shardkit.loading.random import (RangeReader, ShardCache, create_random_loader, epoch_order, order_quality,
+                                     shard_cache_dir)
+from shardkit.store import open_store
+
+SIZES = (7, 3, 5, 9, 4, 6)  # uneven shards, 34 samples
+ALL = sorted(f"s{s}_{i:02d}" for s, n in enumerate(SIZES) for i in range(n))
+
+
+def _write_shards(folder, sizes=SIZES):
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s, n in enumerate(sizes):
+        paths.append(str(folder / f"small-{s:05d}.tar"))
+        with wds.TarWriter(paths[-1]) as w:
+            for i in range(n):
+                w.write({"__key__": f"s{s}_{i:02d}", "bin": rng.bytes(int(rng.integers(100, 3000))), "cls": i})
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path, monkeypatch):
+    "Index and shard caches go to a temp SHARDKIT_HOME, a fresh one per test."
+    monkeypatch.setenv("SHARDKIT_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return _write_shards(tmp_path_factory.mktemp("scale") / "shards")
+
+
+def _loader(src, **kw):
+    kw.setdefault("keys", ("__key__", "cls", "bin"))
+    kw.setdefault("transform", None)
+    return create_random_loader(src, **kw)
+
+
+def _keys(loader):
+    return [k for b in loader for k in b[0]]
+
+
+def _cache_files(loader):
+    return sorted(loader.dataset.reader.cache.folder.glob("*.tar"))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cache_mode_exactly_once_per_epoch(shards, world, workers):
+    per_rank = [_loader(str(os.path.dirname(shards[0])), read="cache", shard_cache=2, batch_size=4, num_workers=workers,
+                        rank=r, world_size=world, pad=world > 1) for r in range(world)]
+    assert per_rank[0].window == 2
+    for epoch in range(2):
+        got = [_keys(dl) for dl in per_rank]
+        assert len({len(g) for g in got}) == 1                     # equal batches per rank
+        flat = [k for g in got for k in g]
+        assert set(flat) == set(ALL)                               # every sample ...
+        assert len(flat) - len(ALL) < 4 * world                    # ... once, bar the pad to a whole step
+        if world == 1: assert sorted(flat) == ALL
+
+
+def test_cache_mode_order_is_windows_of_cached_shards(shards):
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=1)
+    idx = dl.dataset.index
+    order = np.concatenate(dl.batches(0))
+    np.testing.assert_array_equal(order, epoch_order(idx.shard, 0, 0, window=2))
+    seq = idx.shard[order]
+    first = {s: int(np.flatnonzero(seq == s)[0]) for s in set(seq.tolist())}
+    last = {s: int(np.flatnonzero(seq == s)[-1]) for s in set(seq.tolist())}
+    open_at = [sum(first[s] <= p <= last[s] for s in first) for p in range(len(seq))]
+    assert max(open_at) == 2                 # never more shards in play than the cache holds
+
+
+@pytest.mark.parametrize("stop", [1, 3, 9, 12])
+def test_cache_mode_resumes_batch_for_batch(shards, stop):
+    src = os.path.dirname(shards[0])
+    dl = _loader(src, read="cache", shard_cache=2, batch_size=3, seed=5)
+    whole = _keys(dl) + _keys(dl)            # epochs 0 and 1, uninterrupted
+    first = _loader(src, read="cache", shard_cache=2, batch_size=3, seed=5, num_workers=2)
+    seen, it = [], iter(first)
+    for _ in range(stop): seen += list(next(it)[0])
+    state = first.state_dict(); del it
+    again = _loader(src, read="cache", shard_cache=2, batch_size=3, seed=5, num_workers=0)
+    again.load_state_dict(state)
+    seen += _keys(again) + _keys(again)
+    assert seen[:len(whole)] == whole and len(seen) >= len(whole)
+
+
+def test_cache_bound_is_respected(shards):
+    src = os.path.dirname(shards[0])
+    dl = _loader(src, read="cache", shard_cache=3, batch_size=4, num_workers=2)
+    for _ in range(2): _keys(dl)
+    assert len(_cache_files(dl)) <= 3
+    limit = 2 * max(os.path.getsize(p) for p in shards)
+    dl = _loader(src, read="cache", shard_cache=f"{limit}B", batch_size=4)
+    assert dl.window == 2 and dl.dataset.reader.cache.max_bytes == limit
+    seen = []
+    for b in dl:
+        seen += list(b[0])
+        assert sum(f.stat().st_size for f in _cache_files(dl)) <= limit
+    assert sorted(seen) == ALL
+    assert not list(dl.dataset.reader.cache.folder.glob(".*.tmp"))  # atomic writes leave no partial files
+
+
+def test_cache_refuses_what_it_cannot_hold(shards):
+    src = os.path.dirname(shards[0])
+    with pytest.raises(UsageError, match="window=5 spans more shards than the cache holds"):
+        _loader(src, read="cache", shard_cache=2, window=5)
+    with pytest.raises(UsageError, match="holds no shard"):
+        _loader(src, read="cache", shard_cache="1KB")
+    with pytest.raises(UsageError, match=r"read=.range. cannot read local shards.*use one of"):
+        _loader(src, read="range")
+
+
+def test_cache_is_private_and_per_source(shards, tmp_path):
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2)
+    folder = dl.dataset.reader.cache.folder
+    assert folder == shard_cache_dir(dl.dataset.index) and (folder.stat().st_mode & 0o777) == 0o700
+    other = _write_shards(tmp_path / "other", sizes=(2, 2))
+    assert shard_cache_dir(sample_index(other[0], ("cls",))) != folder
+
+
+def test_window_quality_figures():
+    shard = np.repeat(np.arange(100, dtype=np.int32), 200)
+    full, win = (order_quality(shard, epoch_order(shard, 1, 0, w)) for w in (None, 10))
+    assert full["same_shard_neighbours"] < 0.03 and 0.05 < win["same_shard_neighbours"] < 0.15
+    assert 80 < full["mean_gap"] < 120 and 8 < win["mean_gap"] < 12
+
+
+@pytest.fixture(scope="module")
+def bucket(shards, ais_cluster):
+    with pytest.MonkeyPatch.context() as mp:  # AIS_ENDPOINT for this module's tests only
+        mp.setenv("AIS_ENDPOINT", ais_cluster["endpoint"])
+        store = open_store(f"ais://shardkit-scale-{uuid.uuid4().hex[:8]}", create=True)
+        for p in shards: store.put_file(p)
+        yield store.spec
+        store.bucket.delete()
+
+
+def test_ais_defaults_to_the_shard_cache_exactly_once_and_resumes(shards, bucket):
+    dl = _loader(bucket, shard_cache=2, batch_size=4, num_workers=2, seed=3)
+    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.window == 2
+    e0, e1 = _keys(dl), _keys(dl)
+    assert sorted(e0) == sorted(e1) == ALL and e0 != e1
+    local = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4, seed=3)
+    assert _keys(local) == e0                                    # the same order as from the local tars
+    dl.set_epoch(0)
+    it = iter(dl); head = list(next(it)[0]) + list(next(it)[0]); state = dl.state_dict(); del it
+    again = _loader(bucket, shard_cache=2, batch_size=4, num_workers=0, seed=3)
+    again.load_state_dict(state)
+    assert head + _keys(again) == e0
+    assert len(_cache_files(again)) <= 2
+
+
+def test_range_read_returns_the_tar_members_bytes(shards, bucket):
+    dl = _loader(bucket, read="range", batch_size=4)
+    assert isinstance(dl.dataset.reader, RangeReader) and dl.window is None
+    members = {}
+    for p in shards:
+        with tarfile.open(p) as t:
+            for m in t.getmembers(): members[m.name] = t.extractfile(m).read()
+    idx = dl.dataset.index
+    keys, rows = dl.dataset.reader.read(idx, list(range(len(idx))))
+    assert sorted(keys) == ALL
+    for k, (cls, data) in zip(keys, rows):
+        assert (cls, data) == (members[f"{k}.cls"], members[f"{k}.bin"])
+    assert sorted(_keys(dl)) == ALL
+
+
+class _RangeHandler(__import__("http.server").server.SimpleHTTPRequestHandler):
+    "Serves files with `Range: bytes=a-b` (206), as object stores do; quiet."
+    def log_message(self, *args): pass
+
+    def do_GET(self):
+        rng = self.headers.get("Range")
+        if not rng: return super().do_GET()
+        a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+        with open(self.translate_path(self.path), "rb") as f: f.seek(a); data = f.read(b - a + 1)
+        self.send_response(206); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def http_base(shards):
+    import functools, http.server, threading
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                          functools.partial(_RangeHandler, directory=os.path.dirname(shards[0])))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _urls(base): return [f"{base}/small-{s:05d}.tar" for s in range(len(SIZES))]
+
+
+def test_http_defaults_to_the_shard_cache(shards, http_base):
+    dl = _loader(_urls(http_base), shard_cache=3, batch_size=4, num_workers=2, seed=1)
+    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.window == 3
+    e0 = _keys(dl)
+    assert sorted(e0) == ALL and len(_cache_files(dl)) <= 3
+    assert _keys(_loader(os.path.dirname(shards[0]), read="cache", shard_cache=3, batch_size=4, seed=1)) == e0
+
+
+def test_http_range_read_returns_the_tar_members_bytes(shards, http_base):
+    dl = _loader(_urls(http_base), read="range", batch_size=4)
+    local = _loader(os.path.dirname(shards[0]), read="local", batch_size=4)
+    ids = list(range(len(ALL)))
+    assert dl.dataset.reader.read(dl.dataset.index, ids) == local.dataset.reader.read(local.dataset.index, ids)
+    with tarfile.open(shards[0]) as t: first = t.extractfile(t.getmember("s0_00.bin")).read()
+    assert dl.dataset.samples([0])[0]["bin"] == first
+
+
+def test_cache_copies_of_a_rewritten_local_tar_are_new(tmp_path):
+    paths = _write_shards(tmp_path / "s", sizes=(3, 2))
+    first = sorted(_keys(_loader(str(tmp_path / "s"), read="cache", shard_cache=2)))
+    old = [(s["bin"], s["cls"]) for s in wds.WebDataset(paths[1], shardshuffle=False)]
+    size = os.path.getsize(paths[1])
+    with wds.TarWriter(paths[1]) as w:  # the same size, other keys
+        for i, (data, cls) in enumerate(old): w.write({"__key__": f"x1_{i:02d}", "bin": data, "cls": cls})
+    os.utime(paths[1], ns=(0, os.stat(paths[1]).st_mtime_ns + 10**9))
+    assert os.path.getsize(paths[1]) == size
+    again = sorted(_keys(_loader(str(tmp_path / "s"), read="cache", shard_cache=2)))
+    assert first[-2:] == ["s1_00", "s1_01"] and again[-2:] == ["x1_00", "x1_01"]
+
+
+def test_a_global_order_from_a_cache_that_holds_every_shard(shards):
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=len(SIZES), window=None, batch_size=5)
+    assert dl.window is None and sorted(_keys(dl)) == ALL
+
+
+def test_batches_follow_a_batch_size_set_later(shards):
+    "create_dataloader sets batch_size on a loader from create_dataset(access='random'): batches must follow it."
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4)
+    dl.batch_size = 5
+    assert [len(b) for b in dl.batches(0)][:-1] == [5] * (len(ALL) // 5)
