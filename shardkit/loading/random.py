@@ -181,13 +181,14 @@ def __iter__(self: RandomAccessLoader):
     self.epoch, self.batch = epoch + 1, 0
 
 # %% ../../nbs/27_random.ipynb
-_MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last")
+_MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last", "window")
 
 @patch
 def state_dict(self: RandomAccessLoader) -> dict:
     "Where the loader is: epoch and batches handed out in it, with the settings a resumed loader must share."
     return dict(epoch=self.epoch, batch=self.batch, seed=self.seed, samples=len(self.dataset), batch_size=self.batch_size,
-                rank=self.rank, world_size=self.world_size, pad=self.pad, drop_last=self.drop_last)
+                rank=self.rank, world_size=self.world_size, pad=self.pad, drop_last=self.drop_last,
+                window=self.window)
 
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
@@ -197,7 +198,8 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
                           "state_dict() returned")
     mine = self.state_dict()
     diff = {k: (state.get(k), mine[k]) for k in _MUST_MATCH if state.get(k) != mine[k]}
-    if diff: raise UsageError(f"cannot resume: saved vs this loader differ in {diff}; build the loader with the saved run's arguments")
+    if diff: raise UsageError(f"cannot resume: saved vs this loader differ in {diff}; "
+                              "build the loader with the saved run's arguments")
     epoch, batch = saved_count(state.get("epoch"), "epoch"), saved_count(state.get("batch"), "batch", 0, len(self))
     self.epoch, self.batch, self._restored = epoch, batch, True
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
