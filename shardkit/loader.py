@@ -26,7 +26,7 @@ from .shards.read import url_samples
 __all__ = ['create_dataset', 'create_dataloader', 'DeviceLoader']
 
 # %% ../nbs/28_loader.ipynb
-def _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
+def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
                    allow_pickle):
     "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
     if resampled or epoch_samples:
@@ -57,7 +57,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
-    if access == "random": return _random_access(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
+    if access == "random": return _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
                                                  rank, world_size, normalize, allow_pickle)
     urls, handler = shard_urls(sources), error_handler(handler)
     if resampled and not epoch_samples:

@@ -228,7 +228,7 @@ class _TimedReader:
                                count=lambda out: sum(len(b) for row in out[1] for b in row))
     def __getattr__(self, name): return getattr(self.reader, name)
 
-def _random_access(ds, clocks: ProfileClocks, swap) -> str:
+def _instrument_random(ds, clocks: ProfileClocks, swap) -> str:
     "Time a RandomAccessDataset's batches (as 'decode', less what is timed inside), reads, transform and collation."
     timed, made = timed_call(type(ds).__getitem__, "decode", clocks), [0]  # made: this process's batches
     def getitem(self, item):
@@ -258,7 +258,7 @@ def instrumented(loader, clocks: ProfileClocks):
         if isinstance(loader, gpu.GpuLoader): stages[-1].count = _jpegs_in  # its workers' batches: packs of JPEG bytes
         kind = "shardkit" if isinstance(pipe.pipeline[0], EpochShards) else "webdataset"
         swap(pipe, "pipeline", stages)
-    elif isinstance(loader, RandomAccessLoader): kind = _random_access(loader.dataset, clocks, swap)
+    elif isinstance(loader, RandomAccessLoader): kind = _instrument_random(loader.dataset, clocks, swap)
     elif dl is not None:
         ds, kind = dl.dataset, "map-style"
         for name, slot in (("loader", "decode"), ("transform", "augment")):

@@ -24,14 +24,16 @@ from tqdm.auto import tqdm
 from .errors import ShardkitError
 from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
+from .loading.sources import rank_and_world
 from .loading.transforms import eval_transform, normalize_batch, train_transform
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
 from .store import expand_names, shown_path
 
 # %% auto 0
 __all__ = ['PRECISIONS', 'TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform',
-           'rank_shards', 'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model',
-           'count_correct', 'evaluate', 'train_epochs', 'pick_precision', 'training_step', 'train', 'train_cli']
+           'rank_shards', 'example_loader', 'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn',
+           'make_model', 'count_correct', 'evaluate', 'train_epochs', 'pick_precision', 'training_step', 'train',
+           'train_cli']
 
 # %% ../nbs/30_train.ipynb
 class TrainError(ShardkitError, ValueError):
@@ -57,7 +59,7 @@ def setup_distributed(device: torch.device) -> tuple[int, int]:
     "Join the process group that `torchrun` describes (gloo on CPU, nccl on CUDA); this process's (rank, world size)."
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return rank_and_world()
 
 # %% ../nbs/30_train.ipynb
 def make_transform(size: int, train: bool):
@@ -72,15 +74,16 @@ def rank_shards(urls: list[str], rank: int = 0, world: int = 1) -> list[str]:
     return list(islice(urls, rank, None, world))
 
 # %% ../nbs/30_train.ipynb
-def shard_loader(urls: list[str],        # shard URLs (all of them: the loader picks this rank's share)
-                 transform,              # image -> tensor
-                 batch_size: int = 32,
-                 workers: int = 2,       # DataLoader workers (lowered to the number of shards this rank owns)
-                 nbatches: int | None = None, # batches per epoch (needed with several ranks); None: one pass
-                 shuffle: int = 1000,    # sample shuffle buffer; 0 keeps shard order (validation)
-                 seed: int = 0):         # shard-shuffle seed (pass a new one each epoch)
-    "A `wds.WebLoader` yielding (images, labels, keys) batches from this rank's shards."
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def example_loader(urls: list[str],             # Shard URLs (all of them: the loader picks this rank's share)
+                   transform,                   # PIL image -> tensor
+                   batch_size: int = 32,        # Samples per batch
+                   workers: int = 2,            # DataLoader workers (lowered to the number of shards this rank owns)
+                   nbatches: int | None = None, # Batches per epoch (needed with several ranks); None: one pass
+                   shuffle: int = 1000,         # Sample shuffle buffer; 0 keeps shard order (validation)
+                   seed: int = 0,               # Shard-shuffle seed (pass a new one each epoch)
+                  ) -> wds.WebLoader:           # (images, labels, keys) batches
+    "The WebDataset example's loader (`--pipeline example`): PIL decoding, float32 images made in the workers."
+    rank, world = rank_and_world()
     mine = len(rank_shards(urls, rank, world))
     if mine == 0 and nbatches:
         raise TrainError(f"rank {rank} of {world} gets no shard: {len(urls)} shards cannot feed {world} ranks; "
@@ -94,6 +97,11 @@ def shard_loader(urls: list[str],        # shard URLs (all of them: the loader p
     loader = loader.unbatched().shuffle(shuffle).batched(batch_size)
     return loader.with_epoch(nbatches) if nbatches else loader
 
+def shard_loader(*args, **kw):
+    "The old name of `example_loader` (it returns a plain `WebLoader`, not a `ShardLoader`)."
+    warnings.warn("shard_loader is now example_loader", DeprecationWarning, stacklevel=2)
+    return example_loader(*args, **kw)
+
 # %% ../nbs/30_train.ipynb
 class KeyedImageFolder(ImageFolder):
     "torchvision `ImageFolder` that also returns each image's key (its path under the root, without extension)."
@@ -105,7 +113,7 @@ def folder_loader(root: str | Path, transform, batch_size: int = 32, workers: in
                   epoch: int = 0):
     "A DataLoader yielding (images, labels, keys) from an ImageFolder tree, split across ranks."
     ds = KeyedImageFolder(str(root), transform=transform)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     if train:
         sampler = torch.utils.data.DistributedSampler(ds, world, rank, shuffle=True, seed=0, drop_last=True)
         sampler.set_epoch(epoch)
@@ -259,8 +267,8 @@ def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, class
     nbatches = samples // (world * batch_size) if world > 1 else None
     if pipeline == "example":
         tf, val_tf = make_transform(size, True), make_transform(size, False)
-        make_train = lambda epoch: shard_loader(urls, tf, batch_size, workers, nbatches, seed=seed + epoch)
-        val_loader = shard_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None
+        make_train = lambda epoch: example_loader(urls, tf, batch_size, workers, nbatches, seed=seed + epoch)
+        val_loader = example_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world)  # this rank's shards, as split_by_node deals them: the ranks share no sample
     make = _gpu_train_loader if decode == "gpu" else _cpu_train_loader
