@@ -276,13 +276,13 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
     listing = synthetic_listing(n, per_shard, fields)
     names = [f"s{i}" for i in range(len(listing))]
     def build():
-        return _select([group_members(*l, shard=s) for l, s in zip(listing, names)], names, fields, "synthetic")
+        return _select([group_members(*part, shard=s) for part, s in zip(listing, names)], names, fields, "synthetic")
     t0 = time.perf_counter(); idx = build(); secs = time.perf_counter() - t0
     del idx
     tracemalloc.start()
     try: idx = build(); peak = tracemalloc.get_traced_memory()[1]
     finally: tracemalloc.stop()
-    key_bytes = sum(len(l[0][0].split(".", 1)[0]) * len(l[0]) // len(fields) for l in listing) / n + 8
+    key_bytes = sum(len(part[0][0].split(".", 1)[0]) * len(part[0]) // len(fields) for part in listing) / n + 8
     return dict(samples=n, seconds=secs, peak_mb=peak / 2**20, bytes_per_sample=idx.nbytes / n, samples_per_s=n / secs,
                 keys_in_memory=idx.keys is not None,
                 ais_bytes_per_sample=idx.shard.itemsize + idx.size.itemsize * len(fields) + key_bytes)

@@ -22,7 +22,7 @@ from .stream import saved_count
 from ..errors import UsageError
 from ..store import open_store, parse_size, shown_path
 from ..config import private_dir, shardkit_home
-from ..shards.read import is_meta_member, scan_tar, tar_entries
+from ..shards.read import is_meta_member, tar_entries
 from .index import RandomAccessError, SampleIndex, key_from_header, group_members, sample_index
 from ..shards.fields import refuse_pickle
 
