@@ -4,15 +4,20 @@
 
 # %% ../../nbs/26_sample_index.ipynb 2
 from __future__ import annotations
-import hashlib, json, os, shutil, time, warnings
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 import numpy as np
 from ..config import shardkit_home
-from ..shards.fields import split_key
-from ..store import AISStore, open_store, shown_path
 from ..errors import ShardkitError, UsageError
+from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
+from ..store import AISStore, open_store, shown_path
 from .sources import shard_urls
 
 # %% auto 0
@@ -317,7 +322,9 @@ print(json.dumps(dict(load=a1 - a0, order=a2 - a1)))
 
 def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
     "Bytes on disk, and private memory of a fresh process that maps the saved index of `n` samples and cuts an epoch."
-    import subprocess, sys, tempfile
+    import subprocess
+    import sys
+    import tempfile
     with tempfile.TemporaryDirectory(dir=folder) as d:
         disk = sum(f.stat().st_size for f in save_index(synthetic_index(n, keys=keys), Path(d) / "i").iterdir())
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)

@@ -4,27 +4,31 @@
 
 # %% ../../nbs/27_random.ipynb 3
 from __future__ import annotations
-import fcntl, hashlib, os, shutil, types, warnings
-from contextlib import contextmanager
-from urllib.parse import quote
+import fcntl
+import hashlib
+import os
+import shutil
+import types
+import warnings
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
+from urllib.parse import quote
 import numpy as np
 import requests
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
-from ..shards.fields import IMAGE_EXTS
-from .transforms import TrainTransform, sample_to_tuple, train_transform
-from .collate import MAPPED_BUFFERS, PooledBatch, convert_batch, collate
+from ..config import private_dir, shardkit_home
+from ..errors import UsageError
+from ..shards.fields import IMAGE_EXTS, refuse_pickle
+from ..shards.read import is_meta_member, tar_entries
+from ..store import open_store, parse_size, shown_path
+from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
+from .index import RandomAccessError, SampleIndex, group_members, key_from_header, sample_index
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
-from ..errors import UsageError
-from ..store import open_store, parse_size, shown_path
-from ..config import private_dir, shardkit_home
-from ..shards.read import is_meta_member, tar_entries
-from .index import RandomAccessError, SampleIndex, key_from_header, group_members, sample_index
-from ..shards.fields import refuse_pickle
+from .transforms import TrainTransform, sample_to_tuple, train_transform
 
 # %% auto 0
 __all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'epoch_batches', 'epoch_order', 'order_quality',
