@@ -4,20 +4,21 @@
 
 # %% ../../nbs/36_bench_random.ipynb 2
 from __future__ import annotations
-import shutil, time
+import shutil
+import time
 from pathlib import Path
-from urllib.parse import urlparse
 from typing import Sequence
+from urllib.parse import urlparse
 from fastcore.script import store_true
-from ..loading.transforms import train_transform
+from ..config import private_dir
 from ..errors import UsageError
+from ..loader import create_dataloader, create_dataset
 from ..loading.random import RandomAccessLoader, build_shard_index, create_random_loader
+from ..loading.sources import shard_urls
+from ..loading.transforms import train_transform
+from ..store import open_store
 from .core import cpu_seconds, format_bench
 from .peers import shard_fields
-from ..loading.sources import shard_urls
-from ..config import private_dir
-from ..loader import create_dataloader, create_dataset
-from ..store import open_store
 
 # %% auto 0
 __all__ = ['bench_random', 'bench_ais_index', 'ais_cluster_cpu', 'bench_read_modes', 'modes_table', 'random_table',

@@ -4,15 +4,20 @@
 
 # %% ../../nbs/26_sample_index.ipynb 2
 from __future__ import annotations
-import hashlib, json, os, shutil, time, warnings
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 import numpy as np
 from ..config import shardkit_home
-from ..shards.fields import split_key
-from ..store import AISStore, open_store, shown_path
 from ..errors import ShardkitError, UsageError
+from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
+from ..store import AISStore, open_store, shown_path
 from .sources import shard_urls
 
 # %% auto 0
@@ -276,13 +281,13 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
     listing = synthetic_listing(n, per_shard, fields)
     names = [f"s{i}" for i in range(len(listing))]
     def build():
-        return _select([group_members(*l, shard=s) for l, s in zip(listing, names)], names, fields, "synthetic")
+        return _select([group_members(*part, shard=s) for part, s in zip(listing, names)], names, fields, "synthetic")
     t0 = time.perf_counter(); idx = build(); secs = time.perf_counter() - t0
     del idx
     tracemalloc.start()
     try: idx = build(); peak = tracemalloc.get_traced_memory()[1]
     finally: tracemalloc.stop()
-    key_bytes = sum(len(l[0][0].split(".", 1)[0]) * len(l[0]) // len(fields) for l in listing) / n + 8
+    key_bytes = sum(len(part[0][0].split(".", 1)[0]) * len(part[0]) // len(fields) for part in listing) / n + 8
     return dict(samples=n, seconds=secs, peak_mb=peak / 2**20, bytes_per_sample=idx.nbytes / n, samples_per_s=n / secs,
                 keys_in_memory=idx.keys is not None,
                 ais_bytes_per_sample=idx.shard.itemsize + idx.size.itemsize * len(fields) + key_bytes)
@@ -317,7 +322,9 @@ print(json.dumps(dict(load=a1 - a0, order=a2 - a1)))
 
 def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
     "Bytes on disk, and private memory of a fresh process that maps the saved index of `n` samples and cuts an epoch."
-    import subprocess, sys, tempfile
+    import subprocess
+    import sys
+    import tempfile
     with tempfile.TemporaryDirectory(dir=folder) as d:
         disk = sum(f.stat().st_size for f in save_index(synthetic_index(n, keys=keys), Path(d) / "i").iterdir())
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)

@@ -61,7 +61,7 @@ def seed_for(*parts) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 def seeded_rng(*parts) -> random.Random:
-    "A `random.Random` seeded from `parts` (seed, epoch, a purpose, ...) by `seed_for`: one stream of draws per purpose."
+    "A `random.Random` seeded from `parts` (seed, epoch, a purpose, ...) by `seed_for`: one stream per purpose."
     return random.Random(seed_for(*parts))
 
 # %% ../../nbs/21_sources.ipynb

@@ -119,7 +119,8 @@ class ShardLoader(wds.WebLoader):
         shards, loader = self.dataset.shards, self.pipeline[0]
         self.epoch = shards.epoch
         if self._workers_next != self.epoch: restart_workers(loader)  # asked for another epoch (set_epoch): afresh
-        if getattr(loader, "_iterator", None) is None: MAPPED_BUFFERS.clear()  # new workers, new buffers: unmap the old ones
+        # new workers, new buffers: unmap the old ones
+        if getattr(loader, "_iterator", None) is None: MAPPED_BUFFERS.clear()
         self._taken, self._resumed, self._running = self._resumed or [0] * max(self.num_workers, 1), None, True
         self._next = shards.rotation[1] if shards.rotation and shards.rotation[0] == self.epoch else 0
         source = self._counted(iter(loader))  # starts the workers (they copy the dataset at this epoch) or resumes them
@@ -193,8 +194,8 @@ def _shards_digest(urls: tuple[str, ...]) -> str:
 def state_dict(self: ShardLoader) -> dict:
     "Where this loader is: the epoch and each worker's batches handed out in it, and the settings a resume must share."
     if self.shuffle_across:
-        raise LoaderError("exact resume needs create_dataloader(shuffle_across=0): the loader's cross-worker buffer is not "
-                          "restored (the workers' own shuffle buffers, create_dataset(shuffle=N), are)")
+        raise LoaderError("exact resume needs create_dataloader(shuffle_across=0): the loader's cross-worker buffer "
+                          "is not restored (the workers' own shuffle buffers, create_dataset(shuffle=N), are)")
     sh, ds = self.dataset.shards, self.dataset
     rank, world = rank_and_world(sh.rank, sh.world_size)
     if self._running: epoch, taken, nxt = self.epoch, list(self._taken), self._next
