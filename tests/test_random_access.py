@@ -234,7 +234,8 @@ def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
     try:
         for p in shards: store.put_file(p)
         res = bench_ais_index(f"ais://{name}", keys=("cls", "image.jpg"), num_workers=0, samples=24, batch_size=8)
-        assert set(res) == {"without index", "with index", "build_s"} and res["build_s"] > 0, res
+        assert set(res) == {"without index", "with index", "build_s", "modes"} and res["build_s"] > 0, res
+        assert {"stream", "cache", "range", "getbatch"} <= set(res["modes"]), res["modes"]  # side by side on one bucket
         for when in ("without index", "with index"):
             for mode in ("read", "decode"):
                 r = res[when][mode]
