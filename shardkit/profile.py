@@ -89,7 +89,6 @@ class Profile:
     load: float                 # the machine's 1-minute load average at the end: runnable processes, other jobs' too
     steady_rate: float | None = None  # samples/s after the first batch (None: one batch)
     device_stages: dict = field(default_factory=dict)  # the GPU loader's copy, decode, augment on its device: ms/sample
-    device_beside: bool = False  # its device stages ran in a thread beside the loop (made ahead), not inside next()
     timeline: dict = field(default_factory=dict, repr=False)
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
@@ -116,23 +115,23 @@ def _windows(acc, kind: str) -> str:
     why = jpeg.why_no_window_decode()
     return "used" if acc[:, SLOT["decode"], 3].sum() else "available but off" if why is None else f"unavailable: {why}"
 
-def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, beside: bool) -> Profile:
-    "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample; `beside`: in their own thread)."
+def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict) -> Profile:
+    "A Profile from `_loop`'s raw numbers and the loader's device stages (ms/sample), which ran inside next()."
     acc, n, ms = raw["acc"], max(raw["samples"], 1), lambda s: 1000 * s / max(raw["samples"], 1)
     rows = slice(1, None) if workers else slice(0, 1)
     made = acc[rows, SLOT["collate"], 2].sum() if workers else n  # what the workers made (some may be on the way)
     stages = _per_sample(acc, rows, max(made, 1))
     stages["rebatch"] = _per_sample(acc, slice(0, 1), n)["rebatch"]
     pipeline, dev = sum(v["wall"] for v in stages.values()), sum(on_dev.values())
-    apart = workers > 0 or beside  # the stages run beside the loop (workers, a prefetching thread), not inside next()
+    apart = workers > 0  # the stages run beside the loop (in workers), not inside next()
     in_next, reb = ms(raw["next_wall"]), stages["rebatch"]
-    inside = dict(wall=0.0, cpu=0.0) if beside else dict(wall=reb["wall"] + dev, cpu=reb["cpu"] + dev)  # work in next()
+    inside = dict(wall=reb["wall"] + dev, cpu=reb["cpu"] + dev)  # the main process's own work in next()
     receive = max(ms(raw["next_cpu"]) - inside["cpu"], 0.0) if apart else 0.0
     main = dict(wait=max(in_next - receive - inside["wall"], 0.0) if apart else 0.0, receive=receive,
                 rebatch=reb["wall"], device=ms(raw["device"]), step=ms(raw["step"]))
     main["untimed"] = ms(raw["wall"]) - (in_next if apart else pipeline + dev) - main["device"] - main["step"]
     busy = pipeline - reb["wall"]
-    capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(busy + dev if beside else in_next, 1e-9)
+    capacity = workers * 1000 / busy if workers and busy > 0 else 1000 / max(in_next, 1e-9)
     if workers and dev > 0: capacity = min(capacity, 1000 / dev)
     read_s, read_b = acc[rows, SLOT["read"], 0].sum(), acc[rows, SLOT["read"], 2].sum()
     first_end = raw["main_ev"][0, 3] - raw["t0"] if raw["batches"] else raw["wall"]
@@ -141,7 +140,7 @@ def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict, besid
     return Profile(label, kind, workers, os.cpu_count() or 1, raw["samples"], raw["batches"], raw["wall"], raw["first"],
                    raw["samples"] / raw["wall"], stages, main, ms(raw["cpu"]), capacity, step_rate,
                    raw["next_wall"] / raw["wall"], read_b / 1e6 / read_s if read_b and read_s > 0 else None,
-                   _windows(acc, kind), os.getloadavg()[0], steady, on_dev, beside,
+                   _windows(acc, kind), os.getloadavg()[0], steady, on_dev,
                    dict(ev=raw["ev"][1:] if workers else raw["ev"][:1], main=raw["main_ev"], t0=raw["t0"]))
 
 # %% ../nbs/42_profile.ipynb
@@ -170,7 +169,7 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
         on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
     # the GPU loader queues its device work inside next(), in the loop's own thread (a thread beside it slowed the step)
-    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev, False)
+    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev)
 
 # %% ../nbs/42_profile.ipynb
 def _without(p: Profile, ms: float) -> float:
@@ -225,20 +224,17 @@ def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
 # %% ../nbs/42_profile.ipynb
 def _in_next(p: Profile) -> str:
     "The time in next() split: waiting, receiving, rebatching, the loader's device stages; shares of the loop."
-    if not p.workers and not p.device_beside: return "no workers: the pipeline itself runs inside next()"
+    if not p.workers: return "no workers: the pipeline itself runs inside next()"
     m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
-    waiting = ("waiting for the loader (its workers, then its device thread)" if p.device_beside
-               else "waiting for the workers")
-    parts = [(waiting, m["wait"]), ("receiving their batches", m["receive"]), ("rebatching", m["rebatch"]),
-             ("the loader's device stages", 0 if p.device_beside else sum(p.device_stages.values()))]
+    parts = [("waiting for the workers", m["wait"]), ("receiving their batches", m["receive"]), ("rebatching", m["rebatch"]),
+             ("the loader's device stages", sum(p.device_stages.values()))]
     return ", ".join(f"{name} {share(v)}" for name, v in parts if v > 0.0005) or "nothing timed"
 
 def _device_verdict(p: Profile) -> str:
     "The GPU loader's device stages: where they ran, what they take, and whether they limit the loader."
     dev = sum(p.device_stages.values())
     parts = ", ".join(f"{k} {v:.3f}" for k, v in p.device_stages.items())
-    where = ("in a thread of the main process, beside the loop" if p.device_beside
-             else "in the main process, inside next()")
+    where = "in the main process, inside next()"
     line = (f"the loader's device stages take {dev:.3f} ms/sample {where} ({parts}): "
             f"at most {1000 / max(dev, 1e-9):,.0f} samples/s from them alone")
     if p.workers and p.worker_ms > 0 and 1000 / max(dev, 1e-9) < p.workers * 1000 / p.worker_ms:
@@ -306,8 +302,7 @@ def _rows(p: Profile) -> list[tuple]:
     w = [(f"workers: {k}" if p.workers else k, v["wall"], v["cpu"]) for k, v in p.stages.items()
          if k != "rebatch" and v["wall"] > 0.0005]
     d = [(f"device: {k}", v, None) for k, v in p.device_stages.items()]
-    name = lambda k: "wait for the loader" if k == "wait" and p.device_beside else MAIN_PARTS[k]  # and its thread
-    return w + d + [(f"main: {name(k)}", v, None) for k, v in p.main.items() if v > 0.0005]
+    return w + d + [(f"main: {MAIN_PARTS[k]}", v, None) for k, v in p.main.items() if v > 0.0005]
 
 def report(p: Profile) -> str:
     "A text report of `p`: per stage and per loop part, ms per sample and shares; the rates; the verdicts."
