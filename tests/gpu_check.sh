@@ -3,7 +3,7 @@
 # network). From the checkout's root, with webdataset, braceexpand, fastcore and wids as wheels in .whl/:
 #     bash tests/gpu_check.sh                      # on the GPU machine: under 8 minutes
 #     GPU_CHECK_DEVICE=cpu bash tests/gpu_check.sh # a dry run of the same steps with tiny sizes on a CPU
-# It writes 4,000 photo-like 500 x 375 JPEGs into shards (shardkit.synth), runs tests/test_gpu.py, then
+# It writes 4,000 photo-like 500 x 375 JPEGs into shards (shardkit.synth), runs every CUDA test, then
 # `shardkit bench gpu --step resnet50` with 4 and with 15 workers, and prints a summary. $OUT (if set) receives
 # pytest.txt, bench-w4.json, bench-w15.json and summary.txt. A shorter run: GPU_CHECK_N (images), GPU_CHECK_SAMPLES
 # (per timed row), GPU_CHECK_WORKERS ("4 15"), GPU_CHECK_TESTS (pytest's arguments).
@@ -57,7 +57,7 @@ else: print("already there")
 PY
 
 echo "== tests/test_gpu.py"
-timeout 180 $PY -m pytest ${GPU_CHECK_TESTS:-tests/test_gpu.py} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" \
+timeout 180 $PY -m pytest ${GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_loader.py tests/test_train.py tests/test_profile.py -k cuda} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" \
     | grep -v "Warning\|warnings.warn\|^  "
 for w in $WORKERS; do
     echo "== shardkit bench gpu $BENCH --workers $w"
