@@ -226,7 +226,8 @@ def _in_next(p: Profile) -> str:
     "The time in next() split: waiting, receiving, rebatching, the loader's device stages; shares of the loop."
     if not p.workers: return "no workers: the pipeline itself runs inside next()"
     m, share = p.main, lambda ms: f"{ms * p.rate / 1000:.0%}"
-    parts = [("waiting for the workers", m["wait"]), ("receiving their batches", m["receive"]), ("rebatching", m["rebatch"]),
+    parts = [("waiting for the workers", m["wait"]), ("receiving their batches", m["receive"]),
+             ("rebatching", m["rebatch"]),
              ("the loader's device stages", sum(p.device_stages.values()))]
     return ", ".join(f"{name} {share(v)}" for name, v in parts if v > 0.0005) or "nothing timed"
 
