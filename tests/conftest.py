@@ -1,8 +1,9 @@
 """Shared fixtures: a real local AIStore cluster for the session, a way to run the CLI, headless Chromium; and the
 two tiers. `slow` marks notebooks, AIStore, browsers, torchrun, the demo and benchmarks (pytest.ini); every test
-that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier, run in
-two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's fast-test command); the whole suite runs serially on
-2 cores (a second worker starves the local cluster's nodes there), and with `--dist loadgroup` on bigger machines."""
+that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier; both
+tiers run in two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's commands). `--dist loadgroup` sends the
+largest group first (xdist's scope reordering): the cluster's tests, all on one worker, while the other worker runs
+the rest. A plain serial `python -m pytest` runs the same tests, the cluster's last."""
 import contextlib, os, shutil, signal, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
@@ -31,8 +32,9 @@ def pytest_collection_modifyitems(config, items):
             ais_modules.add(item.nodeid.split("::")[0])
         elif item.get_closest_marker("timed"):
             item.add_marker(pytest.mark.xdist_group("timed"))
-    # The test files that use the cluster run after the others (each file's own order kept, so its module fixtures are
-    # set up once): on a fresh machine, aisnode builds in the background meanwhile (pytest_collection_finish).
+    # Serially, the test files that use the cluster run after the others (each file's own order kept, so its module
+    # fixtures are set up once): on a fresh machine, aisnode builds in the background meanwhile
+    # (pytest_collection_finish). Under xdist the order inside each group is this one.
     items.sort(key=lambda item: item.nodeid.split("::")[0] in ais_modules)
 
 

@@ -149,11 +149,14 @@ def test_a_read_bound_pipeline_is_named_reading(slow_http):
 @pytest.mark.slow
 @pytest.mark.timed
 def test_overhead_is_bounded(tmp_path):
-    "Plain and profiled runs interleaved: the profiler costs little throughput (the goal is 5%; the bound allows this machine's noise)."
+    """Plain and profiled runs interleaved: the profiler costs little CPU per sample and little throughput (the goal is
+    5%; the bounds allow this machine's noise). The suite runs in two workers, so another test may load the cores
+    during any run: throughput is compared best run against best run, the runs least disturbed by the other worker."""
     urls = _write(tmp_path / "ov", 8, 25, (500, 375))
     o = profile_overhead(lambda: _loader(urls, workers=2, batch_size=16, keys=("cls", "image.jpg")), repeats=5)
     print(o)
-    assert o["overhead"] < 0.15 and o["cpu_overhead"] < 0.10, o
+    best = 1 - max(o["runs"]["profiled"]) / max(o["runs"]["plain"])
+    assert best < 0.15 and o["cpu_overhead"] < 0.10, (best, o)
 
 
 def test_cli_profiles_and_tries_a_change(shards, tmp_path):
