@@ -86,13 +86,26 @@ def pytest_sessionfinish(session):
         proc.wait()
 
 
+def _keep_logs(root: Path) -> Path:
+    "Copy the cluster's node logs to tests/_out/ais-logs-PID (before its folder is wiped), for a failed session."
+    dest = OUT / f"ais-logs-{os.getpid()}"
+    for log in [*root.glob("*/log/*"), *root.glob("*/stdout.log")]:
+        if log.is_file():
+            (dest / log.parent.relative_to(root)).mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, dest / log.parent.relative_to(root) / log.name)
+    return dest
+
+
 @pytest.fixture(scope="session")
-def ais_cluster(tmp_path_factory):
+def ais_cluster(tmp_path_factory, request):
     """A real local AIStore (1 proxy, 2 targets, dSort built in) for the whole session.
-    Skips with a how-to when it cannot start, unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure."""
+    Skips with a how-to when it cannot start, unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure.
+    Its base port is drawn at random (two sessions on one machine rarely race for the same ports), and when a test of
+    the session failed, the nodes' logs are kept in tests/_out/ais-logs-PID."""
+    import random
     from shardkit.cluster import ais_up, ais_down
     _wait_for_aisnode_build()
-    root, port = tmp_path_factory.mktemp("ais"), _free_base_port()
+    root, port = tmp_path_factory.mktemp("ais"), _free_base_port(start=28080 + 10 * random.randrange(60))
     try:
         try: endpoint = ais_up(targets=2, root=root, port=port, quiet=True)
         except Exception as e:  # a port taken between the check and the bind (another program): once more, elsewhere
@@ -105,6 +118,7 @@ def ais_cluster(tmp_path_factory):
         if os.environ.get("SHARDKIT_REQUIRE_AIS") == "1": pytest.fail(msg)
         pytest.skip(msg + " (install Go >= 1.26 so `shardkit ais up` can build it; set SHARDKIT_REQUIRE_AIS=1 to make this a failure)")
     yield dict(endpoint=endpoint, root=root)
+    if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(root)}")
     ais_down(root, wipe=True, quiet=True)
 
 
