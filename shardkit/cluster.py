@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+import psutil
 import requests
 from fastcore.script import store_true
 from .config import private_dir, shardkit_home, why_untrusted
@@ -148,6 +149,13 @@ def _alive(node: dict) -> bool:
     except (FileNotFoundError, ProcessLookupError): return False
     return state != "Z" and "aisnode" in cmdline and node["dir"] in cmdline
 
+def _listens(pid: int) -> list[str]:
+    "The addresses (`host:port`) on which process `pid` accepts TCP connections; [] if it is gone."
+    try: conns = psutil.Process(pid).net_connections(kind="inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied): return []
+    ip = lambda a: f"[{a}]" if ":" in a else a  # IPv6 in brackets
+    return sorted({f"{ip(c.laddr.ip)}:{c.laddr.port}" for c in conns if c.status == psutil.CONN_LISTEN})
+
 def _reap(pid: int) -> None:
     try: os.waitpid(pid, os.WNOHANG)
     except ChildProcessError: pass
@@ -167,12 +175,12 @@ def _log_tail(node: dict, n: int = 8) -> str:
 
 # %% ../nbs/07_cluster.ipynb
 def ais_status(root: str | Path | None = None) -> dict:
-    "The local cluster's state: endpoint, each node alive or not, readiness, buckets, disk capacity."
+    "The local cluster's state: endpoint, each node alive or not and where it listens, readiness, buckets, capacity."
     root = Path(root or default_root())
     sf = _state_file(root)
     if not sf.exists(): return dict(root=str(root), running=False, endpoint=None, nodes=[])
     st = json.loads(sf.read_text())
-    for n in st["nodes"]: n["alive"] = _alive(n)
+    for n in st["nodes"]: n["alive"] = _alive(n); n["listens"] = _listens(n["pid"]) if n["alive"] else []
     st["running"] = any(n["alive"] for n in st["nodes"])
     st["ready"] = st["running"] and _ready(st["endpoint"], st["targets"])
     du = shutil.disk_usage(root)
@@ -235,7 +243,9 @@ def ais_up(targets: int = 2,                 # number of storage targets
                                                  version=AIS_VERSION, started=time.time(), nodes=nodes), indent=1))
     _await_ready(root, endpoint, nodes, targets, timeout)
     if not quiet: print(f"AIStore {AIS_VERSION} is up: 1 proxy, {targets} target(s), data under {root}\n"
-                        f"  export AIS_ENDPOINT={endpoint}")
+                        f"  export AIS_ENDPOINT={endpoint}\n"
+                        f"  note: AIStore listens for clients on every interface (ports {port}-{port + targets}); "
+                        "on a shared network, firewall them")
     return endpoint
 
 # %% ../nbs/07_cluster.ipynb
@@ -287,7 +297,8 @@ def ais_status_cli(root: str = None):  # The cluster's folder (default ~/.shardk
         return 1
     print(f"endpoint: {st['endpoint']}   ready: {'yes' if st['ready'] else 'no'}   AIStore {st.get('version', '?')}")
     for n in st["nodes"]:
-        print(f"  {n['name']:<8} pid {n['pid']:<8} port {n['port']:<6} {'running' if n['alive'] else 'STOPPED'}")
+        where = ", ".join(n["listens"]) or f"port {n['port']}"
+        print(f"  {n['name']:<8} pid {n['pid']:<8} {'running' if n['alive'] else 'STOPPED':<8} listens on {where}")
     c = st["capacity"]
     print(f"capacity: {c['free'] / 2**30:.1f} GiB free of {c['total'] / 2**30:.1f} GiB; "
           f"objects use {c['used_by_mountpaths'] / 2**20:.1f} MiB")
