@@ -240,3 +240,32 @@ def test_batches_follow_a_batch_size_set_later(shards):
     dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4)
     dl.batch_size = 5
     assert [len(b) for b in dl.batches(0)][:-1] == [5] * (len(ALL) // 5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 31, 64, 1024, 4099, 65_537])
+def test_permute_is_a_permutation(n):
+    from shardkit.loading.random import permute
+    for seed in (0, 1, 12345):
+        assert np.array_equal(np.sort(permute(np.arange(n), n, seed)), np.arange(n)), "every number once"
+
+
+def test_batches_of_a_huge_epoch_need_no_array_of_its_samples():
+    "A trillion samples: batch b comes from (seed, epoch, b) alone, in both orders, without the samples before it."
+    from shardkit.loading.random import EpochBatches, EpochOrder
+    n = 10**12
+    starts = np.arange(0, n + 1, 10**6, dtype=np.int64)  # a million shards of a million samples
+    for window in (None, 16):
+        b = EpochBatches(EpochOrder(starts, 0, 3, window), 64, rank=1, world_size=8)
+        assert len(b) == n // (64 * 8)
+        late = b[len(b) - 1]
+        assert len(late) == 64 and len(set(late.tolist())) == 64 and ((0 <= late) & (late < n)).all()
+        assert np.array_equal(late, EpochBatches(EpochOrder(starts, 0, 3, window), 64, 1, 8)[-1])  # from the seed
+
+
+def test_a_late_window_batch_equals_the_whole_order():
+    from shardkit.loading.random import EpochBatches, EpochOrder, epoch_batches, shard_starts
+    shard = np.repeat(np.arange(50, dtype=np.int32), np.arange(50) % 7 + 1)  # uneven shards, some of one sample
+    whole = epoch_batches(len(shard), 3, 5, 2, rank=1, world_size=2, pad=True, order=epoch_order(shard, 5, 2, 4))
+    lazy = EpochBatches(EpochOrder(shard_starts(shard, 50), 5, 2, 4), 3, 1, 2, pad=True)
+    for b in (len(whole) - 1, 0, len(whole) // 2):  # out of order, as a resumed loader asks
+        assert lazy[b].tolist() == whole[b].tolist()

@@ -313,15 +313,13 @@ def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls
 _MEASURE = '''
 import json, sys, numpy as np
 from shardkit.loading.index import load_index
-from shardkit.loading.random import epoch_batches, epoch_order
 def anon(): return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")).split()[1]) * 1024
 a0 = anon(); idx = load_index(sys.argv[1]); idx.key(len(idx) - 1) if idx.keys is not None else 0; a1 = anon()
-b = epoch_batches(len(idx), 64, 0, 0, order=epoch_order(idx.shard, 0, 0, window=16)); a2 = anon()
-print(json.dumps(dict(load=a1 - a0, order=a2 - a1)))
+print(json.dumps(dict(load=a1 - a0)))
 '''
 
 def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
-    "Bytes on disk, and private memory of a fresh process that maps the saved index of `n` samples and cuts an epoch."
+    "Bytes on disk per sample of the saved index of `n` samples, and the private memory of a fresh process mapping it."
     import subprocess
     import sys
     import tempfile
@@ -330,5 +328,5 @@ def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | N
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
     if out.returncode: raise ShardkitError(f"measuring the mapped index failed: {out.stderr[-500:]}")
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    return dict(samples=n, disk_bytes_per_sample=disk / n, load_private_bytes=m["load"], order_private_bytes=m["order"],
-                private_bytes_per_sample=(m["load"] + m["order"]) / n)
+    return dict(samples=n, disk_bytes_per_sample=disk / n, load_private_bytes=m["load"],
+                private_bytes_per_sample=m["load"] / n)
