@@ -26,8 +26,7 @@ from ..shards.fields import IMAGE_EXTS, refuse_pickle
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
-from .index import (RandomAccessError, SampleIndex, group_members, key_from_header, sample_index,
-                                    save_index, synthetic_index)
+from .index import RandomAccessError, SampleIndex, group_members, key_from_header, sample_index
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
 from .transforms import TrainTransform, sample_to_tuple, train_transform
@@ -565,6 +564,7 @@ def loader_memory(n: int = 10_000_000, folder: str | Path | None = None) -> dict
     import subprocess
     import sys
     import tempfile
+    from shardkit.loading.index import save_index, synthetic_index
     with tempfile.TemporaryDirectory(dir=folder) as d:
         save_index(synthetic_index(n), Path(d) / "i")
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
