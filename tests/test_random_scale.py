@@ -269,3 +269,85 @@ def test_a_late_window_batch_equals_the_whole_order():
     lazy = EpochBatches(EpochOrder(shard_starts(shard, 50), 5, 2, 4), 3, 1, 2, pad=True)
     for b in (len(whole) - 1, 0, len(whole) // 2):  # out of order, as a resumed loader asks
         assert lazy[b].tolist() == whole[b].tolist()
+
+
+def _rewrite_same_size(path):
+    "Rewrite tar `path` with the same names and sizes but other bytes in every `bin` field; returns the new samples."
+    old = [(s["__key__"], s["bin"], s["cls"]) for s in wds.WebDataset(path, shardshuffle=False)]
+    size = os.path.getsize(path)
+    with wds.TarWriter(path) as w:
+        for key, data, cls in old: w.write({"__key__": key, "bin": bytes(255 - b for b in data), "cls": cls})
+    assert os.path.getsize(path) == size
+    return {key: bytes(255 - b for b in data) for key, data, _ in old}
+
+
+def _fresh_bucket(paths):
+    store = open_store(f"ais://shardkit-version-{uuid.uuid4().hex[:8]}", create=True)
+    for p in paths: store.put_file(p)
+    return store
+
+
+def test_ais_cached_copies_follow_the_shards_content(tmp_path, ais_endpoint):
+    "A shard overwritten with other bytes of the same size: a new loader reads the new bytes, never the old copy."
+    from shardkit.errors import ShardkitError
+    from shardkit.loading.random import CachedShardReader
+    paths = _write_shards(tmp_path / "s", sizes=(3, 2))
+    store = _fresh_bucket(paths)
+    try:
+        first = _loader(store.spec, shard_cache=2, batch_size=5, num_workers=0)
+        idx = first.dataset.index
+        before = {s["__key__"]: s["bin"] for s in first.dataset.samples(list(range(len(idx))))}
+        assert len(_cache_files(first)) == 2 and all(v.count("/") == 1 for v in idx.versions)  # checksum/version
+        new = _rewrite_same_size(paths[1]); store.put_file(paths[1])
+        again = _loader(store.spec, shard_cache=2, batch_size=5, num_workers=0)
+        assert again.dataset.index.versions[1] != idx.versions[1] and again.dataset.index.versions[0] == idx.versions[0]
+        after = {s["__key__"]: s["bin"] for s in again.dataset.samples(list(range(len(idx))))}
+        assert after["s1_00"] == new["s1_00"] != before["s1_00"] and after["s0_00"] == before["s0_00"]
+        # a loader still on the old index, whose copy of the shard is gone: the refetch brings other content
+        for f in _cache_files(first): f.unlink()
+        stale = CachedShardReader(idx, first.dataset.reader.cache)
+        with pytest.raises(ShardkitError, match="changed after indexing: build the loader again"):
+            stale.read(idx, [int(np.flatnonzero(idx.shard == 1)[0])])
+    finally:
+        store.bucket.delete()
+
+
+_REUSE = '''
+import sys
+import shardkit.loading.index as I
+def no(*a, **k): raise SystemExit("the index was built again: " + repr(a))
+I.index_ais = I.index_url = no
+idx = I.sample_index(sys.argv[1], ("cls", "bin"))
+print(len(idx), type(idx.shard).__name__)
+'''
+
+
+def test_ais_index_is_built_once_per_machine_and_follows_the_bucket(tmp_path, ais_endpoint):
+    "The first call lists the members and saves the index; another process maps it; a rewritten shard: a new one."
+    import subprocess, sys
+    from shardkit.loading.index import index_cache_dir
+    paths = _write_shards(tmp_path / "s", sizes=(3, 2))
+    store = _fresh_bucket(paths)
+    try:
+        a = sample_index(store.spec, ("cls", "bin"))
+        saved = sorted(p.parent for p in (index_cache_dir() / "remote").glob("*/meta.json"))
+        assert len(saved) == 1 and isinstance(a.shard, np.memmap) and a.kind == "ais" and len(a) == 5
+        out = subprocess.run([sys.executable, "-c", _REUSE, store.spec], capture_output=True, text=True, env=os.environ)
+        assert out.returncode == 0 and out.stdout.split() == ["5", "memmap"], out.stderr[-2000:]
+        _rewrite_same_size(paths[1]); store.put_file(paths[1])
+        b = sample_index(store.spec, ("cls", "bin"))
+        assert len(list((index_cache_dir() / "remote").glob("*/meta.json"))) == 2 and b.versions[1] != a.versions[1]
+        assert len(sample_index(store.spec, ("cls", "bin"), cache=False)) == 5  # cache=False: built, not kept
+    finally:
+        store.bucket.delete()
+
+
+def test_http_index_is_built_once_per_machine(shards, http_base):
+    import subprocess, sys
+    from shardkit.loading.index import index_cache_dir
+    a = sample_index(_urls(http_base), ("cls", "bin"))
+    assert a.kind == "http" and all(a.versions) and isinstance(a.shard, np.memmap)  # Last-Modified of each shard
+    assert len(list((index_cache_dir() / "remote").glob("*/meta.json"))) == 1
+    out = subprocess.run([sys.executable, "-c", _REUSE, "{" + ",".join(_urls(http_base)) + "}"], capture_output=True,
+                         text=True, env=os.environ)
+    assert out.returncode == 0 and out.stdout.split() == [str(len(ALL)), "memmap"], out.stderr[-2000:]

@@ -13,6 +13,7 @@ import types
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import quote
@@ -409,11 +410,19 @@ class _HTTPFetch:
         if self.endpoint is None: return shard
         return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
     def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
-    def __call__(self, shard: str, dest: Path):
+    def version(self, headers) -> str:
+        "The content version in the answer's `headers`, as the index records it (AIStore: checksum/version; ETag)."
+        if self.endpoint is not None: return f"{headers.get('Ais-Checksum-Value')}/{headers.get('Ais-Version')}"
+        return headers.get("ETag") or headers.get("Last-Modified") or ""
+    def __call__(self, shard: str, dest: Path, version: str = ""):
+        "Stream `shard` to `dest`; if `version` is given, refuse other content (the shard was rewritten since)."
         try:
             with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
                 if r.status_code != 200:
                     raise RandomAccessError(f"GET {self.name(shard)} answered HTTP {r.status_code}; is it still there?")
+                if version and (got := self.version(r.headers)) and got != version:
+                    raise RandomAccessError(f"{self.name(shard)} is now version {got}, indexed as {version}: "
+                                            "the shard changed after indexing: build the loader again")
                 for chunk in r.iter_content(1 << 20): f.write(chunk)
         except requests.RequestException as e:
             raise RandomAccessError(f"cannot fetch {self.name(shard)} ({type(e).__name__})") from None
@@ -468,8 +477,13 @@ class CachedShardReader:
         "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
         if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
         if s in self.open: self.open.move_to_end(s); return self.open[s]
-        version = str(os.stat(idx.shards[s]).st_mtime_ns) if idx.kind == "local" else ""  # a rewritten tar: a new copy
-        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), self.fetch, version), _rows(idx, s)
+        # a copy is named by the content it holds: a rewritten shard (new mtime, checksum or ETag) gets a new one
+        if idx.kind == "local": version, fetch = str(os.stat(idx.shards[s]).st_mtime_ns), self.fetch
+        else:
+            version = idx.versions[s] if idx.versions else ""
+            checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
+            fetch = partial(self.fetch, version=version) if checked else self.fetch
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version), _rows(idx, s)
         try:
             if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]  # a copy of an indexed tar: same offsets
             else: where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]))
