@@ -364,3 +364,24 @@ def test_bench_scale_ais_cache_stage(tmp_path, ais_endpoint):
     assert by["ais cache"]["samples"] == by["ais stream"]["samples"] == 250
     assert by["ais cache"]["cluster_cpu_ms"] is not None and by["ais cache"]["window"] == 16
     assert "ais cache at 250: " in scale_table(rows)
+
+
+def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
+    "The in-place scan of plain headers gives what `scan_tar` gives; a long name (pax) or a folder: the full reader."
+    from shardkit.loading.random import _plain_members, _scan_fd
+    from shardkit.shards.read import scan_tar
+    longp = tmp_path / "long.tar"
+    with tarfile.open(longp, "w", format=tarfile.PAX_FORMAT) as t:
+        for name in ("d", "d/" + "k" * 120 + ".cls", "d/short.cls"):
+            info = tarfile.TarInfo(name)
+            if name == "d": info.type = tarfile.DIRTYPE; t.addfile(info); continue
+            data = name.encode(); info.size = len(data); t.addfile(info, __import__("io").BytesIO(data))
+    for p in (shards[0], str(longp)):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            names, offs, sizes = _scan_fd(fd, p)
+            want = scan_tar(p)
+            assert (names, list(offs), list(sizes)) == (list(want[0]), list(want[1]), list(want[2]))
+        finally: os.close(fd)
+    data = open(shards[0], "rb").read()
+    assert _plain_members(data, len(data)) is not None and _plain_members(open(longp, "rb").read(), 10240) is None

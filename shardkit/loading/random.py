@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import types
@@ -23,11 +24,11 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..config import private_dir, shardkit_home
 from ..errors import UsageError
-from ..shards.fields import IMAGE_EXTS, refuse_pickle
+from ..shards.fields import IMAGE_EXTS, refuse_pickle, split_key
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
-from .index import RandomAccessError, SampleIndex, group_members, key_from_header, sample_index
+from .index import RandomAccessError, SampleIndex, key_from_header, sample_index
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
 from .transforms import TrainTransform, sample_to_tuple, train_transform
@@ -437,32 +438,62 @@ def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
     "The first sample number of shard `s` in `idx`, and one past its last (shards are contiguous)."
     return int(np.searchsorted(idx.shard, s)), int(np.searchsorted(idx.shard, s, side="right"))
 
+def _plain_members(buf, n: int) -> tuple[list, list, list] | None:
+    "Names, data offsets, sizes in tar bytes `buf` (`n` long) if every header is a plain file's; else None."
+    names, offs, sizes, pos = [], [], [], 0
+    try:
+        while pos + 512 <= n:
+            h = buf[pos:pos + 512]
+            if h[0] == 0:
+                if h.count(0) == 512: break  # the end blocks
+                return None
+            if h[124] & 0x80 or h[345] != 0: return None  # a base-256 size, a ustar prefix: the full reader
+            if int(h[148:156].split(b"\0", 1)[0].strip() or b"0", 8) != sum(h) - sum(h[148:156]) + 256: return None
+            size, kind, name = int(h[124:136].split(b"\0", 1)[0].strip() or b"0", 8), h[156], h[:100].split(b"\0", 1)[0]
+            if pos + 512 + size > n: return None
+            if kind in (0x78, 0x67) and b" path=" not in buf[pos + 512:pos + 512 + size]:  # pax: an mtime, say
+                pos += 512 + -(-size // 512) * 512; continue
+            if kind not in (48, 0) or not name.isascii(): return None  # a long name, a link, a folder ...
+            names.append(name.decode()); offs.append(pos + 512); sizes.append(size)
+            pos += 512 + -(-size // 512) * 512
+    except ValueError: return None
+    keep = [i for i, m in enumerate(names) if not is_meta_member(m)]
+    return [names[i] for i in keep], [offs[i] for i in keep], [sizes[i] for i in keep]
+
 def _scan_fd(fd: int, name: str) -> tuple[list, list, list]:
-    "Names, data offsets and sizes of the members of the tar open as `fd`, from its headers (`scan_tar` of a path)."
+    "Names, data offsets and sizes of the members of the tar open as `fd`: plain headers read in place, others parsed."
+    if (n := os.fstat(fd).st_size) >= 512:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as buf:
+            if (got := _plain_members(buf, n)) is not None: return got
     with os.fdopen(os.dup(fd), "rb") as f:
         f.seek(0)
         ents = [e for e in tar_entries(f, name, data=False) if e.is_file and not is_meta_member(e.name)]
     return [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents]
 
-def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.ndarray, np.ndarray]:
+def _shard_keys(idx: SampleIndex, a: int, b: int) -> list[str]:
+    "The keys of samples `a` to `b - 1` (a shard's), decoded together."
+    if idx.keys is None: return [idx.key(i) for i in range(a, b)]
+    k0 = int(idx.key_end[a - 1]) if a else 0
+    ends = (np.asarray(idx.key_end[a:b]) - k0).tolist()
+    blob = bytes(idx.keys[k0:k0 + (ends[-1] if ends else 0)])
+    return [blob[x:y].decode() for x, y in zip([0] + ends[:-1], ends)]
+
+def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, keys: list[str] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
-    g, (a, b), F = group_members(names, offsets, sizes, shard=idx.shards[s]), _rows(idx, s), len(idx.fields)
-    kb, ends = bytes(g["keys"]), g["key_end"].tolist()
-    row = {kb[e0:e1].decode(): r for r, (e0, e1) in enumerate(zip([0] + ends[:-1], ends))}
-    off, size, have = np.full((len(ends), F), -1, np.int64), np.full((len(ends), F), -1, np.int64), g["fields"].tolist()
-    for j, f in enumerate(idx.fields):
-        if f not in have: continue
-        m = g["m_field"] == have.index(f)
-        off[g["m_sample"][m], j], size[g["m_sample"][m], j] = g["m_offset"][m], g["m_size"][m]
-    rows = []
-    for i in range(a, b):
-        r = row.get(key := idx.key(i))
-        if r is None or (size[r] != idx.size[i]).any():
-            raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {key!r} is not as indexed in the "
-                                    "copy read now; "
-                                    "the shard changed after indexing: build the loader again")
-        rows.append(r)
-    return off[rows], size[rows]
+    (a, b), col = _rows(idx, s), {f: j for j, f in enumerate(idx.fields)}
+    keys = _shard_keys(idx, a, b) if keys is None else keys
+    row, rs, js, got = {k: r for r, k in enumerate(keys)}, [], [], []
+    for j, (name, o, n) in enumerate(zip(names, offsets, sizes)):
+        key, field = split_key(name)
+        if key is None or (r := row.get(key)) is None or (c := col.get(field.lower())) is None: continue
+        rs.append(r); js.append(c); got.append(j)
+    off, size = np.full((b - a, len(col)), -1, np.int64), np.full((b - a, len(col)), -1, np.int64)
+    off[rs, js], size[rs, js] = np.asarray(offsets, np.int64)[got], np.asarray(sizes, np.int64)[got]
+    if len(bad := np.flatnonzero((size != idx.size[a:b]).any(axis=1))):
+        raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {keys[bad[0]]!r} is not as indexed in the "
+                                "copy read now; the shard changed after indexing: build the loader again")
+    return off, size
 
 # %% ../../nbs/27_random.ipynb
 class CachedShardReader:
@@ -474,7 +505,7 @@ class CachedShardReader:
         self.max_open = max(64, 2 * cache.max_shards)
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
-        "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
+        "(fd, first sample number, offsets, sizes, keys or None) of shard `s`'s copy, fetched if needed; kept open."
         if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
         if s in self.open: self.open.move_to_end(s); return self.open[s]
         # a copy is named by the content it holds: a rewritten shard (new mtime, checksum or ETag) gets a new one
@@ -485,18 +516,20 @@ class CachedShardReader:
             fetch = partial(self.fetch, version=version) if checked else self.fetch
         fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version), _rows(idx, s)
         try:
-            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]  # a copy of an indexed tar: same offsets
-            else: where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]))
+            if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
+            else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
+                keys = _shard_keys(idx, a, b)
+                where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]), keys=keys)
         except BaseException: os.close(fd); raise
         if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
-        self.open[s] = (fd, a, *where)
+        self.open[s] = (fd, a, *where, keys)
         return self.open[s]
 
     def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
         "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
         keys, out = [], []
         for i in ids:
-            try: fd, a, off, size = self._shard(idx, s := int(idx.shard[i]))
+            try: fd, a, off, size, kl = self._shard(idx, s := int(idx.shard[i]))
             except RandomAccessError as e:  # name the source and the sample too
                 where = f"{idx.source}/{idx.shards[s]}" if idx.kind == "ais" else idx.shards[s]
                 raise RandomAccessError(f"{where}, sample {idx.key(i)!r}: {e}") from None
@@ -505,7 +538,7 @@ class CachedShardReader:
             where = idx.shards[idx.shard[i]]
             if any(len(x) != k for x, k in zip(row, n)):
                 raise RandomAccessError(f"shard {where}: sample {i} is cut short in the cache; clear it and run again")
-            keys.append(idx.key(i) if idx.keys is not None
+            keys.append(kl[i - a] if kl is not None else idx.key(i) if idx.keys is not None
                         else key_from_header(os.pread(fd, 512, o[0] - 512), idx.fields[0], where))
             out.append(row)
         return keys, out
