@@ -299,7 +299,7 @@ def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
     members = sorted((m for m in members if not is_meta_member(m[0])), key=lambda m: split_key(m[0])[0] or "")
     return group_members([m[0] for m in members], np.full(len(members), -1, np.int64), [m[1] for m in members], shard)
 
-def _ais_version(e) -> str: return f"{e.checksum}/{e.version}"  # AIStore's content checksum and object version
+def _ais_version(e) -> str: return f"{e.checksum or ''}/{e.version or ''}"  # AIStore's checksum and object version
 
 def index_ais(store: AISStore,                  # The bucket (and prefix)
               fields: Sequence[str],            # The fields to keep

@@ -413,7 +413,9 @@ class _HTTPFetch:
     def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
     def version(self, headers) -> str:
         "The content version in the answer's `headers`, as the index records it (AIStore: checksum/version; ETag)."
-        if self.endpoint is not None: return f"{headers.get('Ais-Checksum-Value')}/{headers.get('Ais-Version')}"
+        if self.endpoint is not None:
+            cs, v = headers.get("Ais-Checksum-Value", ""), headers.get("Ais-Version", "")
+            return f"{cs}/{v}" if cs or v else ""  # neither: nothing to compare
         return headers.get("ETag") or headers.get("Last-Modified") or ""
     def __call__(self, shard: str, dest: Path, version: str = ""):
         "Stream `shard` to `dest`; if `version` is given, refuse other content (the shard was rewritten since)."
