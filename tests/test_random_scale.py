@@ -240,3 +240,148 @@ def test_batches_follow_a_batch_size_set_later(shards):
     dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4)
     dl.batch_size = 5
     assert [len(b) for b in dl.batches(0)][:-1] == [5] * (len(ALL) // 5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 31, 64, 1024, 4099, 65_537])
+def test_permute_is_a_permutation(n):
+    from shardkit.loading.random import permute
+    for seed in (0, 1, 12345):
+        assert np.array_equal(np.sort(permute(np.arange(n), n, seed)), np.arange(n)), "every number once"
+
+
+def test_batches_of_a_huge_epoch_need_no_array_of_its_samples():
+    "A trillion samples: batch b comes from (seed, epoch, b) alone, in both orders, without the samples before it."
+    from shardkit.loading.random import EpochBatches, EpochOrder
+    n = 10**12
+    starts = np.arange(0, n + 1, 10**6, dtype=np.int64)  # a million shards of a million samples
+    for window in (None, 16):
+        b = EpochBatches(EpochOrder(starts, 0, 3, window), 64, rank=1, world_size=8)
+        assert len(b) == n // (64 * 8)
+        late = b[len(b) - 1]
+        assert len(late) == 64 and len(set(late.tolist())) == 64 and ((0 <= late) & (late < n)).all()
+        assert np.array_equal(late, EpochBatches(EpochOrder(starts, 0, 3, window), 64, 1, 8)[-1])  # from the seed
+
+
+def test_a_late_window_batch_equals_the_whole_order():
+    from shardkit.loading.random import EpochBatches, EpochOrder, epoch_batches, shard_starts
+    shard = np.repeat(np.arange(50, dtype=np.int32), np.arange(50) % 7 + 1)  # uneven shards, some of one sample
+    whole = epoch_batches(len(shard), 3, 5, 2, rank=1, world_size=2, pad=True, order=epoch_order(shard, 5, 2, 4))
+    lazy = EpochBatches(EpochOrder(shard_starts(shard, 50), 5, 2, 4), 3, 1, 2, pad=True)
+    for b in (len(whole) - 1, 0, len(whole) // 2):  # out of order, as a resumed loader asks
+        assert lazy[b].tolist() == whole[b].tolist()
+
+
+def _rewrite_same_size(path):
+    "Rewrite tar `path` with the same names and sizes but other bytes in every `bin` field; returns the new samples."
+    old = [(s["__key__"], s["bin"], s["cls"]) for s in wds.WebDataset(path, shardshuffle=False)]
+    size = os.path.getsize(path)
+    with wds.TarWriter(path) as w:
+        for key, data, cls in old: w.write({"__key__": key, "bin": bytes(255 - b for b in data), "cls": cls})
+    assert os.path.getsize(path) == size
+    return {key: bytes(255 - b for b in data) for key, data, _ in old}
+
+
+def _fresh_bucket(paths):
+    store = open_store(f"ais://shardkit-version-{uuid.uuid4().hex[:8]}", create=True)
+    for p in paths: store.put_file(p)
+    return store
+
+
+def test_ais_cached_copies_follow_the_shards_content(tmp_path, ais_endpoint):
+    "A shard overwritten with other bytes of the same size: a new loader reads the new bytes, never the old copy."
+    from shardkit.errors import ShardkitError
+    from shardkit.loading.random import CachedShardReader
+    paths = _write_shards(tmp_path / "s", sizes=(3, 2))
+    store = _fresh_bucket(paths)
+    try:
+        first = _loader(store.spec, shard_cache=2, batch_size=5, num_workers=0)
+        idx = first.dataset.index
+        before = {s["__key__"]: s["bin"] for s in first.dataset.samples(list(range(len(idx))))}
+        assert len(_cache_files(first)) == 2 and all(v.count("/") == 1 for v in idx.versions)  # checksum/version
+        new = _rewrite_same_size(paths[1]); store.put_file(paths[1])
+        again = _loader(store.spec, shard_cache=2, batch_size=5, num_workers=0)
+        assert again.dataset.index.versions[1] != idx.versions[1] and again.dataset.index.versions[0] == idx.versions[0]
+        after = {s["__key__"]: s["bin"] for s in again.dataset.samples(list(range(len(idx))))}
+        assert after["s1_00"] == new["s1_00"] != before["s1_00"] and after["s0_00"] == before["s0_00"]
+        # a loader still on the old index, whose copy of the shard is gone: the refetch brings other content
+        for f in _cache_files(first): f.unlink()
+        stale = CachedShardReader(idx, first.dataset.reader.cache)
+        with pytest.raises(ShardkitError, match="changed after indexing: build the loader again"):
+            stale.read(idx, [int(np.flatnonzero(idx.shard == 1)[0])])
+    finally:
+        store.bucket.delete()
+
+
+_REUSE = '''
+import sys
+import shardkit.loading.index as I
+def no(*a, **k): raise SystemExit("the index was built again: " + repr(a))
+I.index_ais = I.index_url = no
+idx = I.sample_index(sys.argv[1], ("cls", "bin"))
+print(len(idx), type(idx.shard).__name__)
+'''
+
+
+def test_ais_index_is_built_once_per_machine_and_follows_the_bucket(tmp_path, ais_endpoint):
+    "The first call lists the members and saves the index; another process maps it; a rewritten shard: a new one."
+    import subprocess, sys
+    from shardkit.loading.index import index_cache_dir
+    paths = _write_shards(tmp_path / "s", sizes=(3, 2))
+    store = _fresh_bucket(paths)
+    try:
+        a = sample_index(store.spec, ("cls", "bin"))
+        saved = sorted(p.parent for p in (index_cache_dir() / "remote").glob("*/meta.json"))
+        assert len(saved) == 1 and isinstance(a.shard, np.memmap) and a.kind == "ais" and len(a) == 5
+        out = subprocess.run([sys.executable, "-c", _REUSE, store.spec], capture_output=True, text=True, env=os.environ)
+        assert out.returncode == 0 and out.stdout.split() == ["5", "memmap"], out.stderr[-2000:]
+        _rewrite_same_size(paths[1]); store.put_file(paths[1])
+        b = sample_index(store.spec, ("cls", "bin"))
+        assert len(list((index_cache_dir() / "remote").glob("*/meta.json"))) == 2 and b.versions[1] != a.versions[1]
+        assert len(sample_index(store.spec, ("cls", "bin"), cache=False)) == 5  # cache=False: built, not kept
+    finally:
+        store.bucket.delete()
+
+
+def test_http_index_is_built_once_per_machine(shards, http_base):
+    import subprocess, sys
+    from shardkit.loading.index import index_cache_dir
+    a = sample_index(_urls(http_base), ("cls", "bin"))
+    assert a.kind == "http" and all(a.versions) and isinstance(a.shard, np.memmap)  # Last-Modified of each shard
+    assert len(list((index_cache_dir() / "remote").glob("*/meta.json"))) == 1
+    out = subprocess.run([sys.executable, "-c", _REUSE, "{" + ",".join(_urls(http_base)) + "}"], capture_output=True,
+                         text=True, env=os.environ)
+    assert out.returncode == 0 and out.stdout.split() == [str(len(ALL)), "memmap"], out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_bench_scale_ais_cache_stage(tmp_path, ais_endpoint):
+    "`bench scale`'s 'ais cache' stage: a whole epoch of the bucket 'ais stream' streams, with the cluster's CPU."
+    from shardkit.bench.scale import bench_scale, scale_table
+    stages = ["convert", "ais put", "ais dsort", "ais stream", "ais cache"]
+    rows = bench_scale(tmp_path / "w", ns=(250,), stages=stages, shard_samples=50, shard_bytes="100KB", progress=False)
+    assert not [r for r in rows if "error" in r], rows
+    by = {r["stage"]: r for r in rows}
+    assert by["ais cache"]["samples"] == by["ais stream"]["samples"] == 250
+    assert by["ais cache"]["cluster_cpu_ms"] is not None and by["ais cache"]["window"] == 16
+    assert "ais cache at 250: " in scale_table(rows)
+
+
+def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
+    "The in-place scan of plain headers gives what `scan_tar` gives; a long name (pax) or a folder: the full reader."
+    from shardkit.loading.random import _plain_members, _scan_fd
+    from shardkit.shards.read import scan_tar
+    longp = tmp_path / "long.tar"
+    with tarfile.open(longp, "w", format=tarfile.PAX_FORMAT) as t:
+        for name in ("d", "d/" + "k" * 120 + ".cls", "d/short.cls"):
+            info = tarfile.TarInfo(name)
+            if name == "d": info.type = tarfile.DIRTYPE; t.addfile(info); continue
+            data = name.encode(); info.size = len(data); t.addfile(info, __import__("io").BytesIO(data))
+    for p in (shards[0], str(longp)):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            names, offs, sizes = _scan_fd(fd, p)
+            want = scan_tar(p)
+            assert (names, list(offs), list(sizes)) == (list(want[0]), list(want[1]), list(want[2]))
+        finally: os.close(fd)
+    data = open(shards[0], "rb").read()
+    assert _plain_members(data, len(data)) is not None and _plain_members(open(longp, "rb").read(), 10240) is None

@@ -200,6 +200,13 @@ def _ais_getbatch(spec):
         return dict(samples=len(sizes), requests=len(raw), request_kb=sum(sizes) / len(raw) / 1e3)
     return run
 
+def _ais_cache(spec):
+    "One random-access epoch of the shuffled bucket through the shard cache, emptied first: every shard is fetched."
+    dl = create_random_loader(_bucket(spec, True), keys=KEYS_ONLY, batch_size=spec["batch_size"],
+                              num_workers=spec["workers"], read="cache")
+    for f in dl.dataset.reader.cache.files(): f.unlink()  # no copy left from an earlier run
+    return lambda: dict(samples=_count_epoch(dl), window=dl.window)
+
 def _ais_shard_index(spec):
     return lambda: dict(samples=spec["n"], job=build_shard_index(_bucket(spec, True)))
 
@@ -208,7 +215,8 @@ _STAGES = {"convert": _convert, "shuffle": _shuffle, "verify": _verify, "index":
            "stream decoded": lambda s: _stream(s, _work(s) / "shuffled", **_decoded(s)),
            "random decoded": lambda s: _random(s, **_decoded(s)),
            "ais put": _ais_put, "ais dsort": _ais_dsort, "ais stream": lambda s: _stream(s, _bucket(s, True)),
-           "ais getbatch": _ais_getbatch, "ais shard-index": _ais_shard_index, "ais getbatch+index": _ais_getbatch}
+           "ais cache": _ais_cache, "ais getbatch": _ais_getbatch, "ais shard-index": _ais_shard_index,
+           "ais getbatch+index": _ais_getbatch}
 LOCAL_STAGES = [s for s in _STAGES if not s.startswith("ais")]
 AIS_STAGES = [s for s in _STAGES if s.startswith("ais")]
 
@@ -300,10 +308,15 @@ def extrapolate(rows: list[dict], n: int) -> dict:
 
 # %% ../../nbs/43_bench_scale.ipynb
 def _ais_ratios(rows: list[dict]) -> list[str]:
-    "Random access by GetBatch against streaming from the same bucket, per size: rates, and where the time goes."
+    "Random access (shard cache, GetBatch) against streaming from the same bucket, per size: rates, where time goes."
     by, out = {(r["n"], r["stage"]): r for r in rows if "error" not in r}, []
     for n in sorted({r["n"] for r in rows}):
         s = by.get((n, "ais stream"))
+        if s and (c := by.get((n, "ais cache"))):
+            out.append(f"ais cache at {n:,}: {c['rate'] / s['rate']:.2f}x the streaming rate from the same bucket "
+                       f"({c['rate']:,.0f} vs {s['rate']:,.0f} samples/s; windows of {c['window']} shards); "
+                       f"AIStore CPU {c['cluster_cpu_ms']:.3f} vs {s['cluster_cpu_ms']:.3f} ms/sample, "
+                       f"client CPU {c['cpu_ms']:.3f} vs {s['cpu_ms']:.3f}")
         for stage in ("ais getbatch", "ais getbatch+index"):
             if s and (g := by.get((n, stage))):
                 out.append(f"{stage} at {n:,}: {g['rate'] / s['rate']:.2f}x the streaming rate from the same bucket "

@@ -4,12 +4,14 @@
 
 # %% ../../nbs/26_sample_index.ipynb 2
 from __future__ import annotations
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -22,8 +24,8 @@ from .sources import shard_urls
 
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'key_from_header', 'SampleIndex',
-           'save_index', 'load_index', 'index_url', 'sample_index', 'index_ais', 'synthetic_listing', 'index_scale',
-           'synthetic_index', 'index_memory']
+           'save_index', 'load_index', 'file_lock', 'index_url', 'remote_index_path', 'cached_index', 'sample_index',
+           'index_ais', 'synthetic_listing', 'index_scale', 'synthetic_index', 'index_memory']
 
 # %% ../../nbs/26_sample_index.ipynb
 class RandomAccessError(ShardkitError):
@@ -103,6 +105,7 @@ class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
     shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
     kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs) or 'ais' (a bucket)
+    versions = None     # each shard's content version when indexed (AIStore: checksum/version; http: ETag), or None
     def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
@@ -170,7 +173,7 @@ def save_index(idx: SampleIndex, folder: str | Path) -> Path:
     for name in _ARRAYS:
         if (a := getattr(idx, name, None)) is not None: np.save(tmp / f"{name}.npy", np.ascontiguousarray(a))
     meta = dict(shards=list(idx.shards), fields=list(idx.fields), source=str(idx.source), kind=idx.kind,
-                endpoint=getattr(idx, "endpoint", None))
+                endpoint=getattr(idx, "endpoint", None), versions=idx.versions)
     (tmp / "meta.json").write_text(json.dumps(meta))
     try: os.rename(tmp, folder)
     except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process saved the same index first
@@ -185,6 +188,7 @@ def load_index(folder: str | Path) -> SampleIndex:
                       meta["source"])
     idx.shard_bytes, idx.kind = a["shard_bytes"], meta["kind"]
     if meta["endpoint"]: idx.endpoint = meta["endpoint"]
+    idx.versions = meta.get("versions")
     return idx
 
 def _joined_path(paths: list[str], fields: Sequence[str], cache: bool | str | Path) -> Path:
@@ -193,18 +197,34 @@ def _joined_path(paths: list[str], fields: Sequence[str], cache: bool | str | Pa
     for p in paths: st = os.stat(p); h.update(f"\0{Path(p).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return (index_cache_dir() if cache is True else Path(cache)) / "joined" / h.hexdigest()
 
+@contextmanager
+def file_lock(path: str | Path):
+    "Hold an exclusive lock on file `path` (made if missing) for the `with` block: one process of a machine at a time."
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
 # %% ../../nbs/26_sample_index.ipynb
-def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int]:
-    "The sample index of the tar at HTTP(S) `url` (one streamed read), cached by URL, size and validator; and its size."
+def _url_head(url: str) -> tuple[int, str]:
+    "The size of the file at `url` and its validator (`ETag`, else `Last-Modified`; '' if the server sends neither)."
     import requests
+    try: h = requests.head(url, allow_redirects=True, timeout=(5, 30))
+    except requests.RequestException as e:
+        raise RandomAccessError(f"cannot reach shard {url} ({type(e).__name__})") from None
+    if h.status_code != 200: raise RandomAccessError(f"HEAD {url} answered HTTP {h.status_code}; is it there?")
+    return int(h.headers.get("Content-Length", -1)), h.headers.get("ETag") or h.headers.get("Last-Modified") or ""
+
+def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int, str]:
+    "The index of the tar at HTTP(S) `url` (one streamed read; cached by URL, size, validator), its size and validator."
+    import requests
+    size, tag = _url_head(url)
+    key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
+    cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
+    if cfile is not None and cfile.exists():
+        with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
     try:
-        h = requests.head(url, allow_redirects=True, timeout=(5, 30))
-        if h.status_code != 200: raise RandomAccessError(f"HEAD {url} answered HTTP {h.status_code}; is it there?")
-        size, tag = int(h.headers.get("Content-Length", -1)), h.headers.get("ETag") or h.headers.get("Last-Modified")
-        key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
-        cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
-        if cfile is not None and cfile.exists():
-            with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size
         with requests.get(url, stream=True, timeout=(5, 120)) as r:
             if r.status_code != 200: raise RandomAccessError(f"GET {url} answered HTTP {r.status_code}")
             ents = [e for e in tar_entries(r.raw, url, data=False) if e.is_file and not is_meta_member(e.name)]
@@ -212,29 +232,44 @@ def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int]:
         raise RandomAccessError(f"cannot read shard {url} ({type(e).__name__})") from None
     g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
     if cfile is not None: _save_index(g, cfile, url)
-    return g, size
+    return g, size, tag
+
+# %% ../../nbs/26_sample_index.ipynb
+def remote_index_path(parts: Sequence, cache: bool | str | Path = True) -> Path:
+    "Where the index of a remote source is kept: `<cache>/remote/<hash of parts>` (endpoint, bucket, fields, listing)."
+    h = hashlib.blake2b(repr(("remote-v1", *parts)).encode(), digest_size=16).hexdigest()
+    return (index_cache_dir() if cache is True else Path(cache)) / "remote" / h
+
+def cached_index(folder: Path, build) -> SampleIndex:
+    "The index saved in `folder`, else `build()` saved there: under a lock, so one process of a machine builds it."
+    if (folder / "meta.json").exists(): return load_index(folder)
+    lock = folder.with_name(folder.name + ".lock")
+    try: lock.parent.mkdir(parents=True, exist_ok=True); lock.touch()
+    except OSError as e:
+        warnings.warn(f"cannot keep indexes in {shown_path(lock.parent)} ({e.strerror}): each process builds its own. "
+                      "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
+        return build()
+    with file_lock(lock):  # the other processes wait here, then map what the first one saved
+        if (folder / "meta.json").exists(): return load_index(folder)
+        idx = build()
+        try: return load_index(save_index(idx, folder))
+        except OSError: return idx
 
 # %% ../../nbs/26_sample_index.ipynb
 ARCHIVE_EXTS = (".tar", ".tgz", ".tar.gz", ".tar.lz4", ".zip")
 
 def sample_index(source,                                   # A directory, tar paths, a brace template, or `ais://bucket`
                  keys: Sequence[str] = ("cls", "image.jpg"), # The fields to index
-                 cache: bool | str | Path = True,          # Cache local shards' indexes (in this folder, if one)
+                 cache: bool | str | Path = True,          # Keep indexes on disk (in this folder, if one); False: never
                  pattern: str = "*.tar",                   # Which shards of a directory
                 ) -> SampleIndex:
     "The index of every sample in `source` (a directory, tar paths, a brace template, or `ais://bucket`) for `keys`."
     fields = _data_fields(keys)
-    if isinstance(source, AISStore) or str(source).startswith("ais://"): return index_ais(open_store(source), fields)
+    if isinstance(source, AISStore) or str(source).startswith("ais://"):
+        return _bucket_index(open_store(source), fields, cache)
     paths = shard_urls(source, pattern)
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    remote = [p for p in paths if "://" in p]
-    if remote:
-        if bad := [p for p in paths if not p.startswith(("http://", "https://"))]:
-            raise UsageError(f"random access reads local tars, http(s) URLs or ais:// buckets, not {bad[0]}")
-        got = [index_url(p, cache) for p in paths]
-        idx = _select([g for g, _ in got], paths, fields, source=name, keep_keys=True)
-        idx.shard_bytes, idx.kind = np.array([n for _, n in got], np.int64), "http"
-        return idx
+    if any("://" in p for p in paths): return _url_index(paths, fields, name, cache)
     joined = _joined_path(paths, fields, cache) if cache else None
     if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
     idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
@@ -243,28 +278,61 @@ def sample_index(source,                                   # A directory, tar pa
     try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
     except OSError: return idx  # an unwritable cache: index_tar has warned
 
+def _url_index(paths: list[str], fields: Sequence[str], name: str, cache) -> SampleIndex:
+    "The index of shards at http(s) URLs `paths`, kept on disk by URL, size and validator where every one has one."
+    if bad := [p for p in paths if not p.startswith(("http://", "https://"))]:
+        raise UsageError(f"random access reads local tars, http(s) URLs or ais:// buckets, not {bad[0]}")
+    heads = [_url_head(p) for p in paths]
+    def build():
+        got = [index_url(p, cache) for p in paths]
+        if [(n, t) for _, n, t in got] != heads:
+            raise RandomAccessError(f"shards of {name} changed while they were indexed; run again")
+        idx = _select([g for g, _, _ in got], paths, fields, source=name, keep_keys=True)
+        idx.shard_bytes, idx.versions = np.array([n for n, _ in heads], np.int64), [t for _, t in heads]
+        idx.kind = "http"
+        return idx
+    if not (cache and all(t for _, t in heads)): return build()  # without a validator, a change cannot be seen
+    return cached_index(remote_index_path(("http", tuple(fields), list(zip(paths, heads))), cache), build)
+
 # %% ../../nbs/26_sample_index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
     members = sorted((m for m in members if not is_meta_member(m[0])), key=lambda m: split_key(m[0])[0] or "")
     return group_members([m[0] for m in members], np.full(len(members), -1, np.int64), [m[1] for m in members], shard)
 
-def index_ais(store: AISStore, fields: Sequence[str]) -> SampleIndex:
+def _ais_version(e) -> str: return f"{e.checksum or ''}/{e.version or ''}"  # AIStore's checksum and object version
+
+def index_ais(store: AISStore,                  # The bucket (and prefix)
+              fields: Sequence[str],            # The fields to keep
+              expect: list | None = None,       # The shards' (name, size, version) a cache key was made of, if any
+             ) -> SampleIndex:
     "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing, streamed."
     from aistore.sdk.list_object_flag import ListObjectFlag
-    shards, sizes, groups, members = [], [], [], []
+    shards, sizes, versions, groups, members = [], [], [], [], []
     where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"
-    for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size", flags=[ListObjectFlag.ARCH_DIR]):
+    for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version",
+                                            flags=[ListObjectFlag.ARCH_DIR]):
         if shards and e.name.startswith(shards[-1] + "/"):
             members.append((e.name[len(shards[-1]) + 1:], int(e.size)))
         elif e.name.endswith(ARCHIVE_EXTS):
             if shards: groups.append(_group_listing(members, where()))  # one shard's names at a time, then arrays
-            shards.append(e.name); sizes.append(int(e.size)); members = []
+            shards.append(e.name); sizes.append(int(e.size)); versions.append(_ais_version(e)); members = []
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
+    if expect is not None and list(zip(shards, sizes, versions)) != expect:
+        raise RandomAccessError(f"shards of {store.spec} changed while they were indexed; run again")
     groups.append(_group_listing(members, where()))
     idx = _select(groups, shards, fields, source=f"ais://{store.bucket.name}")
-    idx.endpoint, idx.shard_bytes, idx.kind = store.endpoint, np.array(sizes, np.int64), "ais"
+    idx.endpoint, idx.shard_bytes, idx.kind, idx.versions = store.endpoint, np.array(sizes, np.int64), "ais", versions
     return idx
+
+def _bucket_index(store: AISStore, fields: Sequence[str], cache) -> SampleIndex:
+    "`index_ais`, kept on disk by endpoint, bucket, fields and the shards' names, sizes and versions (a short listing)."
+    if not cache: return index_ais(store, fields)
+    listing = [(e.name, int(e.size), _ais_version(e))
+               for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version")
+               if e.name.endswith(ARCHIVE_EXTS)]  # the shards only, not their members: one entry a shard
+    folder = remote_index_path(("ais", store.endpoint, store.bucket.name, store.prefix, tuple(fields), listing), cache)
+    return cached_index(folder, lambda: index_ais(store, fields, expect=listing))
 
 # %% ../../nbs/26_sample_index.ipynb
 def synthetic_listing(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls", "jpg")) -> list[tuple]:
@@ -313,15 +381,13 @@ def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls
 _MEASURE = '''
 import json, sys, numpy as np
 from shardkit.loading.index import load_index
-from shardkit.loading.random import epoch_batches, epoch_order
 def anon(): return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")).split()[1]) * 1024
 a0 = anon(); idx = load_index(sys.argv[1]); idx.key(len(idx) - 1) if idx.keys is not None else 0; a1 = anon()
-b = epoch_batches(len(idx), 64, 0, 0, order=epoch_order(idx.shard, 0, 0, window=16)); a2 = anon()
-print(json.dumps(dict(load=a1 - a0, order=a2 - a1)))
+print(json.dumps(dict(load=a1 - a0)))
 '''
 
 def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
-    "Bytes on disk, and private memory of a fresh process that maps the saved index of `n` samples and cuts an epoch."
+    "Bytes on disk per sample of the saved index of `n` samples, and the private memory of a fresh process mapping it."
     import subprocess
     import sys
     import tempfile
@@ -330,5 +396,5 @@ def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | N
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
     if out.returncode: raise ShardkitError(f"measuring the mapped index failed: {out.stderr[-500:]}")
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    return dict(samples=n, disk_bytes_per_sample=disk / n, load_private_bytes=m["load"], order_private_bytes=m["order"],
-                private_bytes_per_sample=(m["load"] + m["order"]) / n)
+    return dict(samples=n, disk_bytes_per_sample=disk / n, load_private_bytes=m["load"],
+                private_bytes_per_sample=m["load"] / n)

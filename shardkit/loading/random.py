@@ -6,12 +6,15 @@
 from __future__ import annotations
 import fcntl
 import hashlib
+import json
+import mmap
 import os
 import shutil
 import types
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import quote
@@ -21,20 +24,20 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..config import private_dir, shardkit_home
 from ..errors import UsageError
-from ..shards.fields import IMAGE_EXTS, refuse_pickle
+from ..shards.fields import IMAGE_EXTS, refuse_pickle, split_key
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
-from .index import RandomAccessError, SampleIndex, group_members, key_from_header, sample_index
+from .index import RandomAccessError, SampleIndex, key_from_header, sample_index
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
 from .transforms import TrainTransform, sample_to_tuple, train_transform
 
 # %% auto 0
-__all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'epoch_batches', 'epoch_order', 'order_quality',
-           'RandomAccessDataset', 'RandomAccessLoader', 'ShardCache', 'shard_fetcher', 'member_offsets',
-           'CachedShardReader', 'shard_cache_dir', 'shard_reader', 'create_random_loader', 'AISReader',
-           'build_shard_index', 'RangeReader']
+__all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'permute', 'epoch_batches', 'shard_starts', 'EpochOrder',
+           'epoch_order', 'order_quality', 'EpochBatches', 'RandomAccessDataset', 'RandomAccessLoader', 'ShardCache',
+           'shard_fetcher', 'member_offsets', 'CachedShardReader', 'shard_cache_dir', 'shard_reader',
+           'create_random_loader', 'loader_memory', 'AISReader', 'build_shard_index', 'RangeReader']
 
 # %% ../../nbs/27_random.ipynb
 class LocalReader:
@@ -69,13 +72,48 @@ class LocalReader:
         return keys, out
 
 # %% ../../nbs/27_random.ipynb
+_ROUNDS = 6  # Feistel rounds: 4 already make a pseudo-random permutation (Luby-Rackoff); 2 more for margin
+
+def _round_keys(seed: int) -> np.ndarray: return np.random.default_rng(seed).integers(0, 2**64, _ROUNDS, np.uint64)
+
+def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
+    "A keyed 64-bit hash of each of `x` (uint64; numpy arrays wrap around): splitmix64's finaliser over `x ^ key`."
+    z = x ^ key
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+def _feistel(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    "Positions `x` (int64, in range(n)) through the Feistel network of round `keys`, cycle-walked into range(n)."
+    if n <= 1: return x.copy()
+    half = (int(n - 1).bit_length() + 1) // 2  # two halves of `half` bits hold range(n): at most 4n numbers
+    mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
+    def rounds(v):
+        hi, lo = v >> shift, v & mask
+        for k in keys: hi, lo = lo, hi ^ (_mix(lo, k) & mask)
+        return (hi << shift) | lo
+    out = rounds(x.astype(np.uint64))
+    while (out_of := np.flatnonzero(out >= np.uint64(n))).size: out[out_of] = rounds(out[out_of])  # cycle-walk
+    return out.astype(np.int64)
+
+def permute(positions,       # Positions in range(n), a 1-d array of ints
+            n: int,          # Size of the permuted range
+            seed: int,       # The permutation's seed: each seed draws another one
+           ) -> np.ndarray:  # Where the permutation sends each position (int64)
+    "A seeded pseudo-random permutation of range(n), evaluated at `positions` only: memory of their size, not n's."
+    x = np.asarray(positions, np.int64).ravel()
+    if x.size and (x.min() < 0 or x.max() >= n):
+        raise UsageError(f"positions must lie in range({n}), got {x.min()} to {x.max()}")
+    return _feistel(x, n, _round_keys(seed))
+
+# %% ../../nbs/27_random.ipynb
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
                   pad: bool = False, drop_last: bool = True, order: np.ndarray | None = None) -> list[np.ndarray]:
-    "Rank `rank`'s batches of epoch `epoch`: a permutation of range(n) from (seed, epoch) alone (or `order`), cut."
+    "Rank `rank`'s batches of epoch `epoch`, all at once: `permute` from (seed, epoch) alone (or `order`), cut."
     if not (drop_last or pad) and world_size > 1:
         raise UsageError(f"with {world_size} ranks every rank needs the same number of full batches "
                          "(DDP waits for all of them): keep drop_last=True, or pass pad=True to repeat samples")
-    perm = np.random.default_rng(seed_for(seed, epoch, "permutation")).permutation(n) if order is None else order
+    perm = permute(np.arange(n), n, seed_for(seed, epoch, "permutation")) if order is None else order
     # one rank: a partial last batch
     if not (drop_last or pad): return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
     step = batch_size * world_size
@@ -87,22 +125,60 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0,
     return list(perm.reshape(steps, world_size, batch_size)[:, rank])
 
 # %% ../../nbs/27_random.ipynb
+def shard_starts(shard: np.ndarray,  # Each sample's shard number, shards contiguous (`SampleIndex.shard`)
+                 n_shards: int,      # How many shards
+                ) -> np.ndarray:     # Each shard's first sample number, then the number of samples (int64)
+    "Where each shard's samples start, by binary search: a mapped `shard` array is neither copied nor read whole."
+    return np.searchsorted(shard, np.arange(n_shards + 1, dtype=shard.dtype)).astype(np.int64)
+
+class EpochOrder:
+    "The order of epoch `epoch` as a function, positions -> sample numbers; its memory grows with shards, not samples."
+    def __init__(self, starts: np.ndarray,   # `shard_starts`: each shard's first sample number, then the count
+                 seed: int,                  # Seed of the run
+                 epoch: int,                 # Epoch: each draws its own order
+                 window: int | None = None,  # Shards per window; None: one permutation of all samples (`permute`)
+                ):
+        if window is not None and window < 1: raise UsageError(f"window must be at least 1 shard, got {window}")
+        self.starts, self.seed, self.epoch, self.window = np.asarray(starts, np.int64), seed, epoch, window
+        self.n, self.kept = int(self.starts[-1]), OrderedDict()
+        if window is None: self.keys = _round_keys(seed_for(seed, epoch, "permutation")); return
+        counts = np.diff(self.starts)
+        self.shards = np.random.default_rng(seed_for(seed, epoch, "shards")).permutation(len(counts))
+        sizes = np.add.reduceat(counts[self.shards], np.arange(0, len(counts), window)) if len(counts) else counts
+        self.ends = np.cumsum(sizes)  # window w holds positions ends[w-1] to ends[w] - 1
+    def __len__(self): return self.n
+
+    def __call__(self, positions) -> np.ndarray:
+        "The sample numbers at `positions` (ints in range(n)) of the epoch's order."
+        p = np.asarray(positions, np.int64).ravel()
+        if p.size and (p.min() < 0 or p.max() >= self.n):
+            raise UsageError(f"positions must lie in range({self.n}), got {p.min()} to {p.max()}")
+        if self.window is None: return _feistel(p, self.n, self.keys)
+        w, out = np.searchsorted(self.ends, p, side="right"), np.empty(len(p), np.int64)
+        for u in np.unique(w).tolist():
+            m = w == u
+            out[m] = self._window(u)[p[m] - (self.ends[u - 1] if u else 0)]
+        return out
+
+    def _window(self, w: int) -> np.ndarray:
+        "The sample numbers of window `w` in the epoch's order: made when first asked for; the last two are kept."
+        if w in self.kept: self.kept.move_to_end(w); return self.kept[w]
+        ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1])
+                              for s in self.shards[w * self.window:(w + 1) * self.window]])
+        self.kept[w] = np.random.default_rng(seed_for(self.seed, self.epoch, "window", w)).permutation(ids)
+        if len(self.kept) > 2: self.kept.popitem(last=False)
+        return self.kept[w]
+
+# %% ../../nbs/27_random.ipynb
 def epoch_order(shard: np.ndarray,           # Each sample's shard number (`SampleIndex.shard`: shards contiguous)
                 seed: int,                   # Seed of the run
                 epoch: int,                  # Epoch: each draws its own order
                 window: int | None = None,   # Shards per window; None: one global permutation of all samples
                ) -> np.ndarray:              # Every sample number once, in the epoch's order
-    "The order of epoch `epoch`: a global permutation, or shards permuted in windows of `window` shuffled together."
-    rng = np.random.default_rng(seed_for(seed, epoch, "permutation"))
-    if window is None: return rng.permutation(len(shard))
-    if window < 1: raise UsageError(f"window must be at least 1 shard, got {window}")
-    counts = np.bincount(shard) if len(shard) else np.zeros(0, np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    shards = rng.permutation(len(counts))
-    dt = np.int32 if len(shard) < 2**31 else np.int64  # 4 bytes a sample where they suffice
-    ids = lambda w: np.concatenate([np.arange(starts[s], starts[s + 1], dtype=dt) for s in shards[w:w + window]])
-    parts = [rng.permutation(ids(w)) for w in range(0, len(shards), window)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    "The whole order of epoch `epoch` (`EpochOrder` at every position): for tests and pictures, not the loader."
+    n_shards = int(shard.max()) + 1 if len(shard) else 0
+    order = EpochOrder(shard_starts(shard, n_shards), seed, epoch, window)
+    return order(np.arange(len(order)))
 
 def order_quality(shard: np.ndarray, order: np.ndarray) -> dict:
     "How mixed `order` is: the fraction of neighbours from one shard, and the mean gap (in samples) between them."
@@ -113,6 +189,38 @@ def order_quality(shard: np.ndarray, order: np.ndarray) -> dict:
     gaps = np.diff(pos[by_shard])[same]
     return dict(same_shard_neighbours=float((s[1:] == s[:-1]).mean()) if len(s) > 1 else 0.0,
                 mean_gap=float(gaps.mean()) if len(gaps) else 0.0)
+
+# %% ../../nbs/27_random.ipynb
+class EpochBatches:
+    "Rank `rank`'s batches of an epoch, each cut from `order` when asked for: a sequence holding no sample numbers."
+    def __init__(self, order: EpochOrder,     # The epoch's order (positions -> sample numbers)
+                 batch_size: int,             # Samples per batch
+                 rank: int = 0,               # This rank
+                 world_size: int = 1,         # Ranks sharing every step
+                 pad: bool = False,           # Repeat the order's first samples to fill the last step
+                 drop_last: bool = True,      # Drop the samples of a last, partial step (with pad=False)
+                ):
+        n = len(order)
+        if not (drop_last or pad) and world_size > 1:
+            raise UsageError(f"with {world_size} ranks every rank needs the same number of full batches "
+                             "(DDP waits for all of them): keep drop_last=True, or pass pad=True to repeat samples")
+        self.order, self.n, self.batch_size, self.rank = order, n, batch_size, rank
+        self.partial = not (drop_last or pad)  # one rank: a partial last batch
+        self.step = batch_size if self.partial else batch_size * world_size
+        self.steps = -(-n // self.step) if self.partial or pad else n // self.step
+        if self.steps == 0 and not self.partial:
+            raise UsageError(f"{n} samples make no full step of batch_size {batch_size} x {world_size} ranks; "
+                             "use a smaller batch_size, or pad=True to repeat samples")
+    def __len__(self): return self.steps
+    def __iter__(self): return (self[b] for b in range(self.steps))
+
+    def __getitem__(self, b: int) -> np.ndarray:
+        "The sample numbers of batch `b`."
+        if not -self.steps <= b < self.steps: raise IndexError(f"batch {b} of an epoch of {self.steps}")
+        b %= self.steps
+        if self.partial: pos = np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.n))
+        else: pos = (b * self.step + self.rank * self.batch_size + np.arange(self.batch_size)) % self.n
+        return self.order(pos)
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -155,18 +263,18 @@ class RandomAccessLoader:
         # None: DataLoader's default with one rank
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)
         self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
+        self.starts = shard_starts(dataset.index.shard, len(dataset.index.shards))  # per shard: all the order needs
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property
     def seed(self) -> int: return self.dataset.seed
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        "This rank's batches of `epoch` (arrays of sample numbers): a global permutation, or windows of shards."
+    def batches(self, epoch: int) -> EpochBatches:
+        "This rank's batches of `epoch`, each made when asked for: a global permutation, or windows of shards."
         key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window)
         if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
-            w = self.window
-            order = None if w is None else epoch_order(self.dataset.index.shard, self.seed, epoch, w)
-            self._cut = (key, epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch, self.rank,
-                                            self.world_size, self.pad, self.drop_last, order))
+            order = EpochOrder(self.starts, self.seed, epoch, self.window)
+            self._cut = (key, EpochBatches(order, self.batch_size, self.rank, self.world_size, self.pad,
+                                           self.drop_last))
         return self._cut[1]
     def __len__(self): return len(self.batches(self.epoch))
 
@@ -176,12 +284,19 @@ class RandomAccessLoader:
         self._restored = False
 
 # %% ../../nbs/27_random.ipynb
+class _Todo:
+    "The DataLoader's sampler: (epoch, sample numbers) of batches `first` on of `batches`, each made when drawn."
+    def __init__(self, epoch: int, batches: EpochBatches, first: int):
+        self.epoch, self.b, self.first = epoch, batches, first
+    def __len__(self): return len(self.b) - self.first
+    def __iter__(self): return ((self.epoch, self.b[i]) for i in range(self.first, len(self.b)))
+
 @patch
 def __iter__(self: RandomAccessLoader):
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # the last pass stopped after its last batch
-    epoch, todo = self.epoch, [(self.epoch, b) for b in self.batches(self.epoch)[self.batch:]]
+    epoch, todo = self.epoch, _Todo(self.epoch, self.batches(self.epoch), self.batch)
     self._restored = False
-    if todo:
+    if len(todo):
         workers = min(self.num_workers, len(todo))
         # the workers collate into shared buffers they reuse (the streaming loader's pool)
         self.dataset.pool_batches = workers > 0
@@ -296,11 +411,21 @@ class _HTTPFetch:
         if self.endpoint is None: return shard
         return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
     def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
-    def __call__(self, shard: str, dest: Path):
+    def version(self, headers) -> str:
+        "The content version in the answer's `headers`, as the index records it (AIStore: checksum/version; ETag)."
+        if self.endpoint is not None:
+            cs, v = headers.get("Ais-Checksum-Value", ""), headers.get("Ais-Version", "")
+            return f"{cs}/{v}" if cs or v else ""  # neither: nothing to compare
+        return headers.get("ETag") or headers.get("Last-Modified") or ""
+    def __call__(self, shard: str, dest: Path, version: str = ""):
+        "Stream `shard` to `dest`; if `version` is given, refuse other content (the shard was rewritten since)."
         try:
             with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
                 if r.status_code != 200:
                     raise RandomAccessError(f"GET {self.name(shard)} answered HTTP {r.status_code}; is it still there?")
+                if version and (got := self.version(r.headers)) and got != version:
+                    raise RandomAccessError(f"{self.name(shard)} is now version {got}, indexed as {version}: "
+                                            "the shard changed after indexing: build the loader again")
                 for chunk in r.iter_content(1 << 20): f.write(chunk)
         except requests.RequestException as e:
             raise RandomAccessError(f"cannot fetch {self.name(shard)} ({type(e).__name__})") from None
@@ -315,32 +440,62 @@ def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
     "The first sample number of shard `s` in `idx`, and one past its last (shards are contiguous)."
     return int(np.searchsorted(idx.shard, s)), int(np.searchsorted(idx.shard, s, side="right"))
 
+def _plain_members(buf, n: int) -> tuple[list, list, list] | None:
+    "Names, data offsets, sizes in tar bytes `buf` (`n` long) if every header is a plain file's; else None."
+    names, offs, sizes, pos = [], [], [], 0
+    try:
+        while pos + 512 <= n:
+            h = buf[pos:pos + 512]
+            if h[0] == 0:
+                if h.count(0) == 512: break  # the end blocks
+                return None
+            if h[124] & 0x80 or h[345] != 0: return None  # a base-256 size, a ustar prefix: the full reader
+            if int(h[148:156].split(b"\0", 1)[0].strip() or b"0", 8) != sum(h) - sum(h[148:156]) + 256: return None
+            size, kind, name = int(h[124:136].split(b"\0", 1)[0].strip() or b"0", 8), h[156], h[:100].split(b"\0", 1)[0]
+            if pos + 512 + size > n: return None
+            if kind in (0x78, 0x67) and b" path=" not in buf[pos + 512:pos + 512 + size]:  # pax: an mtime, say
+                pos += 512 + -(-size // 512) * 512; continue
+            if kind not in (48, 0) or not name.isascii(): return None  # a long name, a link, a folder ...
+            names.append(name.decode()); offs.append(pos + 512); sizes.append(size)
+            pos += 512 + -(-size // 512) * 512
+    except ValueError: return None
+    keep = [i for i, m in enumerate(names) if not is_meta_member(m)]
+    return [names[i] for i in keep], [offs[i] for i in keep], [sizes[i] for i in keep]
+
 def _scan_fd(fd: int, name: str) -> tuple[list, list, list]:
-    "Names, data offsets and sizes of the members of the tar open as `fd`, from its headers (`scan_tar` of a path)."
+    "Names, data offsets and sizes of the members of the tar open as `fd`: plain headers read in place, others parsed."
+    if (n := os.fstat(fd).st_size) >= 512:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as buf:
+            if (got := _plain_members(buf, n)) is not None: return got
     with os.fdopen(os.dup(fd), "rb") as f:
         f.seek(0)
         ents = [e for e in tar_entries(f, name, data=False) if e.is_file and not is_meta_member(e.name)]
     return [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents]
 
-def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes) -> tuple[np.ndarray, np.ndarray]:
+def _shard_keys(idx: SampleIndex, a: int, b: int) -> list[str]:
+    "The keys of samples `a` to `b - 1` (a shard's), decoded together."
+    if idx.keys is None: return [idx.key(i) for i in range(a, b)]
+    k0 = int(idx.key_end[a - 1]) if a else 0
+    ends = (np.asarray(idx.key_end[a:b]) - k0).tolist()
+    blob = bytes(idx.keys[k0:k0 + (ends[-1] if ends else 0)])
+    return [blob[x:y].decode() for x, y in zip([0] + ends[:-1], ends)]
+
+def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, keys: list[str] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
-    g, (a, b), F = group_members(names, offsets, sizes, shard=idx.shards[s]), _rows(idx, s), len(idx.fields)
-    kb, ends = bytes(g["keys"]), g["key_end"].tolist()
-    row = {kb[e0:e1].decode(): r for r, (e0, e1) in enumerate(zip([0] + ends[:-1], ends))}
-    off, size, have = np.full((len(ends), F), -1, np.int64), np.full((len(ends), F), -1, np.int64), g["fields"].tolist()
-    for j, f in enumerate(idx.fields):
-        if f not in have: continue
-        m = g["m_field"] == have.index(f)
-        off[g["m_sample"][m], j], size[g["m_sample"][m], j] = g["m_offset"][m], g["m_size"][m]
-    rows = []
-    for i in range(a, b):
-        r = row.get(key := idx.key(i))
-        if r is None or (size[r] != idx.size[i]).any():
-            raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {key!r} is not as indexed in the "
-                                    "copy read now; "
-                                    "the shard changed after indexing: build the loader again")
-        rows.append(r)
-    return off[rows], size[rows]
+    (a, b), col = _rows(idx, s), {f: j for j, f in enumerate(idx.fields)}
+    keys = _shard_keys(idx, a, b) if keys is None else keys
+    row, rs, js, got = {k: r for r, k in enumerate(keys)}, [], [], []
+    for j, (name, o, n) in enumerate(zip(names, offsets, sizes)):
+        key, field = split_key(name)
+        if key is None or (r := row.get(key)) is None or (c := col.get(field.lower())) is None: continue
+        rs.append(r); js.append(c); got.append(j)
+    off, size = np.full((b - a, len(col)), -1, np.int64), np.full((b - a, len(col)), -1, np.int64)
+    off[rs, js], size[rs, js] = np.asarray(offsets, np.int64)[got], np.asarray(sizes, np.int64)[got]
+    if len(bad := np.flatnonzero((size != idx.size[a:b]).any(axis=1))):
+        raise RandomAccessError(f"shard {idx.source}/{idx.shards[s]}: sample {keys[bad[0]]!r} is not as indexed in the "
+                                "copy read now; the shard changed after indexing: build the loader again")
+    return off, size
 
 # %% ../../nbs/27_random.ipynb
 class CachedShardReader:
@@ -352,24 +507,31 @@ class CachedShardReader:
         self.max_open = max(64, 2 * cache.max_shards)
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
-        "(fd, first sample number, offsets, sizes) of shard `s`'s copy, fetched if needed; fds kept per process."
+        "(fd, first sample number, offsets, sizes, keys or None) of shard `s`'s copy, fetched if needed; kept open."
         if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
         if s in self.open: self.open.move_to_end(s); return self.open[s]
-        version = str(os.stat(idx.shards[s]).st_mtime_ns) if idx.kind == "local" else ""  # a rewritten tar: a new copy
-        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), self.fetch, version), _rows(idx, s)
+        # a copy is named by the content it holds: a rewritten shard (new mtime, checksum or ETag) gets a new one
+        if idx.kind == "local": version, fetch = str(os.stat(idx.shards[s]).st_mtime_ns), self.fetch
+        else:
+            version = idx.versions[s] if idx.versions else ""
+            checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
+            fetch = partial(self.fetch, version=version) if checked else self.fetch
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version), _rows(idx, s)
         try:
-            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]  # a copy of an indexed tar: same offsets
-            else: where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]))
+            if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
+            else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
+                keys = _shard_keys(idx, a, b)
+                where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]), keys=keys)
         except BaseException: os.close(fd); raise
         if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
-        self.open[s] = (fd, a, *where)
+        self.open[s] = (fd, a, *where, keys)
         return self.open[s]
 
     def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
         "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
         keys, out = [], []
         for i in ids:
-            try: fd, a, off, size = self._shard(idx, s := int(idx.shard[i]))
+            try: fd, a, off, size, kl = self._shard(idx, s := int(idx.shard[i]))
             except RandomAccessError as e:  # name the source and the sample too
                 where = f"{idx.source}/{idx.shards[s]}" if idx.kind == "ais" else idx.shards[s]
                 raise RandomAccessError(f"{where}, sample {idx.key(i)!r}: {e}") from None
@@ -378,7 +540,7 @@ class CachedShardReader:
             where = idx.shards[idx.shard[i]]
             if any(len(x) != k for x, k in zip(row, n)):
                 raise RandomAccessError(f"shard {where}: sample {i} is cut short in the cache; clear it and run again")
-            keys.append(idx.key(i) if idx.keys is not None
+            keys.append(kl[i - a] if kl is not None else idx.key(i) if idx.keys is not None
                         else key_from_header(os.pread(fd, 512, o[0] - 512), idx.fields[0], where))
             out.append(row)
         return keys, out
@@ -432,6 +594,33 @@ def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), tra
                          f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
     ds = RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader)
     return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, window, **kw)
+
+# %% ../../nbs/27_random.ipynb
+_MEASURE = '''
+import json, sys
+from shardkit.loading.index import load_index
+from shardkit.loading.random import RandomAccessDataset, RandomAccessLoader
+def anon(): return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")).split()[1]) * 1024
+m = dict(start=anon()); idx = load_index(sys.argv[1]); m["mapped"] = anon()
+for window in (16, None):
+    dl = RandomAccessLoader(RandomAccessDataset(idx, ("cls", "jpg")), batch_size=64, num_workers=0, window=window)
+    b = dl.batches(0); first, late = b[0], b[int(0.9 * len(b))]; m[f"batches_{window}"] = anon()
+print(json.dumps(m))
+'''
+
+def loader_memory(n: int = 10_000_000, folder: str | Path | None = None) -> dict:
+    "Private (anonymous) bytes of a fresh process that maps the index of `n` samples and computes batches from it."
+    import subprocess
+    import sys
+    import tempfile
+    from shardkit.loading.index import save_index, synthetic_index
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        save_index(synthetic_index(n), Path(d) / "i")
+        out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
+    if out.returncode: raise LoaderError(f"measuring the loader's memory failed: {out.stderr[-500:]}")
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(samples=n, start=m["start"], mapped=m["mapped"], window_16=m["batches_16"],
+                global_order=m["batches_None"], total=max(m["batches_16"], m["batches_None"]))
 
 # %% ../../nbs/27_random.ipynb
 class AISReader:
