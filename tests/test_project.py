@@ -1,6 +1,7 @@
 """Project-level promises: the installed set is consistent, and the README's two commands are what CI runs."""
 import ast, re, subprocess, sys
 from pathlib import Path
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +119,14 @@ def test_no_module_takes_another_modules_private_names():
                       if a.name.startswith("_") and not a.name.startswith("__")]
     assert not found, "private names imported from another module (give them a public name in their home): " + \
         ", ".join(found)
+
+
+@pytest.mark.xdist_group("grouping-check")
+def test_xdist_groups_take_effect(request):
+    """Under `--dist loadgroup` (the README's commands) a grouped test's id carries its group, which is how xdist keeps
+    every test on the local AIStore on one worker (one cluster, one aisnode build). pytest 9.2 silently broke that
+    (pytest-xdist#1386): the dev extra pins pytest<9.2 until xdist follows."""
+    if not hasattr(request.config, "workerinput") or not request.config.getvalue("loadgroup"):
+        pytest.skip("checks pytest-xdist's --dist loadgroup: python -m pytest -n 2 --dist loadgroup")
+    assert request.node.nodeid.endswith("@grouping-check"), \
+        f"{request.node.nodeid}: xdist groups are ignored (pytest {pytest.__version__}); pin pytest<9.2 (settings.ini)"
