@@ -353,19 +353,6 @@ def test_http_index_is_built_once_per_machine(shards, http_base):
     assert out.returncode == 0 and out.stdout.split() == [str(len(ALL)), "memmap"], out.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_bench_scale_ais_cache_stage(tmp_path, ais_endpoint):
-    "`bench scale`'s 'ais cache' stage: a whole epoch of the bucket 'ais stream' streams, with the cluster's CPU."
-    from shardkit.bench.scale import bench_scale, scale_table
-    stages = ["convert", "ais put", "ais dsort", "ais stream", "ais cache"]
-    rows = bench_scale(tmp_path / "w", ns=(250,), stages=stages, shard_samples=50, shard_bytes="100KB", progress=False)
-    assert not [r for r in rows if "error" in r], rows
-    by = {r["stage"]: r for r in rows}
-    assert by["ais cache"]["samples"] == by["ais stream"]["samples"] == 250
-    assert by["ais cache"]["cluster_cpu_ms"] is not None and by["ais cache"]["window"] == 16
-    assert "ais cache at 250: " in scale_table(rows)
-
-
 def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
     "The in-place scan of plain headers gives what `scan_tar` gives; a long name (pax) or a folder: the full reader."
     from shardkit.loading.random import _plain_members, _scan_fd
