@@ -151,7 +151,10 @@ def _alive(node: dict) -> bool:
 
 def _listens(pid: int) -> list[str]:
     "The addresses (`host:port`) on which process `pid` accepts TCP connections; [] if it is gone."
-    try: conns = psutil.Process(pid).net_connections(kind="inet")
+    try:
+        proc = psutil.Process(pid)
+        conns = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6: connections
+        conns = conns(kind="inet")
     except (psutil.NoSuchProcess, psutil.AccessDenied): return []
     ip = lambda a: f"[{a}]" if ":" in a else a  # IPv6 in brackets
     return sorted({f"{ip(c.laddr.ip)}:{c.laddr.port}" for c in conns if c.status == psutil.CONN_LISTEN})
