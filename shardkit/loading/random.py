@@ -4,7 +4,6 @@
 
 # %% ../../nbs/27_random.ipynb 3
 from __future__ import annotations
-import fcntl
 import hashlib
 import json
 import mmap
@@ -13,7 +12,6 @@ import shutil
 import types
 import warnings
 from collections import OrderedDict
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +26,7 @@ from ..shards.fields import IMAGE_EXTS, refuse_pickle, split_key
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
-from .index import RandomAccessError, SampleIndex, key_from_header, sample_index
+from .index import RandomAccessError, SampleIndex, file_lock, key_from_header, sample_index
 from .sources import LoaderError, rank_and_world, seed_for
 from .stream import saved_count
 from .transforms import TrainTransform, sample_to_tuple, train_transform
@@ -333,13 +331,6 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
 
 # %% ../../nbs/27_random.ipynb
-@contextmanager
-def _locked(path: Path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try: yield
-        finally: fcntl.flock(f, fcntl.LOCK_UN)
-
 class ShardCache:
     "A bounded folder of whole shards on local disk: fetched once, written atomically, evicted least recently used."
     def __init__(self, folder: str | Path,            # The cache's own folder (made private, 0o700)
@@ -370,8 +361,8 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
                          f"({self.max_bytes / 1e6:.1f} MB); "
                          "give the cache more bytes")
     f = self.file(shard, size, version)
-    with _locked(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
-        with _locked(self.folder / ".lock"):  # opened before anyone can evict it
+    with file_lock(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
+        with file_lock(self.folder / ".lock"):  # opened before anyone can evict it
             if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
         tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
         try:
@@ -379,7 +370,8 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
             if (got := tmp.stat().st_size) != size:
                 raise RandomAccessError(f"shard {shard} came as {got} bytes where the index says {size}; "
                                         "the shard changed after indexing: build the loader again")
-            with _locked(self.folder / ".lock"): self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
+            with file_lock(self.folder / ".lock"):
+                self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
         finally: tmp.unlink(missing_ok=True)
     self.fetched += 1
     return fd
