@@ -66,6 +66,45 @@ for w in $WORKERS; do
         | grep -v "Warning\|warnings.warn"
 done
 
+if [ -n "${GPU_CHECK_PROFILE:-}" ]; then  # where the main thread's time goes (tests/gpu_profile.py)
+    echo "== profile: GPU loader alone, + step, CPU loader + step"
+    PYTHONWARNINGS=ignore timeout 150 $PY tests/gpu_profile.py "$DATA" "$OUT/profile.txt" --image jpg \
+        $( [ "$DEV" = cpu ] && echo "--device cpu --step small --size 32 --batch-size 16 --batches 3 --cpu-workers 2" )
+fi
+TRAIN_N=${GPU_CHECK_TRAIN_SAMPLES:-}  # shardkit train with epochs long enough to be steady (the N JPEGs copied)
+if [ -n "$TRAIN_N" ]; then
+    LONG=$WORK/long-$TRAIN_N
+    timeout 90 $PY - "$DATA" "$LONG" "$TRAIN_N" <<'PY' || { echo "gpu_check: copying the data failed"; exit 1; }
+import io, os, sys, tarfile
+from multiprocessing import Pool
+from pathlib import Path
+src, dest, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+shards = sorted(src.glob("*.tar"))
+def copy(job):
+    j, shard = job
+    out = dest / f"long-{j:03d}-{shard.name}"
+    if out.exists(): return
+    with tarfile.open(shard) as t, tarfile.open(str(out) + ".tmp", "w") as w:
+        for m in t:
+            data = t.extractfile(m).read()
+            m.name = f"c{j:03d}-{m.name}"
+            w.addfile(m, io.BytesIO(data))
+    os.replace(str(out) + ".tmp", out)
+per = sum(1 for m in tarfile.open(shards[0]) if m.name.endswith(".jpg")) * len(shards)
+dest.mkdir(parents=True, exist_ok=True)
+with Pool(os.cpu_count()) as pool: pool.map(copy, [(j, s) for j in range(-(-n // per)) for s in shards])
+print(f"{len(list(dest.glob('*.tar')))} shards in {dest}")
+PY
+    for dec in ${GPU_CHECK_TRAIN_DECODE:-cpu}; do
+        echo "== shardkit train --arch resnet50, 2 epochs of $TRAIN_N samples, decode $dec"
+        PYTHONWARNINGS=ignore timeout 150 $PY -m shardkit.cli train --shards "$LONG/{$(ls $LONG | sed 's/\.tar$//' \
+            | paste -sd, -)}.tar" --arch "$([ "$DEV" = cpu ] && echo small || echo resnet50)" --epochs 2 \
+            --size "$([ "$DEV" = cpu ] && echo 32 || echo 224)" --batch-size "$([ "$DEV" = cpu ] && echo 16 || echo 128)" \
+            --workers "${GPU_CHECK_TRAIN_WORKERS:-12}" --classes 37 --decode "$dec" --device "$DEV" \
+            --json-out "$OUT/train-$dec.json" 2>&1 | grep -v "Warning\|warnings.warn\|it/s\]"
+    done
+fi
+
 echo "== summary ($(( $(date +%s) - T0 )) s)"
 $PY - "$OUT" $WORKERS <<'PY' | tee "$OUT/summary.txt"
 import json, re, sys
@@ -74,6 +113,10 @@ out = Path(sys.argv[1])
 log = out / "pytest.txt"
 tail = log.read_text().strip().splitlines() if log.exists() and log.read_text().strip() else ["(no pytest output)"]
 print("tests:", next((l for l in reversed(tail) if re.search(r"passed|failed|error", l)), tail[-1]))
+for f in sorted(out.glob("train-*.json")):
+    for r in json.loads(f.read_text()):
+        print(f"{f.stem}: epoch {r['epoch']}: {r['samples']} samples, {r['samples_per_s']:.0f} samples/s, "
+              f"waiting {r['wait_share']:.0%}")
 for w in sys.argv[2:]:
     f = out / f"bench-w{w}.json"
     if not f.exists(): print(f"bench with {w} workers: no result"); continue
