@@ -4,12 +4,15 @@
 
 # %% ../nbs/28_loader.ipynb 3
 from __future__ import annotations
+import collections
 import copy
+import queue
 import secrets
+import threading
 import time
 import warnings
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import webdataset as wds
 from fastcore.basics import patch
@@ -23,7 +26,7 @@ from .shards.fields import is_image_key
 from .shards.read import url_samples
 
 # %% auto 0
-__all__ = ['create_dataset', 'create_dataloader', 'DeviceLoader']
+__all__ = ['create_dataset', 'create_dataloader', 'ahead', 'DeviceLoader']
 
 # %% ../nbs/28_loader.ipynb
 def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
@@ -115,6 +118,58 @@ def create_dataloader(dataset: ShardDataset,         # from create_dataset
     return loader if device is None else DeviceLoader(loader, device)
 
 # %% ../nbs/28_loader.ipynb
+_END = object()  # the thread's last item: (_END, the error that ended it or None)
+
+def ahead(items: Iterable,          # What to take ahead of its use (taking an item starts its work)
+          depth: int = 1,           # Items taken beyond the one handed out (0: each when asked for)
+          thread: bool = False,     # Take them in a thread of their own, beside the caller, else in the caller's
+          close: Callable = None,   # Called once, after the last item is taken (in the thread that took it)
+         ) -> Iterator:
+    "The items of `items` in order, each handed out once `depth` more were taken (or are being taken, in a thread)."
+    if thread:
+        yield from _taken_in_thread(iter(items), max(depth, 1), close)
+        return
+    buf = collections.deque()
+    try:
+        for x in items:
+            buf.append(x)
+            if len(buf) > depth: yield buf.popleft()
+        while buf: yield buf.popleft()
+    finally:
+        if close: close()
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    "Put `item` on `q`, waiting while it is full; False (not put) once `stop` is set."
+    while not stop.is_set():
+        try: q.put(item, timeout=0.05); return True
+        except queue.Full: pass
+    return False
+
+def _taken_in_thread(it: Iterator, depth: int, close) -> Iterator:
+    q, stop = queue.Queue(depth), threading.Event()
+    def take():
+        err = None
+        try:
+            for x in it:
+                if not _put(q, x, stop): return
+        except BaseException as e: err = e  # raised in the caller, at this point of the sequence
+        finally:
+            if close: close()
+        _put(q, (_END, err), stop)
+    worker = threading.Thread(target=take, name="shardkit-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            x = q.get()
+            if isinstance(x, tuple) and len(x) == 2 and x[0] is _END:
+                if x[1] is not None: raise x[1]
+                return
+            yield x
+    finally:
+        stop.set()
+        worker.join()
+
+# %% ../nbs/28_loader.ipynb
 def _tensors(x) -> list[torch.Tensor]:
     "The tensors in a batch: a tensor, or tuples, lists and dicts of them."
     if isinstance(x, torch.Tensor): return [x]
@@ -132,22 +187,19 @@ def _moved(x, device: torch.device, pin: bool):
 # %% ../nbs/28_loader.ipynb
 class DeviceLoader:
     "`loader`'s batches with their tensors on `device`, copied one batch ahead (on CUDA: pinned memory, a side stream)."
-    def __init__(self, loader, device):
+    def __init__(self, loader, device,
+                 thread: bool | None = None):  # receive and copy in a thread beside the loop (None: on CUDA)
         self.loader, self.device = loader, torch.device(device)
+        self.thread = self.device.type == "cuda" if thread is None else thread
         self.copy_seconds, self.copied = 0.0, 0  # seconds spent issuing copies, batches copied
         self._state = None  # the wrapped loader's state when the last batch was handed out
 
     def __iter__(self):
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         where = self._where()
-        batches = iter(self.loader)
-        for batch in batches:
-            ahead = (*self._issue(batch, stream), where())
-            for nxt in batches:  # the copy of batch i+1 is issued before batch i is handed out
-                nxt = (*self._issue(nxt, stream), where())
-                yield self._hand_out(*ahead)
-                ahead = nxt
-            yield self._hand_out(*ahead)
+        issued = ((*self._issue(batch, stream), where()) for batch in self.loader)
+        for batch, event, state in ahead(issued, 1, self.thread):  # batch i+1 is on its way when i is handed out
+            yield self._hand_out(batch, event, state)
         self._state = None  # the epoch is over: the wrapped loader's own state is right again
 
     def __len__(self) -> int: return len(self.loader)

@@ -25,10 +25,12 @@ else
     export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
 if [ "$DEV" = cpu ]; then  # the dry run: the same steps, tiny
-    N=64; W=160; H=120; BENCH="--device cpu --step small --size 32 --batch-size 16 --samples 32"; WORKERS="1 2"
+    N=64; W=160; H=120; BENCH="--device cpu --step small --size 32 --batch-size 16 --samples 32 --thread both"
+    WORKERS="1 2"
 else
     N=${GPU_CHECK_N:-4000}; W=500; H=375; WORKERS=${GPU_CHECK_WORKERS:-"4 15"}
     BENCH="--device cuda --step resnet50 --size 224 --batch-size 128 --samples ${GPU_CHECK_SAMPLES:-3000}"
+    BENCH="$BENCH --thread ${GPU_CHECK_THREAD:-both}"
 fi
 DATA=$WORK/shards-$N-${W}x$H
 T0=$(date +%s)

@@ -29,7 +29,7 @@ warnings.filterwarnings("ignore")
 def _timed_next(it, waits: list):
     "next(it), with the seconds spent in the workers' hand-over (the ShardLoader's own next) added to `waits`."
     t = time.perf_counter()
-    x = next(it)
+    x = _next(it)
     waits.append(time.perf_counter() - t)
     return x
 
@@ -37,8 +37,7 @@ def _timed_next(it, waits: list):
 def _loop(batches, step, n: int, sync) -> dict:
     "Feed `n` batches to `step` (None: take them only); wall seconds, main CPU seconds, seconds inside next()."
     it, waits = iter(batches), []
-    for _ in range(3): x = next(it); step and step(x)  # warm-up: cuDNN's choice, workers' first shards
-    sync()
+    _warm(it, step, sync)
     t0, c0, got = time.perf_counter(), time.process_time(), 0
     for _ in range(n):
         x = _timed_next(it, waits)
@@ -49,9 +48,23 @@ def _loop(batches, step, n: int, sync) -> dict:
 
 
 def _images(loader, dev):
-    "The loader's image batches, pass after pass."
+    "The loader's image batches, pass after pass; None at the end of each pass."
     while True:
-        for batch in loader: yield batch[0]
+        yield from (batch[0] for batch in loader)
+        yield None
+
+
+def _warm(it, step, sync):
+    "A whole pass, to warm up: every batch size cuDNN will see tuned before the clock starts (as bench gpu does)."
+    for x in it:
+        if x is None: break
+        if step: step(x)
+    sync()
+
+
+def _next(it):
+    x = next(it)
+    return next(it) if x is None else x
 
 
 def _section(title: str, out: io.StringIO): out.write(f"\n{'=' * 100}\n== {title}\n{'=' * 100}\n")
@@ -67,12 +80,11 @@ def profile_case(title, make, step, n, sync, dev, out, torch_prof: bool = True):
     r["it"].close()
     prof = cProfile.Profile()
     it = _images(make(), dev)
-    for _ in range(3): x = next(it); step and step(x)
-    sync()
+    _warm(it, step, sync)
     prof.enable()
     t0 = time.perf_counter()
     for _ in range(n):
-        x = next(it)
+        x = _next(it)
         if step: step(x)
     sync()
     secs = time.perf_counter() - t0
@@ -89,7 +101,7 @@ def profile_case(title, make, step, n, sync, dev, out, torch_prof: bool = True):
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with torch.profiler.profile(activities=acts) as tp:
             for _ in range(min(n, 15)):
-                x = next(it)
+                x = _next(it)
                 if step: step(x)
             sync()
         out.write("torch.profiler (15 batches), by self CPU time:\n")

@@ -45,18 +45,20 @@ def make_step(model: str,            # A torchvision model name (resnet50 ...), 
     return step
 
 # %% ../../nbs/38_bench_gpu.ipynb
-def _images_forever(loader, index: int, device) -> Iterator[torch.Tensor]:
-    "The image tensors of `loader`'s batches on `device`, pass after pass."
+def _images_forever(loader, index: int, device) -> Iterator[torch.Tensor | None]:
+    "The image tensors of `loader`'s batches on `device`, pass after pass; None at the end of each pass."
     dev = torch.device(device)
     while True:
         for batch in loader:
             x = batch[index]
             if x.device.type != dev.type: x = (x.pin_memory() if dev.type == "cuda" else x).to(dev, non_blocking=True)
             yield x
+        yield None
 
-def _synthetic(batch_size: int, size: int, device) -> Iterator[torch.Tensor]:
+def _synthetic(batch_size: int, size: int, device) -> Iterator[torch.Tensor | None]:
+    "The same random batch forever (a pass: three of it)."
     x = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=device)
-    while True: yield x
+    while True: yield from (x, x, x, None)
 
 def _decoded(urls, image_key: str, batch_size: int, device, most: int = 1024) -> Iterator[list]:
     "nvJPEG (or the CPU decoder) alone: the first `most` JPEGs of the shards decoded, a batch at a time, forever."
@@ -69,12 +71,14 @@ def _decoded(urls, image_key: str, batch_size: int, device, most: int = 1024) ->
     if torch.device(device).type == "cuda": blobs = [b.pin_memory() for b in blobs]
     batches = [blobs[i:i + batch_size] for i in range(0, len(blobs), batch_size)]
     while True:
-        for b in batches: yield decode_batch(b, [str(i) for i in range(len(b))], device)
+        yield from (decode_batch(b, [str(i) for i in range(len(b))], device) for b in batches)
+        yield None
 
-def _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, device) -> Iterator[torch.Tensor]:
+def _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, device, thread=None) -> Iterator:
     ds = create_dataset(urls, keys=(image_key,), transform=train_transform(size, scale), seed=0)
     if "device" in inspect.signature(create_dataloader).parameters:  # the loader copies to the device itself
         dl = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size, device=device)
+        if thread is not None and hasattr(dl, "thread"): dl.thread = thread
         return _images_forever(dl, 0, device)
     return _images_forever(create_dataloader(ds, num_workers=num_workers, batch_size=batch_size), 0, device)
 
@@ -95,7 +99,8 @@ def _dali_images(urls, image_key: str, batch_size: int, threads: int, size: int,
         return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=fn.random.coin_flip())
     it = DALIGenericIterator([pipe()], ["image"], reader_name="reader", auto_reset=True)
     while True:
-        for batch in it: yield batch[0]["image"]
+        yield from (batch[0]["image"] for batch in it)
+        yield None
 
 def _has_dali() -> bool:
     try:
@@ -104,15 +109,16 @@ def _has_dali() -> bool:
     return True
 
 # %% ../../nbs/38_bench_gpu.ipynb
-def _rate(images: Iterator, samples: int, sync, step=None, warmup: int = 3) -> dict:
+def _rate(images: Iterator, samples: int, sync, step=None) -> dict:
     "Samples, seconds, samples/s and main-process CPU ms per sample of `samples` samples from `images` (and `step`)."
-    for _ in range(warmup):
-        x = next(images)
+    for x in images:  # the warm-up: the first pass (None ends it)
+        if x is None: break
         if step is not None: step(x)
     sync()
     t0, c0, n = time.perf_counter(), time.process_time(), 0
     while n < samples:
         x = next(images)
+        if x is None: continue
         if step is not None: step(x)
         n += len(x)
     sync()
@@ -121,6 +127,26 @@ def _rate(images: Iterator, samples: int, sync, step=None, warmup: int = 3) -> d
     return dict(samples=n, seconds=secs, rate=n / secs, cpu_ms=cpu / n * 1e3)
 
 # %% ../../nbs/38_bench_gpu.ipynb
+def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, threads: list, dali: bool) -> list:
+    "(row name, a function making its stream of image batches, the step to feed or None) for each contender."
+    scale, on = (0.08, 1.0), f"decode on {dev.type}" + (" (nvJPEG)" if dev.type == "cuda" else "")
+    gpu = lambda t: lambda: _images_forever(create_gpu_loader(urls, (image_key,), batch_size, num_workers, 0, dev, size,
+                                                              scale, thread=t), 0, dev)
+    cpu = lambda t: lambda: _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, dev, t)
+    how = lambda t: "" if len(threads) == 1 else ", thread" if t else ", in the loop"
+    dali_run = lambda: _dali_images(urls, image_key, batch_size, num_workers, size, scale, 0, dev)
+    if step == "none":
+        runs = [(f"shardkit, {on}{how(t)}", gpu(t), None) for t in threads]
+        runs += [(f"shardkit CPU loader{how(t)}", cpu(t), None) for t in threads]
+        return runs + ([("NVIDIA DALI (mixed decoder)", dali_run, None)] if dali else [])
+    fn, w = make_step(step, dev), f"{num_workers} workers"
+    runs = [(f"step alone: {step}, synthetic uint8 batches on {dev.type}", lambda: _synthetic(batch_size, size, dev), fn),
+            (f"{on} alone, one process, no crops", lambda: _decoded(urls, image_key, batch_size, dev), None)]
+    runs += [(f"shardkit GPU loader alone ({w}{how(t)})", gpu(t), None) for t in threads]
+    runs += [(f"shardkit GPU loader + step ({w}{how(t)})", gpu(t), fn) for t in threads]
+    runs += [(f"shardkit CPU loader + step ({w}{how(t)})", cpu(t), fn) for t in threads]
+    return runs + ([(f"NVIDIA DALI + step ({num_workers} threads)", dali_run, fn)] if dali else [])
+
 def bench_gpu_decode(sources,                        # Shards with JPEG images
                      image_key: str = "image.jpg",   # The JPEG field of the samples ("jpg" in ImageNet-style shards)
                      batch_size: int = 64,           # Samples per batch, for every contender
@@ -130,37 +156,22 @@ def bench_gpu_decode(sources,                        # Shards with JPEG images
                      device="cuda",                  # cuda; cpu times the same code path without a GPU
                      dali: bool = True,              # Add NVIDIA DALI's pipeline when it is installed
                      step: str = "none",             # A model to feed (torchvision name, `small`); none: loaders alone
+                     thread: str = "default",        # The loaders' device work in a thread: on, off, both, or default
                     ) -> list[dict]:                 # One row per contender; [] (and why, on stderr) without CUDA
     "Samples/s of decode + augmentation on `device`: the GPU loader, the CPU loader and DALI, alone or feeding a step."
     dev = torch.device(device)
     if dev.type == "cuda" and (why := why_no_gpu(str(device))):
         print(f"bench gpu: nothing measured, {why}", file=sys.stderr)
         return []
+    threads = {"on": [True], "off": [False], "both": [False, True], "default": [None]}.get(thread)
+    if threads is None: raise LoaderError(f"thread must be on, off, both or default, not {thread!r}")
     if dev.type == "cuda": torch.backends.cudnn.benchmark = True
-    urls, keys, scale = shard_urls(sources), (image_key,), (0.08, 1.0)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    gpu = lambda: _images_forever(create_gpu_loader(urls, keys, batch_size, num_workers, 0, device, size, scale), 0,
-                                  dev)
-    cpu = lambda: _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, dev)
-    dali_ok = dali and dev.type == "cuda" and _has_dali()
-    dali_run = lambda: _dali_images(urls, image_key, batch_size, num_workers, size, scale, 0, dev)
-    on = f"decode on {dev.type}" + (" (nvJPEG)" if dev.type == "cuda" else "")
-    if step == "none":
-        runs = [(f"shardkit, {on}", gpu, None), ("shardkit CPU loader", cpu, None)]
-        if dali_ok: runs.append(("NVIDIA DALI (mixed decoder)", dali_run, None))
-    else:
-        fn = make_step(step, dev)
-        synthetic = lambda: _synthetic(batch_size, size, dev)
-        runs = [(f"step alone: {step}, synthetic uint8 batches on {dev.type}", synthetic, fn),
-                (f"{on} alone, one process, no crops", lambda: _decoded(urls, image_key, batch_size, dev), None),
-                (f"shardkit GPU loader alone ({num_workers} workers)", gpu, None),
-                (f"shardkit GPU loader + step ({num_workers} workers)", gpu, fn),
-                (f"shardkit CPU loader + step ({num_workers} workers)", cpu, fn)]
-        if dali_ok: runs.append((f"NVIDIA DALI + step ({num_workers} threads)", dali_run, fn))
+    runs = _contenders(shard_urls(sources), image_key, batch_size, num_workers, size, dev, step, threads,
+                       dali and dev.type == "cuda" and _has_dali())
     rows = [dict(name=name, **_rate(make(), samples, sync, fn)) for name, make, fn in runs]
-    for r in rows:
-        if step == "none": r["vs_cpu"] = r["rate"] / rows[1]["rate"]
-        else: r["vs_step"] = r["rate"] / rows[0]["rate"]
+    base = rows[0] if step != "none" else next(r for r in rows if r["name"].startswith("shardkit CPU loader"))
+    for r in rows: r["vs_step" if step != "none" else "vs_cpu"] = r["rate"] / base["rate"]
     return rows
 
 def gpu_table(rows: list[dict]) -> str:
@@ -180,18 +191,19 @@ def bench_gpu_cli(src: str,                  # Shards with JPEG images: a direct
                   size: int = 224,           # Side of the square crops
                   device: str = "cuda",      # cuda; cpu runs the same code without a GPU (to check it, not to time it)
                   step: str = "none",        # Feed a training step: a torchvision model (resnet50 ...), small, or none
+                  thread: str = "default",   # The loaders' device work in a thread beside the loop: on, off, both
                   json: str = None,          # Write the rows (and the setup) to this JSON file
                  ):
     "Benchmark the GPU loader (nvJPEG; DALI if installed) against the CPU loader, alone or feeding a training step."
     if torch.device(device).type == "cuda" and (why := why_no_gpu(device)):
         raise LoaderError(f"nothing to measure: {why}. The CPU loader's benchmark runs anywhere: "
                           f"shardkit bench loader {src}")
-    rows = bench_gpu_decode(src, image, batch_size, workers, samples, size, device, step=step)
+    rows = bench_gpu_decode(src, image, batch_size, workers, samples, size, device, step=step, thread=thread)
     print(gpu_table(rows))
     if json:
         gpu = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else None
         setup = dict(src=str(src), workers=workers, batch_size=batch_size, samples=samples, size=size, device=device,
-                     step=step, torch=torch.__version__, gpu=gpu)
+                     step=step, thread=thread, torch=torch.__version__, gpu=gpu)
         Path(json).write_text(_dumps(dict(setup=setup, rows=rows), indent=1))
 
 _dumps = json.dumps  # the CLI's `json` option shadows the module inside bench_gpu_cli

@@ -4,7 +4,6 @@
 
 # %% ../../nbs/29_gpu.ipynb 4
 from __future__ import annotations
-import collections
 import contextlib
 import functools
 import io
@@ -22,7 +21,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
-from ..loader import create_dataloader
+from ..loader import ahead, create_dataloader
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size, is_image_key, is_jpeg_key
 from ..shards.read import url_samples
 from .sources import EpochShards, LoaderError, rank_and_world, seed_for, shard_urls, shuffle_samples
@@ -154,15 +153,17 @@ def pack_jpegs(samples: list[tuple]) -> JpegBatch:
 # %% ../../nbs/29_gpu.ipynb
 def resize_weights(lengths: torch.Tensor,  # B crop lengths along one axis (float, on the device)
                    size: int,              # Output pixels along that axis
-                   extent: int,            # Padded length of the axis (at least the longest crop)
+                   extent: int,            # Length of the axis read (at least each crop's start + length)
+                   starts: torch.Tensor | None = None,  # B crop starts along the axis (float); None: each at 0
                   ) -> torch.Tensor:       # float32 B x size x extent
     "Per-crop resampling weights of torchvision's antialiased bilinear filter: output = weights @ pixels."
     scale = lengths / size
     support = scale.clamp(min=1.0)  # the triangle's half-width, in source pixels
-    center = scale[:, None] * (torch.arange(size, device=lengths.device) + 0.5)  # B x size, in source coordinates
+    center = scale[:, None] * (torch.arange(size, device=lengths.device) + 0.5)  # B x size, from the crop's start
     p = torch.arange(extent, device=lengths.device) + 0.5  # source pixel centres
+    p = p if starts is None else p - starts[:, None, None]  # ... from each crop's start
     w = (1 - (p - center[..., None]).abs() / support[:, None, None]).clamp_(min=0)
-    w = w * (p < lengths[:, None, None])  # nothing from the padding: the filter is clamped at the crop's edge
+    w = w * ((p > 0) & (p < lengths[:, None, None]))  # nothing from beyond the crop: the filter is clamped at its edge
     return w / w.sum(-1, keepdim=True)
 
 # %% ../../nbs/29_gpu.ipynb
@@ -175,8 +176,8 @@ def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
 
 def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    "`x` (on the CPU) on `device`: from pinned memory, without waiting, on CUDA."
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+    "`x`, a few numbers on the CPU, on `device`: staged by the driver, not pinned (pinning costs more than it saves)."
+    return x.to(device, non_blocking=device.type == "cuda")
 
 def _groups(areas: list[int], per_group: int) -> list[list[int]]:
     "Indices of `areas` in groups, largest first, whose padded size (count x largest area) stays under `per_group`."
@@ -197,16 +198,30 @@ def _padded(views: list[torch.Tensor], dtype, H: int, W: int, nested: bool = Tru
     for i, v in enumerate(views): x[i, :, :v.shape[1], :v.shape[2]] = v
     return x
 
+def _products(x: torch.Tensor, crops: torch.Tensor, flips: torch.Tensor, size: int, dtype, whole: bool) -> torch.Tensor:
+    "float32 B x 3 x size x size: `Wy @ x @ Wx^T` per image of `x` (B x 3 x H x W, whole images or crops at 0, 0)."
+    c = crops.float()
+    wy = resize_weights(c[:, 2], size, x.shape[-2], c[:, 0] if whole else None).to(dtype)
+    wx = resize_weights(c[:, 3], size, x.shape[-1], c[:, 1] if whole else None)
+    wx = torch.where(flips[:, None, None], wx.flip(1), wx).to(dtype)  # a flipped crop reads its columns right to left
+    return torch.einsum("byh,bchx->bcyx", wy, torch.einsum("bchw,bxw->bchx", x.to(dtype), wx)).float()
+
 def _resize_group(views: list[torch.Tensor], crops: torch.Tensor, flips: torch.Tensor, size: int, dtype
                  ) -> torch.Tensor:
     "float32 B x 3 x size x size: the crops `views` (3 x h x w each) resized together in `dtype`, flipped at `flips`."
     H, W = max(v.shape[1] for v in views), max(v.shape[2] for v in views)
-    x = _padded(views, dtype, H, W)
-    wy = resize_weights(crops[:, 2].float(), size, H).to(dtype)
-    wx = resize_weights(crops[:, 3].float(), size, W)
-    wx = torch.where(flips[:, None, None], wx.flip(1), wx).to(dtype)  # a flipped crop reads its columns right to left
-    return torch.einsum("byh,bchx->bcyx", wy, torch.einsum("bchw,bxw->bchx", x, wx)).float()
+    return _products(_padded(views, dtype, H, W), crops, flips, size, dtype, whole=False)
 
+def _crop_view(image: torch.Tensor, top: int, left: int, height: int, width: int) -> torch.Tensor:
+    return image[:, top:top + height, left:left + width]
+
+def _by_shape(images: Sequence[torch.Tensor]) -> list[list[int]]:
+    "Indices of `images` grouped by shape, in order of first appearance."
+    groups: dict[tuple, list[int]] = {}
+    for i, im in enumerate(images): groups.setdefault(tuple(im.shape), []).append(i)
+    return list(groups.values())
+
+# %% ../../nbs/29_gpu.ipynb
 def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any sizes, on one device
                crops: torch.Tensor,             # (top, left, height, width) of each crop: int64 B x 4, on the CPU
                flips: torch.Tensor,             # Which crops to flip left-right: bool B, on the CPU
@@ -215,6 +230,7 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
                channels_last: bool = False,     # Output in channels-last memory format
                budget: int = 2**28,             # Most elements padded at once (3 x H x W per image); larger: in groups
                dtype: torch.dtype | None = None,  # Of the products; None: float16 on CUDA (tensor cores), else float32
+               stack_shapes: int = 4,           # Up to this many image sizes: whole images stacked, crops in weights
               ) -> torch.Tensor:                # B x 3 x size x size on the images' device
     "Every image's crop resized to size x size and flipped, the whole batch at once (antialiased bilinear filter)."
     dev, boxes = images[0].device, crops.tolist()
@@ -222,16 +238,19 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
            if top < 0 or left < 0 or h < 1 or w < 1 or top + h > im.shape[-2] or left + w > im.shape[-1]]
     if bad: raise LoaderError(f"crop {boxes[bad[0]]} does not fit image {bad[0]} of shape "
                               f"{tuple(images[bad[0]].shape)}; crops must come from the images' own sizes (draw_crop)")
-    # views: no copies, no kernels
-    views = [im[:, top:top + h, left:left + w] for im, (top, left, h, w) in zip(images, boxes)]
-    out = torch.empty((len(views), 3, size, size), dtype=torch.float32 if normalize else torch.uint8, device=dev,
+    out = torch.empty((len(images), 3, size, size), dtype=torch.float32 if normalize else torch.uint8, device=dev,
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     crops_d, flips_d = _on(crops, dev), _on(flips, dev)
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
-    groups = _groups([3 * h * w for _, _, h, w in boxes], budget)
+    shapes = _by_shape(images)  # few sizes (a data set resized once): no padding, no per-image copies
+    whole = len(shapes) <= stack_shapes and all(len(g) * images[g[0]].numel() <= budget for g in shapes)
+    groups = shapes if whole else _groups([3 * h * w for _, _, h, w in boxes], budget)
     for g in groups:
         idx = _on(torch.tensor(g), dev) if len(groups) > 1 else slice(None)
-        x = _resize_group([views[i] for i in g], crops_d[idx], flips_d[idx], size, dtype)
+        if whole: x = _products(torch.stack([images[i] for i in g]), crops_d[idx], flips_d[idx], size, dtype, True)
+        else:  # each crop a view (no copy, no kernel), padded into one tensor
+            views = [_crop_view(images[i], *boxes[i]) for i in g]
+            x = _resize_group(views, crops_d[idx], flips_d[idx], size, dtype)
         if normalize: m, s = _mean_std(dev); x = x.sub_(m).div_(s)
         else: x = x.round_().clamp_(0, 255)
         if len(groups) == 1: out.copy_(x)  # one kernel: to uint8 (or not) and to the output's memory format
@@ -244,10 +263,12 @@ class GpuLoader:
     time_device: bool = False  # record (stage, start, end, samples) of each batch's copy, decode and augment
 
     def __init__(self, loader: ShardLoader, keys: Sequence[str], image_key: str, device, size: int, normalize: bool,
-                 channels_last: bool = False, prefetch: int = 2):
+                 channels_last: bool = False, prefetch: int = 2, thread: bool | None = None):
         self.loader, self.keys, self.image_key, self.device = loader, tuple(keys), image_key, torch.device(device)
         self.size, self.normalize, self.channels_last, self.prefetch = size, normalize, channels_last, prefetch
-        self.device_events, self._state, self._stream, self._keep = [], None, None, None
+        self.thread = self.device.type == "cuda" if thread is None else thread  # make batches beside the caller
+        self.device_events, self._state, self._stream = [], None, None
+        self._ring, self._slot = [None] * (prefetch + 3), 0  # pinned buffers for the JPEG bytes, reused in turn
 
     @property
     def shards(self) -> EpochShards: return self.loader.dataset.shards
@@ -260,7 +281,7 @@ class GpuLoader:
 
     def __repr__(self):
         return (f"GpuLoader({len(self.shards.urls)} shards, keys={self.keys}, batch_size={self.batch_size}, "
-                f"device={self.device}, workers={self.loader.num_workers}, prefetch={self.prefetch}, "
+                f"device={self.device}, workers={self.loader.num_workers}, prefetch={self.prefetch}, thread={self.thread}, "
                 f"seed={self.shards.seed}, epoch={self.shards.epoch})")
 
 # %% ../../nbs/29_gpu.ipynb
@@ -270,6 +291,13 @@ def _mark(self: GpuLoader, stream):
     if self.device.type != "cuda": return time.perf_counter()
     ev = torch.cuda.Event(enable_timing=True); ev.record(stream or torch.cuda.current_stream(self.device)); return ev
 
+def _pinned(self: GpuLoader, data: torch.Tensor) -> torch.Tensor:
+    "`data` copied into the next of a ring of pinned buffers (made once, grown for a larger batch): no pinning per batch."
+    self._slot = i = (self._slot + 1) % len(self._ring)  # reused prefetch + 3 batches later, long after its decode
+    if self._ring[i] is None or self._ring[i].numel() < data.numel():
+        self._ring[i] = torch.empty(data.numel() + data.numel() // 4, dtype=torch.uint8, pin_memory=True)
+    return self._ring[i][:data.numel()].copy_(data)
+
 def _stage(self: GpuLoader, stage: str, start, stream, n: int):
     if self.time_device: self.device_events.append((stage, start, _mark(self, stream), n))
 
@@ -278,7 +306,7 @@ def to_device(self: GpuLoader, batch: JpegBatch, stream=None) -> tuple:
     "A device batch (in the order of `keys`) from a worker's `JpegBatch`, made on `stream` (CUDA) or the current one."
     dev, n = self.device, len(batch.keys)
     t = _mark(self, stream)
-    data = batch.data.pin_memory() if dev.type == "cuda" else batch.data
+    data = _pinned(self, batch.data) if dev.type == "cuda" else batch.data
     columns = [_on(c, dev) if isinstance(c, torch.Tensor) else c for c in batch.columns]
     _stage(self, "copy", t, stream, n)
     if stream is not None: stream.synchronize()  # the loader's last batch is done: decode's memory is free (#9606)
@@ -288,7 +316,6 @@ def to_device(self: GpuLoader, batch: JpegBatch, stream=None) -> tuple:
     t = _mark(self, stream)
     out = crop_batch(images, batch.crops, batch.flips, self.size, self.normalize, self.channels_last)
     _stage(self, "augment", t, stream, n)
-    self._keep = data  # nvJPEG may read the pinned bytes after decode returns: freed after the next batch's wait
     return tuple(out if c is None else c for c in columns)
 
 @patch
@@ -324,19 +351,13 @@ def __iter__(self: GpuLoader):
     self._state = self.loader.state_dict()
     if self.device.type == "cuda" and self.prefetch > 0 and self._stream is None:  # high priority: its kernels go first
         self._stream = torch.cuda.Stream(self.device, priority=-1)
-    stream, ahead, source = self._stream if self.prefetch > 0 else None, collections.deque(), iter(self.loader)
+    stream, source = self._stream if self.prefetch > 0 else None, iter(self.loader)
+    made = (_made(self, wb, stream) for wb in source)  # each queued on the GPU before those before it are handed out
+    batches = ahead(made, self.prefetch, self.thread and self.prefetch > 0, getattr(source, "close", None))
     try:
-        for wb in source:
-            ahead.append(_made(self, wb, stream))  # queued on the GPU before the batches ahead of it are handed out
-            while len(ahead) > self.prefetch:
-                batch, self._state, ready = ahead.popleft()
-                yield _hand_over(self, batch, ready)
-        while ahead:
-            batch, self._state, ready = ahead.popleft()
-            yield _hand_over(self, batch, ready)
+        for batch, self._state, ready in batches: yield _hand_over(self, batch, ready)
         self._state = None
-    finally:
-        if hasattr(source, "close"): source.close()
+    finally: batches.close()
 
 @patch
 def state_dict(self: GpuLoader) -> dict:
@@ -364,6 +385,7 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
                       allow_pickle: bool = False,        # Decode .pyd/.pickle fields (only for shards you trust)
                       channels_last: bool = False,       # Images in channels-last memory format
                       prefetch: int = 2,                 # Batches made ahead on a side stream; 0: the caller's stream
+                      thread: bool | None = None,        # Make them in a thread beside the caller's; None: on CUDA
                      ) -> GpuLoader:
     "A loader whose workers read shards and draw crops; each batch is decoded (nvJPEG) and augmented on `device`."
     images = [k for k in keys if is_image_key(k)]
@@ -388,4 +410,4 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
     dataset = ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=None,
                            shuffle=shuffle)
     loader = create_dataloader(dataset, num_workers=num_workers, batch_size=batch_size)
-    return GpuLoader(loader, keys, images[0], device, size, normalize, channels_last, prefetch)
+    return GpuLoader(loader, keys, images[0], device, size, normalize, channels_last, prefetch, thread)
