@@ -138,6 +138,7 @@ def ahead(items: Iterable,          # What to take ahead of its use (taking an i
     finally:
         if close: close()
 
+# %% ../nbs/28_loader.ipynb
 def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
     "Put `item` on `q`, waiting while it is full; False (not put) once `stop` is set."
     while not stop.is_set():

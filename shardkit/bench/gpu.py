@@ -147,6 +147,7 @@ def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, 
     runs += [(f"shardkit CPU loader + step ({w}{how(t)})", cpu(t), fn) for t in threads]
     return runs + ([(f"NVIDIA DALI + step ({num_workers} threads)", dali_run, fn)] if dali else [])
 
+# %% ../../nbs/38_bench_gpu.ipynb
 def bench_gpu_decode(sources,                        # Shards with JPEG images
                      image_key: str = "image.jpg",   # The JPEG field of the samples ("jpg" in ImageNet-style shards)
                      batch_size: int = 64,           # Samples per batch, for every contender
@@ -174,6 +175,7 @@ def bench_gpu_decode(sources,                        # Shards with JPEG images
     for r in rows: r["vs_step" if step != "none" else "vs_cpu"] = r["rate"] / base["rate"]
     return rows
 
+# %% ../../nbs/38_bench_gpu.ipynb
 def gpu_table(rows: list[dict]) -> str:
     "The rows of `bench_gpu_decode` as a text table."
     with_step = rows and "vs_step" in rows[0]
