@@ -168,7 +168,7 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
         raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks, move=not gpu)
         on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
-    # the GPU loader queues its device work inside next(), in the loop's own thread (a thread beside it slowed the step)
+    # the GPU loader's device work (in a thread beside the loop on CUDA) is timed by its own CUDA events
     return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev)
 
 # %% ../nbs/42_profile.ipynb
