@@ -30,10 +30,10 @@ from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
 from .store import expand_names, shown_path
 
 # %% auto 0
-__all__ = ['PRECISIONS', 'TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform',
-           'rank_shards', 'example_loader', 'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn',
-           'make_model', 'count_correct', 'evaluate', 'train_epochs', 'pick_precision', 'training_step', 'train',
-           'train_cli']
+__all__ = ['PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError', 'expand_urls', 'count_samples_and_classes',
+           'setup_distributed', 'make_transform', 'rank_shards', 'example_loader', 'shard_loader', 'KeyedImageFolder',
+           'folder_loader', 'small_cnn', 'make_model', 'count_correct', 'evaluate', 'pick_precision', 'training_step',
+           'train_epochs', 'train', 'train_cli']
 
 # %% ../nbs/30_train.ipynb
 class TrainError(ShardkitError, ValueError):
@@ -172,40 +172,6 @@ def evaluate(model: nn.Module, loader, device="cpu", label_offset: int = 0) -> f
     return right / max(total, 1)
 
 # %% ../nbs/30_train.ipynb
-def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
-    "Model, optimizer, the loader's position (if it has one) and `progress` (plain data), written atomically to `path`."
-    position = loader.state_dict() if hasattr(loader, "state_dict") else None
-    state = dict(model=model.state_dict(), opt=opt.state_dict(), loader=position, **progress)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
-
-def train_epochs(model: nn.Module, loader, epochs: int = 3, lr: float = 3e-3, device: str = "cpu",
-                 label_offset: int = 0, progress: bool = True, checkpoint: str | Path | None = None,
-                 every: int = 20) -> list[float]:
-    "Train `model` on the (cls, image, ...) batches of `loader` for `epochs` passes; each step's loss. Resumable."
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    losses, start, ck = [], 0, Path(checkpoint) if checkpoint else None
-    if ck and ck.exists():  # our own file, loaded as tensors and plain data only (weights_only: nothing in it runs)
-        saved = torch.load(ck, map_location=device, weights_only=True)
-        model.load_state_dict(saved["model"]); opt.load_state_dict(saved["opt"])
-        losses, start = list(saved["losses"]), saved["epoch"]
-        if saved["loader"] is not None and hasattr(loader, "load_state_dict"): loader.load_state_dict(saved["loader"])
-    for epoch in range(start, epochs):
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not progress)
-        for batch in bar:
-            images, labels = _images_and_labels(batch)
-            loss = F.cross_entropy(model(normalize_batch(images, device)), (labels.long() - label_offset).to(device))
-            opt.zero_grad(); loss.backward(); opt.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if ck and hasattr(loader, "state_dict") and len(losses) % every == 0:
-                _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch)
-        if ck: _save_checkpoint(ck, model, opt, loader, losses=losses, epoch=epoch + 1)
-    return losses
-
-# %% ../nbs/30_train.ipynb
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 def pick_precision(precision: str | None, device) -> str:
@@ -215,7 +181,12 @@ def pick_precision(precision: str | None, device) -> str:
         raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     return precision
 
-def training_step(net: nn.Module, opt: torch.optim.Optimizer, device, precision: str = "fp32") -> Callable:
+def training_step(net: nn.Module,                # The module to train (DDP's wrapper under DDP)
+                  opt: torch.optim.Optimizer,     # Its optimiser
+                  device,                         # Where the step runs
+                  precision: str = "fp32",        # bf16, fp16 (with a GradScaler) or fp32
+                  label_offset: int = 0,          # Subtracted from each label (1: classes numbered from 1)
+                 ) -> Callable:                   # step(images, labels) -> the loss, a tensor on `device`
     "A function (images, labels) -> loss running one optimiser step on `device` at `precision` (GradScaler for fp16)."
     dev, dtype = torch.device(device), PRECISIONS[pick_precision(precision, device)]
     scaler = torch.amp.GradScaler(dev.type) if dtype is torch.float16 else None
@@ -223,7 +194,7 @@ def training_step(net: nn.Module, opt: torch.optim.Optimizer, device, precision:
     def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = normalize_batch(images, dev).contiguous(memory_format=fmt)
         with torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
-            loss = F.cross_entropy(net(x), labels.to(dev, non_blocking=True).long())
+            loss = F.cross_entropy(net(x), labels.to(dev, non_blocking=True).long() - label_offset)
         opt.zero_grad(set_to_none=True)
         if scaler is None: loss.backward(); opt.step()
         else: scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
@@ -234,6 +205,181 @@ def training_step(net: nn.Module, opt: torch.optim.Optimizer, device, precision:
 def _log(rank, *args):
     if rank == 0: print(*args, flush=True)
 
+def _keys_of(batch) -> list | None:
+    "The samples' keys in a batch tuple: its list of strings, if it has one."
+    return next((x for x in batch if isinstance(x, (list, tuple)) and x and isinstance(x[0], str)), None)
+
+def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
+                 limit=None, after_step=None, stats=None, losses: list | None = None, progress: bool = True
+                ) -> tuple[torch.Tensor, int, float]:
+    "One pass of the loop: (samples, loss sum, batches, over the ranks; steps so far; seconds in next(loader))."
+    stats = torch.zeros(3, dtype=torch.float64) if stats is None else stats.clone()  # a resumed epoch goes on counting
+    loss_sum, waited, batches = torch.zeros((), dtype=torch.float32, device=dev), 0.0, iter(islice(loader, limit))
+    with_loss = lambda: stats + torch.tensor([0.0, loss_sum.item(), 0.0], dtype=torch.float64)  # waits for the device
+    bar = tqdm(total=limit, desc=desc, disable=(rank != 0 or not progress) or None, leave=False)
+    while True:
+        t = time.perf_counter()
+        batch = next(batches, None)
+        waited += time.perf_counter() - t
+        if batch is None: break
+        x, y = _images_and_labels(batch)
+        loss = step(x, y).float()
+        loss_sum += loss
+        if losses is not None: losses.append(loss)
+        stats += torch.tensor([len(y), 0.0, 1.0], dtype=torch.float64)
+        if keys_file and (keys := _keys_of(batch)): keys_file.write("".join(k + "\n" for k in keys))
+        steps += 1
+        bar.update()
+        if after_step: after_step(steps, with_loss, bool(max_steps and steps >= max_steps))  # a checkpoint, maybe
+        if max_steps and steps >= max_steps: break
+    bar.close()
+    total = torch.cat([with_loss(), torch.tensor([waited], dtype=torch.float64)])
+    if world > 1:  # on the device: nccl reduces CUDA tensors only
+        total = total.to(dev); dist.all_reduce(total); total = total.cpu()
+    return total[:3], steps, float(total[3]) / world
+
+# %% ../nbs/30_train.ipynb
+def _epoch_row(epoch, stats, secs, waited, correct, total, steps) -> dict:
+    "The per-epoch report: samples, seconds, samples/s, share of time waiting for data, mean loss, val accuracy, steps."
+    return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3),
+                samples_per_s=round(float(stats[0]) / secs, 1),
+                wait_share=round(min(waited / secs, 1.0), 3), loss=round(float(stats[1] / max(stats[2], 1)), 4),
+                val_acc=round(correct / total, 4) if total else None, val_samples=total, steps=steps)
+
+def _epoch_line(row: dict, epochs: int) -> str:
+    acc = f"val acc {row['val_acc']:.3f} ({row['val_samples']} images)" if row["val_samples"] else "no validation set"
+    return (f"epoch {row['epoch']}/{epochs}: {row['samples']} samples in {row['seconds']:.1f} s "
+            f"({row['samples_per_s']:.0f} "
+            f"samples/s, {row['wait_share']:.0%} of the time waiting for data), loss {row['loss']:.3f}, {acc}")
+
+# %% ../nbs/30_train.ipynb
+CHECKPOINT_FORMAT = 2  # 1: train_epochs' own (model, opt, loader, losses, epoch), before it shared train's loop
+
+def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
+    "Model, optimizer, the loader's position (if it has one) and `progress` (plain data), written atomically to `path`."
+    position = loader.state_dict() if hasattr(loader, "state_dict") else None
+    state = dict(model=model.state_dict(), opt=opt.state_dict(), loader=position, format=CHECKPOINT_FORMAT, **progress)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
+
+def _rank_checkpoint(path, rank: int, world: int) -> Path:
+    "This rank's checkpoint: `path` with one rank; under DDP each rank's own (`ck-rank1.pt`), for its loader position."
+    p = Path(path)
+    return p if world == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
+
+def _flushed(f) -> int:
+    "Bytes written to `f` so far, flushed to the file."
+    f.flush()
+    return f.tell()
+
+# %% ../nbs/30_train.ipynb
+def _load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict | None:
+    "The training state saved at `ck` (weights loaded into `model`), or None for a fresh start; all ranks at one step."
+    # tensors and plain data only (weights_only): nothing in the file runs
+    saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None
+    if saved is not None and "steps" not in saved:
+        raise TrainError(f"checkpoint {shown_path(ck)} was written by an older train_epochs (format 1: no step count), "
+                         "which cannot say where in the epoch it stopped; delete it to start afresh, or give another "
+                         "checkpoint path")
+    if world > 1:  # a kill between two ranks' saves leaves them at different steps: the gradients would mismatch
+        at = (torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])).to(dev)
+        dist.all_reduce(at, op=dist.ReduceOp.MAX)  # on the device: nccl reduces CUDA tensors only
+        at = at.cpu()
+        if at[0] != -at[1]:
+            first = ck.with_name(ck.stem.rsplit('-rank', 1)[0])
+            raise TrainError(f"the ranks' checkpoints are at different steps ({int(-at[1])} to {int(at[0])}; -1: none),"
+                             " "
+                             f"as after a kill between two saves; delete the newer ones ({first}-rank*) or all of them")
+    if saved:
+        try: model.load_state_dict(saved["model"])
+        except RuntimeError as e:
+            raise TrainError(f"checkpoint {shown_path(ck)} holds another model ({str(e).splitlines()[0][:120]}); "
+                             "give the saved run's --arch and classes, another --checkpoint path, "
+                             "or delete it") from None
+    return saved
+
+def _resume(saved: dict | None, opt, make_train, rank: int, ck) -> tuple:
+    "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
+    if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
+    opt.load_state_dict(saved["opt"])
+    loader = getattr(make_train, "loader", None)
+    if saved["loader"] is not None and loader is not None: loader.load_state_dict(saved["loader"])
+    _log(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps "
+               f"({saved['steps']} steps in all)")
+    stats = saved["stats"].cpu()  # torch.load put it on the device
+    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
+
+def _keys_file(keys_out, rank: int, saved: dict | None):
+    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to a checkpoint's."
+    if not keys_out: return open(os.devnull, "w")
+    Path(keys_out).mkdir(parents=True, exist_ok=True)
+    path = Path(keys_out) / f"keys-rank{rank}.txt"
+    if saved: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
+    return open(path, "a" if saved else "w")
+
+# %% ../nbs/30_train.ipynb
+def _run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: int, dev, saved: dict | None,
+                ck: Path | None = None, every: int = 50, max_steps=None, nbatches=None, rank: int = 0, world: int = 1,
+                keys_out=None, val_loader=None, log: bool = True, progress: bool = True, record: bool = False,
+               ) -> tuple[list[dict], list[float]]:
+    "The epochs of a run, from a checkpoint or afresh: (a row per epoch, each step's loss when `record`)."
+    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck)
+    losses = list(saved.get("losses") or []) if saved and record else []
+    with _keys_file(keys_out, rank, saved) as keys_file:
+        for epoch in range(start, epochs):
+            net.train()
+            t0, loader, new = time.time(), make_train(epoch), []
+            if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
+            at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history,
+                keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
+            save = None if not (ck and hasattr(loader, "state_dict")) else \
+                lambda s, st, last: (last or s % every == 0) and at(s, st)
+            stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}",
+                                                keys_file if keys_out else None, steps, max_steps,
+                                                nbatches - done if nbatches else None, save, so_far,
+                                                new if record else None, progress)
+            losses += torch.stack(new).tolist() if new else []
+            secs = time.time() - t0
+            correct, total = count_correct(model, val_loader, dev) if val_loader is not None else (0, 0)
+            history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
+            if log: _log(rank, _epoch_line(row, epochs))
+            if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
+            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
+                                    stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file),
+                                    losses=losses)
+    return history, losses
+
+# %% ../nbs/30_train.ipynb
+OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=1e-4),
+              "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)}
+
+def train_epochs(model: nn.Module,                 # The model to train (moved to `device`)
+                 loader,                           # Batches of (images, labels, ...) in any order, e.g. create_dataloader's
+                 epochs: int = 3,                  # Passes over `loader`
+                 lr: float = 3e-3,                 # Learning rate
+                 device: str = "cpu",              # Where to train
+                 label_offset: int = 0,            # Subtracted from each label (1: classes numbered from 1)
+                 progress: bool = True,            # A progress bar per epoch
+                 checkpoint: str | Path | None = None,  # Save here and go on from here when run again
+                 every: int = 20,                  # Save every this many steps (and after each epoch)
+                 optimizer: str = "adamw",         # adamw, or sgd (with momentum, as `shardkit train`)
+                ) -> list[float]:                  # Each step's loss, over all epochs (a resumed run's included)
+    "Train `model` on the batches of `loader` for `epochs` passes; each step's loss. Resumable, mid-epoch included."
+    if optimizer not in OPTIMIZERS: raise TrainError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
+    dev = torch.device(device)
+    model.to(dev)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr)
+    ck = Path(checkpoint) if checkpoint else None
+    saved = _load_checkpoint(ck, model, dev, 1)
+    at = lambda epoch: loader
+    at.loader = loader  # the loader _resume sets to the checkpoint's position
+    step = training_step(model, opt, dev, "fp32", label_offset)
+    return _run_epochs(step, model, model, opt, at, epochs, dev, saved, ck, every, log=False, progress=progress,
+                       record=True)[1]
+
+# %% ../nbs/30_train.ipynb
 def _pick_device(device):
     "The device asked for, else this rank's CUDA device when there is one, else the CPU."
     if device: return torch.device(device)
@@ -330,88 +476,6 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
     return make_train, val_loader, classes, None
 
 # %% ../nbs/30_train.ipynb
-def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
-                 limit=None, after_step=None, stats=None) -> tuple[torch.Tensor, int, float]:
-    "One pass of the loop: (samples, loss sum, batches, over the ranks; steps so far; seconds in next(loader))."
-    stats = torch.zeros(3, dtype=torch.float64) if stats is None else stats.clone()  # a resumed epoch goes on counting
-    loss_sum, waited, batches = torch.zeros((), dtype=torch.float32, device=dev), 0.0, iter(islice(loader, limit))
-    with_loss = lambda: stats + torch.tensor([0.0, loss_sum.item(), 0.0], dtype=torch.float64)  # waits for the device
-    bar = tqdm(total=limit, desc=desc, disable=rank != 0 or None, leave=False)
-    while True:
-        t = time.perf_counter()
-        batch = next(batches, None)
-        waited += time.perf_counter() - t
-        if batch is None: break
-        x, y, keys = batch
-        loss_sum += step(x, y).float()
-        stats += torch.tensor([len(y), 0.0, 1.0], dtype=torch.float64)
-        if keys_file: keys_file.write("".join(k + "\n" for k in keys))
-        steps += 1
-        bar.update()
-        if after_step: after_step(steps, with_loss, bool(max_steps and steps >= max_steps))  # a checkpoint, maybe
-        if max_steps and steps >= max_steps: break
-    bar.close()
-    total = torch.cat([with_loss(), torch.tensor([waited], dtype=torch.float64)])
-    if world > 1:  # on the device: nccl reduces CUDA tensors only
-        total = total.to(dev); dist.all_reduce(total); total = total.cpu()
-    return total[:3], steps, float(total[3]) / world
-
-def _epoch_row(epoch, stats, secs, waited, correct, total, steps) -> dict:
-    "The per-epoch report: samples, seconds, samples/s, share of time waiting for data, mean loss, val accuracy, steps."
-    return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3),
-                samples_per_s=round(float(stats[0]) / secs, 1),
-                wait_share=round(min(waited / secs, 1.0), 3), loss=round(float(stats[1] / max(stats[2], 1)), 4),
-                val_acc=round(correct / total, 4) if total else None, val_samples=total, steps=steps)
-
-def _epoch_line(row: dict, epochs: int) -> str:
-    acc = f"val acc {row['val_acc']:.3f} ({row['val_samples']} images)" if row["val_samples"] else "no validation set"
-    return (f"epoch {row['epoch']}/{epochs}: {row['samples']} samples in {row['seconds']:.1f} s "
-            f"({row['samples_per_s']:.0f} "
-            f"samples/s, {row['wait_share']:.0%} of the time waiting for data), loss {row['loss']:.3f}, {acc}")
-
-# %% ../nbs/30_train.ipynb
-def _rank_checkpoint(path, rank: int, world: int) -> Path:
-    "This rank's checkpoint: `path` with one rank; under DDP each rank's own (`ck-rank1.pt`), for its loader position."
-    p = Path(path)
-    return p if world == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
-
-def _flushed(f) -> int:
-    "Bytes written to `f` so far, flushed to the file."
-    f.flush()
-    return f.tell()
-
-def _load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict | None:
-    "The training state saved at `ck` (weights loaded into `model`), or None for a fresh start; all ranks at one step."
-    # tensors and plain data only (weights_only): nothing in the file runs
-    saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None
-    if world > 1:  # a kill between two ranks' saves leaves them at different steps: the gradients would mismatch
-        at = (torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])).to(dev)
-        dist.all_reduce(at, op=dist.ReduceOp.MAX)  # on the device: nccl reduces CUDA tensors only
-        at = at.cpu()
-        if at[0] != -at[1]:
-            first = ck.with_name(ck.stem.rsplit('-rank', 1)[0])
-            raise TrainError(f"the ranks' checkpoints are at different steps ({int(-at[1])} to {int(at[0])}; -1: none),"
-                             " "
-                             f"as after a kill between two saves; delete the newer ones ({first}-rank*) or all of them")
-    if saved:
-        try: model.load_state_dict(saved["model"])
-        except RuntimeError as e:
-            raise TrainError(f"checkpoint {shown_path(ck)} holds another model ({str(e).splitlines()[0][:120]}); "
-                             "give the saved run's --arch and classes, another --checkpoint path, "
-                             "or delete it") from None
-    return saved
-
-def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck) -> tuple:
-    "(model, the module to train: DDP's wrapper with several ranks, SGD, the checkpoint or None): weights as saved."
-    torch.manual_seed(seed)
-    fmt = torch.channels_last if dev.type == "cuda" else torch.preserve_format  # what tensor-core convolutions want
-    model = make_model(arch, classes).to(dev, memory_format=fmt)
-    saved = _load_checkpoint(ck, model, dev, world)
-    ids = [dev.index] if dev.type == "cuda" else None
-    net = nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
-    return model, net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4), saved
-
-# %% ../nbs/30_train.ipynb
 def train(shards: str | list[str] | None = None, # training shards: brace template or list of names/URLs
           folder: str | None = None,     # or an ImageFolder tree with train/ (and val/) instead of shards
           base: str = "",                # prefix for each shard name: a URL or `pipe:curl -s http://host:port/`
@@ -460,29 +524,20 @@ def _check_options(pipeline: str, decode: str, checkpoint, dev: torch.device) ->
     if decode == "auto": return "gpu" if dev.type == "cuda" and why_no_gpu(str(dev)) is None else "cpu"
     return decode
 
-def _resume(saved: dict | None, opt, make_train, rank: int, ck) -> tuple:
-    "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
-    if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
-    opt.load_state_dict(saved["opt"])
-    loader = getattr(make_train, "loader", None)
-    if saved["loader"] is not None and loader is not None: loader.load_state_dict(saved["loader"])
-    _log(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps "
-               f"({saved['steps']} steps in all)")
-    stats = saved["stats"].cpu()  # torch.load put it on the device
-    return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
+def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck) -> tuple:
+    "(model, the module to train: DDP's wrapper with several ranks, SGD, the checkpoint or None): weights as saved."
+    torch.manual_seed(seed)
+    fmt = torch.channels_last if dev.type == "cuda" else torch.preserve_format  # what tensor-core convolutions want
+    model = make_model(arch, classes).to(dev, memory_format=fmt)
+    saved = _load_checkpoint(ck, model, dev, world)
+    ids = [dev.index] if dev.type == "cuda" else None
+    net = nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
+    return model, net, OPTIMIZERS["sgd"](net.parameters(), lr), saved
 
 def _reading(shards, pipeline: str, decode: str, dev) -> str:
     "How the run reads its data, for the first line it prints."
     how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" * (decode == "gpu"))
     return how + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else "")
-
-def _keys_file(keys_out, rank: int, saved: dict | None):
-    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to a checkpoint's."
-    if not keys_out: return open(os.devnull, "w")
-    Path(keys_out).mkdir(parents=True, exist_ok=True)
-    path = Path(keys_out) / f"keys-rank{rank}.txt"
-    if saved: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
-    return open(path, "a" if saved else "w")
 
 # %% ../nbs/30_train.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps, samples, classes,
@@ -500,33 +555,13 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
             folder, make_transform(size, True), make_transform(size, False), batch_size, workers, classes)
     ck = _rank_checkpoint(checkpoint, rank, world) if checkpoint else None
     model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world, ck)
-    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck)
     step = training_step(net, opt, dev, precision)
     _log(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world} rank(s), "
                f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
-    with _keys_file(keys_out, rank, saved) as keys_file:
-        for epoch in range(start, epochs):
-            net.train()
-            t0, loader = time.time(), make_train(epoch)
-            if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
-            at = lambda s, st, e=epoch, d=done - steps: _save_checkpoint(  # d + s: steps done in this epoch
-                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history,
-                keys_bytes=_flushed(keys_file))
-            save = None if not (ck and hasattr(loader, "state_dict")) else \
-                lambda s, st, last: (last or s % every == 0) and at(s, st)
-            stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}",
-                                                keys_file if keys_out else None, steps, max_steps,
-                                                nbatches - done if nbatches else None, save, so_far)
-            secs = time.time() - t0
-            correct, total = count_correct(model, val_loader, dev) if val_loader is not None else (0, 0)
-            history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
-            _log(rank, _epoch_line(row, epochs))
-            if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
-            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
-                                    stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file))
-    return history
+    return _run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
+                       world, keys_out, val_loader)[0]
 
 # %% ../nbs/30_train.ipynb
 def train_cli(shards: str = None,     # Training shards: a brace template, e.g. 'imagenet-train-{000000..000009}.tar'
