@@ -16,6 +16,7 @@ import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
+from ..remote import Retries, as_retries
 from .collate import MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
@@ -54,10 +55,11 @@ def error_handler(handler) -> Callable:
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
     def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None,
-                 epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0):
+                 epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0,
+                 retries: Retries | None = None):
         super().__init__(*stages)
         self.shards, self.keys, self.batch_size = shards, tuple(keys), batch_size
-        self.epoch_samples, self.handler = epoch_samples, handler
+        self.epoch_samples, self.handler, self.retries = epoch_samples, handler, as_retries(retries)
         self.shuffle, self.tag_workers = shuffle, False
 
     def __iter__(self):
@@ -69,6 +71,9 @@ class ShardDataset(wds.DataPipeline):
         else: yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
         if report: print(report, file=sys.stderr, flush=True)
+        # the retries, once an epoch: by the ShardLoader when there is one (its workers count into shared memory)
+        if not self.tag_workers and (report := self.retries.report(epoch=(self.shards.ctx or {}).get("epoch"))):
+            print(report, file=sys.stderr, flush=True)
 
     def set_epoch(self, epoch: int):
         "Make the next iteration epoch number `epoch` (for example when resuming a run)."
@@ -138,6 +143,7 @@ def _counted(self: ShardLoader, items):
             self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
         yield t.unpool() if isinstance(t, PooledBatch) else t
     self._running = False
+    if report := self.dataset.retries.report(epoch=self.epoch): print(report, file=sys.stderr, flush=True)
 
 @patch
 def _shuffle(self: ShardLoader, src):
