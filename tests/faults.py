@@ -5,7 +5,8 @@ Faults: "cut" (the headers with the full length, half the body, then the connect
 then silence for `stall` seconds, then the connection drops), "reset" (the connection drops before any answer),
 "rewrite" (a cut, and the file is rewritten, same size, other bytes, before the next request), or an HTTP status
 (503 and 429 come with `Retry-After`). A rule applies to the paths matching its glob, on the first GET of each path
-("first"), on every GET without a Range ("fresh"), or on every GET ("always"), at most `times` times in all."""
+("first"), on the first GET with a Range of each path ("ranged"), on every GET without a Range ("fresh"), or on every
+GET ("always"), at most `times` times in all."""
 import email.utils, fnmatch, hashlib, http.server, os, socket, threading, time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ class FaultServer:
         self.lock, self.quit = threading.Lock(), threading.Event()
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd.handle_error = lambda request, address: None  # a client that went away (it timed out) is no error
+        threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def url(self, name: str) -> str: return f"{self.base}/{name}"
@@ -25,8 +27,8 @@ class FaultServer:
 
     def fault(self, kind, pattern: str = "*", when: str = "first", times: int | None = None, retry_after: float = 1,
               stall: float = 3.0) -> "FaultServer":
-        "Play `kind` on the GETs of paths matching `pattern` (`when`: first, fresh, always), at most `times` times."
-        assert when in ("first", "fresh", "always"), when
+        "Play `kind` on the GETs of paths matching `pattern` (`when`: first, ranged, fresh, always), at most `times`."
+        assert when in ("first", "ranged", "fresh", "always"), when
         with self.lock:
             self.rules.append(dict(kind=kind, pattern=pattern, when=when, left=times, retry_after=retry_after,
                                    stall=stall))
@@ -41,9 +43,11 @@ class FaultServer:
     def _pick(self, path: str, ranged: bool):
         with self.lock:
             n = self.gets[path] = self.gets.get(path, 0) + 1
+            if ranged: m = self.gets[path, "ranged"] = self.gets.get((path, "ranged"), 0) + 1
             for r in self.rules:
                 if not fnmatch.fnmatchcase(path, "/" + r["pattern"].lstrip("/")) or r["left"] == 0: continue
                 if (r["when"] == "first" and n > 1) or (r["when"] == "fresh" and ranged): continue
+                if r["when"] == "ranged" and not (ranged and m == 1): continue
                 if r["left"] is not None: r["left"] -= 1
                 return r
         return None
@@ -57,6 +61,7 @@ class FaultServer:
 def _handler(server: FaultServer):
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body in separate writes would wait for a delayed ACK (40 ms)
         def log_message(self, *args): pass
 
         def do_HEAD(self): self._serve(body=False)
