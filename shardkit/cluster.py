@@ -300,7 +300,7 @@ def ais_put(src: str | Path,                    # A local folder of shards
     for n in names: store.put_file(local.path(n), n); size += local.size(n)
     if not quiet:
         print(f"uploaded {len(names)} files ({size / 1e6:.1f} MB) to {store.spec} in {time.time() - t0:.1f} s")
-        if line := store.retries.report(what="ais put"): print(line)
+        if line := store.retries.report(what="ais put", noun="upload"): print(line)
     return names
 
 # %% ../nbs/07_cluster.ipynb

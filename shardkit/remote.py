@@ -98,7 +98,8 @@ class Retries:
         self.wait, self.connect_timeout, self.read_timeout = float(wait), float(connect_timeout), float(read_timeout)
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()  # + seconds waited, reads given up
-        self._reported = [0.0] * (len(CAUSES) + 2)  # the counts at the last report (this process's view)
+        self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
+        self._reported = {True: list(self._mine), False: list(self._mine)}  # the counts at the last report
 
     @property
     def timeout(self) -> tuple[float, float]: return self.connect_timeout, self.read_timeout
@@ -136,6 +137,7 @@ def as_retries(retry_wait: float | Retries | None = None) -> Retries:
 @patch
 def _add(self: Retries, i: int, n: float):
     with self._lock: self._table[i] += n
+    self._mine[i] += n
 
 @patch
 def record(self: Retries, cause: str, seconds: float):
@@ -154,17 +156,19 @@ def counts(self: Retries) -> dict[str, int]:
 def waited(self: Retries) -> float: return self._table[len(CAUSES)]  # seconds spent on faults so far
 
 @patch
-def report(self: Retries, what: str = "loader", epoch: int | None = None) -> str | None:
-    "One line on the retries since the last report (None: there were none)."
-    now = list(self._table)
-    new = [a - b for a, b in zip(now, self._reported)]
-    self._reported = now
+def report(self: Retries, what: str = "loader", epoch: int | None = None, worker: int | None = None,
+           everyone: bool = False, noun: str = "read") -> str | None:
+    "One line on this process's retries (`everyone`: all processes') since its last report; None if there were none."
+    now = list(self._table if everyone else self._mine)
+    new = [a - b for a, b in zip(now, self._reported[everyone])]
+    self._reported[everyone] = now
     n = int(sum(new[:len(CAUSES)]))
     if not n and not new[-1]: return None
     causes = ", ".join(f"{int(k)} {c}" for c, k in zip(CAUSES, new) if k)
-    lost = "nothing lost" if not new[-1] else f"{int(new[-1])} reads gave up"
-    return (f"shardkit {what}: {n} reads retried" + (f" in epoch {epoch}" if epoch is not None else "")
-            + f" ({causes}), {new[len(CAUSES)]:.1f} s waiting for them; {lost}")
+    lost = "nothing lost" if not new[-1] else f"{int(new[-1])} gave up"
+    return (f"shardkit {what}: {n} {noun}{'s' * (n != 1)} retried" + (f" in epoch {epoch}" if epoch is not None else "")
+            + f" ({causes})" + (f" by worker {worker}" if worker is not None else "")
+            + f", {new[len(CAUSES)]:.1f} s waiting for them; {lost}")
 
 DEFAULT_RETRIES = Retries()  # for reads made outside a loader (a store's `open`, an index, an upload)
 

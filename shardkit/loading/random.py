@@ -308,7 +308,7 @@ def __iter__(self: RandomAccessLoader):
             self.batch += 1
             yield b.unpool() if isinstance(b, PooledBatch) else b
     self.epoch, self.batch = epoch + 1, 0
-    if self.dataset.retries and (report := self.dataset.retries.report(epoch=epoch)):
+    if self.dataset.retries and (report := self.dataset.retries.report(epoch=epoch, everyone=True)):  # all workers'
         print(report, file=sys.stderr, flush=True)
 
 # %% ../../nbs/27_random.ipynb

@@ -71,9 +71,9 @@ class ShardDataset(wds.DataPipeline):
         else: yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
         if report: print(report, file=sys.stderr, flush=True)
-        # the retries, once an epoch: by the ShardLoader when there is one (its workers count into shared memory)
-        if not self.tag_workers and (report := self.retries.report(epoch=(self.shards.ctx or {}).get("epoch"))):
-            print(report, file=sys.stderr, flush=True)
+        w = get_worker_info()  # and the reads this process retried (the loader's totals: `retries.counts()`)
+        report = self.retries.report(epoch=(self.shards.ctx or {}).get("epoch"), worker=w.id if w else None)
+        if report: print(report, file=sys.stderr, flush=True)
 
     def set_epoch(self, epoch: int):
         "Make the next iteration epoch number `epoch` (for example when resuming a run)."
@@ -143,7 +143,6 @@ def _counted(self: ShardLoader, items):
             self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
         yield t.unpool() if isinstance(t, PooledBatch) else t
     self._running = False
-    if report := self.dataset.retries.report(epoch=self.epoch): print(report, file=sys.stderr, flush=True)
 
 @patch
 def _shuffle(self: ShardLoader, src):

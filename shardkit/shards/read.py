@@ -166,7 +166,7 @@ def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | No
 def tar_members(stream, name: str = "shard") -> Iterator[dict]:
     "The `{fname, data}` records of the files in tar `stream`, parsed directly; ShardError if broken or unsafe."
     try: head = _read(stream, 512)
-    except OSError as e: raise ShardError(f"shard {name} cannot be read ({e})") from None
+    except OSError as e: raise ShardError(f"cannot read shard {name} ({e})") from None
     if head.startswith(_COMPRESSED):  # compressed: tarfile decompresses
         yield from _safe_members(_Rewound(head, stream), name); return
     for e in tar_entries(stream, name, head=head):
