@@ -340,6 +340,6 @@ def ais_build_cli(force: store_true = False):  # Rebuild even if a build exists
 def ais_put_cli(src: str,                 # A local folder of shards
                 dest: str,                # The bucket: ais://BUCKET[/PREFIX] (made if missing)
                 pattern: str = "*.tar",   # Which files of SRC: a glob, a brace template or a prefix
-                retry_wait: float = 120): # Seconds an upload may retry faults (a target restarting, a 503), then an error
+                retry_wait: float = 120): # Seconds an upload may retry faults (a target restarting, a 503)
     "Upload local shards into an AIStore bucket; faults are retried and counted."
     ais_put(src, dest, pattern, retry_wait)

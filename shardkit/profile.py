@@ -295,9 +295,10 @@ def verdicts(p: Profile) -> list[str]:
                    f"({m['receive'] * p.rate / 10:.0f}% of its time), CPU the step may need: send less "
                    "(uint8 images, only the fields the step uses)")
     if p.retries:
-        out.append(f"{sum(p.retries.values())} reads were retried ({', '.join(f'{n} {c}' for c, n in p.retries.items())}"
-                   f"), {p.retry_wait:.1f} s spent on them: the store or the network faulted and nothing was lost; "
-                   "often, look at the store (its load, its logs) or the network")
+        causes = ", ".join(f"{n} {c}" for c, n in p.retries.items())
+        out.append(f"{sum(p.retries.values())} reads were retried ({causes}), {p.retry_wait:.1f} s spent on them: "
+                   "the store or the network faulted, and nothing was lost; if it happens often, look at the store "
+                   "(its load, its logs) or the network")
     if p.kind == "opaque":
         out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a map-style "
                    "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured")

@@ -209,7 +209,7 @@ def file_lock(path: str | Path):
 
 # %% ../../nbs/26_sample_index.ipynb
 def index_url(url: str, cache: bool | str | Path = True, retries: Retries | None = None) -> tuple[dict, int, str]:
-    "The index of the tar at HTTP(S) `url` (one streamed read through faults; cached by URL, size, version); size, version."
+    "The index of the tar at HTTP(S) `url` (one read through faults; cached by URL, size, version); size, version."
     size, tag = remote_head(url, retries, f"shard {url}")
     key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
     cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None

@@ -701,7 +701,8 @@ class RangeReader:
         if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
         else:
             with open_remote(url, self.retries, name) as f:  # one streamed read of its headers, through faults
-                ents = [e for e in tar_entries(f, idx.shards[s], data=False) if e.is_file and not is_meta_member(e.name)]
+                ents = [e for e in tar_entries(f, idx.shards[s], data=False)
+                        if e.is_file and not is_meta_member(e.name)]
             where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
         ask = lambda: http_session().get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
         with retried(ask, name, self.retries) as r:
