@@ -26,7 +26,7 @@ from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
 from .loading.sources import rank_and_world
 from .loading.transforms import eval_transform, normalize_batch, train_transform
-from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
+from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, ShardError, field_decoder
 from .shards.read import url_samples
 from .store import expand_names, shown_path
 
@@ -440,7 +440,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
     dev = _pick_device(device)
     rank, world = setup_distributed(dev)
     try: return _train(**locals())  # every argument, and the device, rank and world size just set up
-    except (OSError, tarfile.TarError) as e: raise TrainError(_explain(e)) from None
+    except (OSError, tarfile.TarError, ShardError) as e: raise TrainError(_explain(e)) from None
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
 

@@ -202,7 +202,11 @@ def open_shards(src: Iterable[dict], handler: Callable, retries: Retries | None 
             if handler(e): continue
             raise
         try: yield dict(d, stream=stream)
-        finally: stream.close()
+        finally:
+            try: stream.close()
+            except OSError as e:  # a `pipe:` command that failed says so as it is closed (curl's exit status)
+                err = ShardError(f"cannot read shard {d['url']} ({e})")
+                if not handler(err): raise err from None
 
 def url_samples(src: Iterable[dict], handler: Callable = wds.reraise_exception, retries: Retries | None = None):
     "Samples (dicts of raw bytes) from a stream of `dict(url=...)`, each shard closed as soon as it is read."
