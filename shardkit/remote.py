@@ -189,6 +189,7 @@ def retry_after_seconds(value: str | None) -> float | None:
     try: return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     except (TypeError, ValueError): return None
 
+# %% ../nbs/01a_remote.ipynb
 class _Tries:
     "The faults of one read: attempts since it last made progress and since when; it pauses, or gives up at the bound."
     def __init__(self, name: str, retries: Retries, verb: str = "reading"):
@@ -374,6 +375,7 @@ def read_range(url: str, start: int, end: int, retries: Retries | None = None, n
         return r.content
     return retried(once, name, retries)
 
+# %% ../nbs/01a_remote.ipynb
 def remote_head(url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
     "The size of the object at `url` (-1: not said) and its content version (`content_version`), from a HEAD."
     name, retries = name or url, as_retries(retries)
