@@ -202,11 +202,13 @@ class _Tries:
         left = self.since + self.r.wait - now
         if left <= 0:
             self.r.gave_up()
-            raise RetriesExhausted(
+            err = RetriesExhausted(
                 f"gave up {self.verb} {self.name}: {self.attempts} attempt(s) in {now - self.since:.0f} s met faults, "
                 f"the last {cause}. Nothing read so far is lost: when the store answers again, go on from the last "
                 "checkpoint (loader.load_state_dict(state), state from loader.state_dict()); a longer bound is "
-                f"retry_wait= (now {self.r.wait:g} s)") from None
+                f"retry_wait= (now {self.r.wait:g} s)")
+            err.wait = self.r.wait  # how long it tried: a shared cache tells its other readers not to try again as long
+            raise err from None
         pause = min(self.r.delay(self.attempts, retry_after), left)
         self.r.record(cause, now - started + pause)
         time.sleep(pause)

@@ -176,6 +176,16 @@ def test_a_dead_shard_ends_the_run_naming_it_within_the_bound(server):
         assert 1 <= took < 1 + 10, f"{make}: {took:.1f} s for a bound of 1 s"
 
 
+def test_a_dead_shard_costs_one_bound_with_several_workers(server):
+    "Two workers need the dead shard in the shard cache: the second does not wait out a second bound after the first."
+    from shardkit.errors import LoaderError
+    dl = random_loader(server.urls(NAMES), "cache", retry_wait=fast(wait=3, backoff=0.2))
+    server.clear(); server.fault(500, pattern=NAMES[3], when="always")
+    t0 = time.monotonic()
+    with pytest.raises(LoaderError, match="gave up reading shard"): keys_of(dl)
+    assert time.monotonic() - t0 < 3 + 2.5, f"{time.monotonic() - t0:.1f} s: a bound of 3 s was waited out twice"
+
+
 def test_missing_and_forbidden_shards_are_refused_at_once(server):
     "404 and 403 are answers, not faults: each its own error, at once."
     from shardkit.remote import AccessDenied, ObjectMissing

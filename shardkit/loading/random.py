@@ -10,6 +10,7 @@ import mmap
 import os
 import shutil
 import sys
+import time
 import types
 import warnings
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..config import private_dir, shardkit_home
 from ..errors import UsageError
-from ..remote import ObjectChanged, Retries, as_retries, http_session, open_remote, read_range, retried
+from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
 from ..shards.fields import IMAGE_EXTS, refuse_pickle, split_key
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
@@ -366,9 +367,11 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
                          f"({self.max_bytes / 1e6:.1f} MB); "
                          "give the cache more bytes")
     f = self.file(shard, size, version)
+    gave_up = f.with_name(f".{f.stem}.gaveup")  # a fetch that met faults until its bound: the others do not wait again
     with file_lock(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
         with file_lock(self.folder / ".lock"):  # opened before anyone can evict it
             if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
+        if why := _given_up(gave_up): raise RetriesExhausted(why)
         tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
         try:
             fetch(shard, tmp)
@@ -377,9 +380,17 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
                                         "the shard changed after indexing: build the loader again")
             with file_lock(self.folder / ".lock"):
                 self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
+        except RetriesExhausted as e:  # for as long as it tried, the next reader gives up at once
+            gave_up.write_text(json.dumps(dict(until=time.time() + getattr(e, "wait", 0), why=str(e)))); raise
         finally: tmp.unlink(missing_ok=True)
     self.fetched += 1
     return fd
+
+def _given_up(marker: Path) -> str | None:
+    "Why another reader gave up fetching this shard, if it did so less than its retry bound ago."
+    try: m = json.loads(marker.read_text())
+    except (OSError, ValueError): return None
+    return f"{m['why']} (another reader gave up on it just now)" if time.time() < m.get("until", 0) else None
 
 @patch
 def _make_room(self: ShardCache, size: int):
@@ -704,7 +715,7 @@ class RangeReader:
                 ents = [e for e in tar_entries(f, idx.shards[s], data=False)
                         if e.is_file and not is_meta_member(e.name)]
             where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
-        ask = lambda: http_session().get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
+        ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
         with retried(ask, name, self.retries) as r:
             target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
         self.known[s] = (target, a, *where)
