@@ -360,7 +360,7 @@ class ShardCache:
 
 # %% ../../nbs/27_random.ipynb
 @patch
-def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> int:
+def open(self: ShardCache, shard: str, size: int, fetch, version: str = "", reader: str = "") -> int:
     "An open descriptor of the copy of `shard` (`size` bytes), now most recently used; a miss calls `fetch`."
     if self.max_bytes and size > self.max_bytes:
         raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache "
@@ -371,7 +371,7 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
     with file_lock(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
         with file_lock(self.folder / ".lock"):  # opened before anyone can evict it
             if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
-        if why := _given_up(gave_up): raise RetriesExhausted(why)
+        if why := _given_up(gave_up, reader): raise RetriesExhausted(why)
         tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
         try:
             fetch(shard, tmp)
@@ -380,17 +380,19 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
                                         "the shard changed after indexing: build the loader again")
             with file_lock(self.folder / ".lock"):
                 self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
-        except RetriesExhausted as e:  # for as long as it tried, the next reader gives up at once
-            gave_up.write_text(json.dumps(dict(until=time.time() + getattr(e, "wait", 0), why=str(e)))); raise
+        except RetriesExhausted as e:  # the same loader's other workers give up at once (a while: the epoch is over)
+            until = time.time() + 2 * getattr(e, "wait", 0) + 10
+            gave_up.write_text(json.dumps(dict(until=until, reader=reader, why=str(e)))); raise
         finally: tmp.unlink(missing_ok=True)
     self.fetched += 1
     return fd
 
-def _given_up(marker: Path) -> str | None:
-    "Why another reader gave up fetching this shard, if it did so less than its retry bound ago."
+def _given_up(marker: Path, reader: str) -> str | None:
+    "Why another worker of loader `reader` gave up fetching this shard just now (another loader tries again), or None."
     try: m = json.loads(marker.read_text())
     except (OSError, ValueError): return None
-    return f"{m['why']} (another reader gave up on it just now)" if time.time() < m.get("until", 0) else None
+    if not reader or m.get("reader") != reader or time.time() > m.get("until", 0): return None
+    return f"{m['why']} (another worker gave up on it just now)"
 
 @patch
 def _make_room(self: ShardCache, size: int):
@@ -498,6 +500,7 @@ class CachedShardReader:
             raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
         self.cache, self.fetch, self.open, self.pid = cache, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
         self.max_open, self.retries = max(64, 2 * cache.max_shards), getattr(self.fetch, "retries", None)
+        self.token = os.urandom(8).hex()  # shared by its workers: one giving up on a shard spares the others the wait
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
         "(fd, first sample number, offsets, sizes, keys or None) of shard `s`'s copy, fetched if needed; kept open."
@@ -509,7 +512,7 @@ class CachedShardReader:
             version = idx.versions[s] if idx.versions else ""
             checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
             fetch = partial(self.fetch, version=version) if checked else self.fetch
-        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version), _rows(idx, s)
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version, self.token), _rows(idx, s)
         try:
             if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
             else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
