@@ -24,6 +24,8 @@ COMMANDS = {
                             "Show the local cluster's nodes, capacity and endpoint"),
     ("ais", "build"):      ("shardkit.cluster:ais_build_cli",
                             "Build the aisnode binary (and the ais CLI) without starting anything"),
+    ("ais", "put"):        ("shardkit.cluster:ais_put_cli",
+                            "Upload local shards into an AIStore bucket; faults are retried and counted"),
     ("pets", "synth"):     ("shardkit.pets:pets_synth_cli",
                             "Write a synthetic data set in the Oxford-IIIT Pet layout"),
     ("pets", "download"):  ("shardkit.pets:pets_download_cli",     "Download the real Oxford-IIIT Pet data set"),

@@ -16,12 +16,14 @@ import psutil
 import requests
 from fastcore.script import store_true
 from .config import private_dir, shardkit_home, why_untrusted
-from .errors import ShardkitError
+from .errors import ShardkitError, StoreError
+from .remote import Retries, as_retries
+from .store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
            'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'ais_status', 'ais_up', 'ais_down',
-           'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli']
+           'ais_put', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
 
 # %% ../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -280,6 +282,28 @@ def ais_down(root: str | Path | None = None,  # the cluster's folder (default `d
     return len(live)
 
 # %% ../nbs/07_cluster.ipynb
+def ais_put(src: str | Path,                    # A local folder of shards
+            dest: str,                          # The bucket, `ais://BUCKET[/PREFIX]` (made if missing)
+            pattern: str = "*.tar",             # Which files of `src`: a glob, a brace template or a prefix
+            retry_wait: float | Retries = 120,  # Seconds an upload may retry faults before an error; or a Retries
+            endpoint: str | None = None,        # AIStore's endpoint (default: AIS_ENDPOINT)
+            quiet: bool = False,                # Print nothing
+           ) -> list[str]:                      # The names uploaded
+    "Upload the files of folder `src` that match `pattern` into bucket `dest`, each PUT retried through faults."
+    if not str(dest).startswith("ais://"):
+        raise StoreError(f"ais put uploads into an AIStore bucket (ais://BUCKET[/PREFIX]), not {dest!r}")
+    local = open_store(src)
+    names = local.list(pattern)
+    if not names: raise StoreError(f"no files matching {pattern!r} in {shown_path(local.spec)}: nothing to upload")
+    store = open_store(dest, create=True, endpoint=endpoint)
+    store.retries, t0, size = as_retries(retry_wait), time.time(), 0
+    for n in names: store.put_file(local.path(n), n); size += local.size(n)
+    if not quiet:
+        print(f"uploaded {len(names)} files ({size / 1e6:.1f} MB) to {store.spec} in {time.time() - t0:.1f} s")
+        if line := store.retries.report(what="ais put", noun="upload"): print(line)
+    return names
+
+# %% ../nbs/07_cluster.ipynb
 def ais_up_cli(targets: int = 2,      # Number of storage targets
                root: str = None,      # Folder for configs, logs and mountpaths (default ~/.shardkit/ais)
                port: int = 8080,      # Public port of the proxy; targets use the next ones
@@ -312,3 +336,10 @@ def ais_build_cli(force: store_true = False):  # Rebuild even if a build exists
     "Build the aisnode binary (and the ais CLI) without starting anything."
     print(build_aisnode(force=force))
     build_ais_cli()
+
+def ais_put_cli(src: str,                 # A local folder of shards
+                dest: str,                # The bucket: ais://BUCKET[/PREFIX] (made if missing)
+                pattern: str = "*.tar",   # Which files of SRC: a glob, a brace template or a prefix
+                retry_wait: float = 120): # Seconds an upload may retry faults (a target restarting, a 503)
+    "Upload local shards into an AIStore bucket; faults are retried and counted."
+    ais_put(src, dest, pattern, retry_wait)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ShardkitError', 'UsageError', 'StoreError']
+__all__ = ['ShardkitError', 'UsageError', 'StoreError', 'LoaderError']
 
 # %% ../nbs/00_errors.ipynb
 class ShardkitError(Exception):
@@ -17,3 +17,6 @@ class UsageError(ShardkitError, ValueError):
 
 class StoreError(ShardkitError):
     "A store could not do what was asked; the message says why and what to do."
+
+class LoaderError(ShardkitError, ValueError):
+    "The loader was given no shards or arguments that do not fit together; the message says what to pass instead."

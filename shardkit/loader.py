@@ -22,6 +22,7 @@ from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
 from .loading.stream import ShardDataset, ShardLoader, error_handler, skip_resumed
 from .loading.transforms import TrainTransform, sample_to_tuple, train_transform
+from .remote import Retries, as_retries
 from .shards.fields import is_image_key
 from .shards.read import url_samples
 
@@ -30,7 +31,7 @@ __all__ = ['create_dataset', 'create_dataloader', 'ahead', 'DeviceLoader']
 
 # %% ../nbs/28_loader.ipynb
 def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
-                   allow_pickle):
+                   allow_pickle, retry_wait):
     "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
     if resampled or epoch_samples:
         raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
@@ -39,7 +40,7 @@ def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_
         transform = train_transform(normalize=normalize)
     return create_random_loader(sources, keys=keys, transform=transform, batch_size=batch_size or 64, num_workers=0,
                                 seed=0 if seed is None else seed, rank=rank, world_size=world_size,
-                                allow_pickle=allow_pickle)
+                                allow_pickle=allow_pickle, retry_wait=retry_wait)
 
 # %% ../nbs/28_loader.ipynb
 def create_dataset(sources,                      # Shards: a store, a directory, ais://bucket, a brace template or URLs
@@ -57,12 +58,13 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                    handler: str | Callable = "raise",  # A bad sample: "raise", "skip" (counted, reported) or a function
                    allow_pickle: bool = False,   # Decode .pyd/.pickle fields (only for shards you trust)
                    access: str = "stream",       # "stream": shards in order; "random": a global shuffle
+                   retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError; or Retries
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
     if access == "random": return _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
-                                                 rank, world_size, normalize, allow_pickle)
-    urls, handler = shard_urls(sources), error_handler(handler)
+                                                 rank, world_size, normalize, allow_pickle, retry_wait)
+    urls, handler, retries = shard_urls(sources), error_handler(handler), as_retries(retry_wait)
     if resampled and not epoch_samples:
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
     if epoch_samples and not resampled:
@@ -75,7 +77,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
     shards = EpochShards(urls, seed, shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
-    stages = [shards, partial(url_samples, handler=handler)]
+    stages = [shards, partial(url_samples, handler=handler, retries=retries)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
@@ -83,7 +85,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
     stages.append(wds.map(to_tuple, handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collate, partial=True))
     return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples,
-                        handler=handler, shuffle=shuffle)
+                        handler=handler, shuffle=shuffle, retries=retries)
 
 # %% ../nbs/28_loader.ipynb
 def create_dataloader(dataset: ShardDataset,         # from create_dataset

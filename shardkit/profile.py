@@ -19,7 +19,7 @@ from .loading import jpeg
 from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
 from .loading.stream import restart_workers
-from .stage_timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts
+from .stage_timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts, loader_retries
 
 # %% auto 0
 __all__ = ['MAIN_PARTS', 'COLORS', 'PIPELINES', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'compare', 'plot_stages',
@@ -90,6 +90,8 @@ class Profile:
     steady_rate: float | None = None  # samples/s after the first batch (None: one batch)
     device_stages: dict = field(default_factory=dict)  # the GPU loader's copy, decode, augment on its device: ms/sample
     timeline: dict = field(default_factory=dict, repr=False)
+    retries: dict = field(default_factory=dict)  # reads retried through faults of the store, by cause (01a_remote)
+    retry_wait: float = 0.0     # s spent on those faults (failed attempts and pauses, in all processes)
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
     @property
@@ -161,15 +163,19 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
     if batches is not None and batches < 1:
         raise UsageError(f"batches must be at least 1 (or None: a whole epoch), got {batches}")
     if device == "auto": device = "cuda" if torch.cuda.is_available() else None
-    workers = _workers_of(loader)
-    clocks = ProfileClocks(workers, events)
+    workers, retries = _workers_of(loader), loader_retries(loader)
+    clocks, before = ProfileClocks(workers, events), (retries.counts(), retries.waited) if retries else ({}, 0.0)
     with instrumented(loader, clocks) as kind:
         gpu = kind == "gpu"  # the GPU loader's batches are on its device already: no copy, and its own clocks
         raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks, move=not gpu)
         on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
     # the GPU loader's device work (in a thread beside the loop on CUDA) is timed by its own CUDA events
-    return _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev)
+    p = _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev)
+    if retries:  # the faults its reads met while profiling, and the time they cost
+        p.retries = {c: n - before[0].get(c, 0) for c, n in retries.counts().items() if n > before[0].get(c, 0)}
+        p.retry_wait = retries.waited - before[1]
+    return p
 
 # %% ../nbs/42_profile.ipynb
 def _without(p: Profile, ms: float) -> float:
@@ -288,6 +294,11 @@ def verdicts(p: Profile) -> list[str]:
         out.append(f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample "
                    f"({m['receive'] * p.rate / 10:.0f}% of its time), CPU the step may need: send less "
                    "(uint8 images, only the fields the step uses)")
+    if p.retries:
+        causes = ", ".join(f"{n} {c}" for c, n in p.retries.items())
+        out.append(f"{sum(p.retries.values())} reads were retried ({causes}), {p.retry_wait:.1f} s spent on them: "
+                   "the store or the network faulted, and nothing was lost; if it happens often, look at the store "
+                   "(its load, its logs) or the network")
     if p.kind == "opaque":
         out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a map-style "
                    "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured")

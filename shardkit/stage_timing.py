@@ -26,12 +26,13 @@ from .loading.random import RandomAccessLoader
 from .loading.sources import EpochShards, shuffle_samples
 from .loading.stream import restart_workers
 from .loading.transforms import sample_to_tuple
+from .remote import RemoteError, Retries
 from .shards.fields import ShardError
 from .shards.read import open_shards, tar_members, url_samples
 
 # %% auto 0
 __all__ = ['SLOTS', 'SLOT', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'loader_parts',
-           'instrumented']
+           'loader_retries', 'instrumented']
 
 # %% ../nbs/41_stage_timing.ipynb
 SLOTS = ("read", "parse", "shuffle", "header", "decode", "augment", "collate", "other", "rebatch")  # rebatch: main
@@ -149,12 +150,12 @@ def _timed_stream(stream, clocks):
     "`stream` via a 1 MB buffer whose refills are timed: same bytes, a few timed reads a shard, not several a sample."
     return io.BufferedReader(_TimedRaw(stream, clocks), 1 << 20)
 
-def _read_shards(src, clocks: ProfileClocks, handler=wds.reraise_exception):
-    "`url_samples`, its opening and reads timed as 'read': the same samples in the same order."
-    opened, open_next = open_shards(src, handler), timed_call(next, "read", clocks)
+def _read_shards(src, clocks: ProfileClocks, handler=wds.reraise_exception, retries=None):
+    "`url_samples`, its opening and reads (waits for faults too) timed as 'read': the same samples in the same order."
+    opened, open_next = open_shards(src, handler, retries), timed_call(next, "read", clocks)
     while (d := open_next(opened, None)) is not None:
         try: yield from wt.group_by_keys(tar_members(_timed_stream(d["stream"], clocks), d["url"]), handler=handler)
-        except ShardError as e:
+        except (ShardError, RemoteError) as e:
             if handler(e): continue
             raise
 
@@ -214,6 +215,13 @@ def loader_parts(loader) -> tuple:
         return loader, loader.dataset if isinstance(loader.dataset, wds.DataPipeline) else None, None
     if isinstance(loader, wds.DataPipeline): return None, loader, None
     return None, None, None
+
+def loader_retries(loader) -> Retries | None:
+    "The `Retries` that count the faults `loader`'s reads met (shardkit's loaders; its workers' too), or None."
+    inner = getattr(loader, "loader", None)  # a DeviceLoader's
+    for x in (loader_parts(loader)[1], getattr(loader, "dataset", None), getattr(inner, "dataset", None)):
+        if isinstance(getattr(x, "retries", None), Retries): return x.retries
+    return None
 
 def _jpegs_in(pack) -> int:
     "Samples in a GPU loader worker's batch, a pack of JPEGs (`batch_len` would count the bytes of its first field)."

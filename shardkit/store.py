@@ -16,6 +16,7 @@ import requests
 from braceexpand import braceexpand
 from fastcore.basics import patch
 from .errors import StoreError, UsageError
+from .remote import Retries, as_retries, open_remote, remote_put
 
 # %% auto 0
 __all__ = ['expand_names', 'parse_size', 'shown_path', 'LocalStore', 'ais_endpoint', 'ais_client', 'AISStore', 'open_store']
@@ -179,10 +180,12 @@ def ais_endpoint(endpoint: str | None = None) -> str:
     return ep.rstrip("/") if "://" in ep else "http://" + ep.rstrip("/")
 
 # %% ../nbs/02_store.ipynb
-def ais_client(endpoint: str | None = None, connect_timeout: float = 3.0):
+def ais_client(endpoint: str | None = None, connect_timeout: float = 3.0, sdk_retries: bool = True):
     "An `aistore.Client` for a cluster that has answered a health check within `connect_timeout` seconds."
     from aistore import Client
     from aistore.sdk.retry_config import RetryConfig
+    from tenacity import Retrying, stop_after_attempt
+    from urllib3.util.retry import Retry
     ep = ais_endpoint(endpoint)
     try: r = requests.get(f"{ep}/v1/health", timeout=connect_timeout)
     except requests.RequestException as e:
@@ -193,7 +196,9 @@ def ais_client(endpoint: str | None = None, connect_timeout: float = 3.0):
         raise StoreError(f"AIStore at {ep} is not ready (HTTP {r.status_code} on /v1/health); "
                          "try again in a few seconds")
     read = float(os.environ.get("AIS_READ_TIMEOUT", 120))
-    return Client(ep, timeout=(connect_timeout, read), retry_config=RetryConfig.default())
+    once = RetryConfig(http_retry=Retry(total=0, connect=0, read=0, status=0, raise_on_status=False),
+                       network_retry=Retrying(stop=stop_after_attempt(1), reraise=True))  # every error to the caller
+    return Client(ep, timeout=(connect_timeout, read), retry_config=RetryConfig.default() if sdk_retries else once)
 
 # %% ../nbs/02_store.ipynb
 def _missing(e: Exception) -> bool:
@@ -211,9 +216,10 @@ def _bucket_exists(bucket) -> bool:
 
 # %% ../nbs/02_store.ipynb
 class AISStore:
-    "Objects in AIStore bucket `bucket`, under `prefix`, through the official SDK."
-    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, create: bool = False, client=None):
-        self.endpoint = ais_endpoint(endpoint)
+    "Objects in AIStore bucket `bucket`, under `prefix`, through the official SDK (reads and uploads: faults retried)."
+    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, create: bool = False, client=None,
+                 retries: Retries | None = None):
+        self.endpoint, self.retries = ais_endpoint(endpoint), as_retries(retries)
         self.client = client or ais_client(self.endpoint)
         self.bucket = self.client.bucket(bucket)
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -235,13 +241,13 @@ class AISStore:
 def put_file(self: AISStore, src: str | Path, name: str | None = None) -> str:
     "Upload local file `src` as object `name` (default: its file name)."
     name = name or Path(src).name
-    self._obj(name).get_writer().put_file(str(src))
+    remote_put(self.object_url(name), src, self.retries, f"{self.spec}/{name}")
     return name
 
 @patch
 def put_bytes(self: AISStore, data: bytes, name: str) -> str:
     "Store `data` as object `name`."
-    self._obj(name).get_writer().put_content(data)
+    remote_put(self.object_url(name), data, self.retries, f"{self.spec}/{name}")
     return name
 
 # %% ../nbs/02_store.ipynb
@@ -270,14 +276,13 @@ def _head(self: AISStore, name):
 
 @patch
 def open(self: AISStore, name: str) -> BinaryIO:
-    "Open object `name` for reading (a streaming, file-like response)."
+    "Open object `name` for reading (a stream that survives faults)."
     self._head(name)
-    return self._obj(name).get_reader().raw()
+    return open_remote(self.object_url(name), self.retries, f"{self.spec}/{name}")
 
 @patch
 def read_bytes(self: AISStore, name: str) -> bytes:
-    self._head(name)
-    return self._obj(name).get_reader().read_all()
+    with self.open(name) as f: return f.read()
 
 @patch
 def delete(self: AISStore, name: str) -> None:

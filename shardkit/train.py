@@ -26,7 +26,8 @@ from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
 from .loading.sources import rank_and_world
 from .loading.transforms import eval_transform, normalize_batch, train_transform
-from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
+from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, ShardError, field_decoder
+from .shards.read import url_samples
 from .store import expand_names, shown_path
 
 # %% auto 0
@@ -47,9 +48,8 @@ def expand_urls(shards: str | list[str], base: str = "") -> list[str]:
 # %% ../nbs/30_train.ipynb
 def count_samples_and_classes(urls: list[str]) -> tuple[int, int]:
     "Number of samples in `urls` and number of classes (largest `.cls` + 1), from one pass over the shards."
-    pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples())
     n, top = 0, -1
-    for s in pipe:
+    for s in url_samples(dict(url=u) for u in urls):  # shardkit's reader: over HTTP, faults are retried
         n += 1
         if "cls" in s: top = max(top, int(s["cls"]))
     return n, top + 1
@@ -504,7 +504,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
     dev = _pick_device(device)
     rank, world = setup_distributed(dev)
     try: return _train(**locals())  # every argument, and the device, rank and world size just set up
-    except (OSError, tarfile.TarError) as e: raise TrainError(_explain(e)) from None
+    except (OSError, tarfile.TarError, ShardError) as e: raise TrainError(_explain(e)) from None
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
 

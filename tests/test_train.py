@@ -35,11 +35,17 @@ def torchrun(*args, nproc=2, timeout=120):
 
 @pytest.mark.slow
 def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
+    """Over HTTP, one rank meeting faults: every GET of rank 1's shard is cut halfway (each read resumes where it
+    stopped). The ranks still train on disjoint shares, the same number of steps each, and finish together."""
+    from faults import FaultServer
     # uneven shards: rank 0 gets shards 0 and 2 (26 samples), rank 1 gets shard 1 (20 samples)
-    shards = write_shards(tmp_path / "shards", [20, 20, 6])
-    r = torchrun("--shards", shards, "--size", 32, "--batch-size", 8, "--workers", 1, "--epochs", 2,
-                 "--keys-out", tmp_path / "keys", "--json-out", tmp_path / "hist.json")
+    write_shards(tmp_path / "shards", [20, 20, 6])
+    with FaultServer(tmp_path / "shards") as server:
+        server.fault("cut", pattern="t-01.tar", when="fresh")
+        r = torchrun("--base", server.base + "/", "--shards", "t-{00..02}.tar", "--size", 32, "--batch-size", 8,
+                     "--workers", 1, "--epochs", 2, "--keys-out", tmp_path / "keys", "--json-out", tmp_path / "hist.json")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert server.faults_played() and "retried in epoch" in r.stderr and "connection cut" in r.stderr, r.stderr[-3000:]
     seen = [(tmp_path / "keys" / f"keys-rank{i}.txt").read_text().split() for i in range(2)]
     # 46 samples // (2 ranks x 8) = 2 full batches per rank per epoch, on both ranks
     assert [len(s) for s in seen] == [2 * 2 * 8] * 2

@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 from ..config import shardkit_home
 from ..errors import ShardkitError, UsageError
+from ..remote import Retries, open_remote, remote_head
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
 from ..store import AISStore, open_store, shown_path
@@ -207,29 +208,15 @@ def file_lock(path: str | Path):
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../../nbs/26_sample_index.ipynb
-def _url_head(url: str) -> tuple[int, str]:
-    "The size of the file at `url` and its validator (`ETag`, else `Last-Modified`; '' if the server sends neither)."
-    import requests
-    try: h = requests.head(url, allow_redirects=True, timeout=(5, 30))
-    except requests.RequestException as e:
-        raise RandomAccessError(f"cannot reach shard {url} ({type(e).__name__})") from None
-    if h.status_code != 200: raise RandomAccessError(f"HEAD {url} answered HTTP {h.status_code}; is it there?")
-    return int(h.headers.get("Content-Length", -1)), h.headers.get("ETag") or h.headers.get("Last-Modified") or ""
-
-def index_url(url: str, cache: bool | str | Path = True) -> tuple[dict, int, str]:
-    "The index of the tar at HTTP(S) `url` (one streamed read; cached by URL, size, validator), its size and validator."
-    import requests
-    size, tag = _url_head(url)
+def index_url(url: str, cache: bool | str | Path = True, retries: Retries | None = None) -> tuple[dict, int, str]:
+    "The index of the tar at HTTP(S) `url` (one read through faults; cached by URL, size, version); size, version."
+    size, tag = remote_head(url, retries, f"shard {url}")
     key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
     cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
-    try:
-        with requests.get(url, stream=True, timeout=(5, 120)) as r:
-            if r.status_code != 200: raise RandomAccessError(f"GET {url} answered HTTP {r.status_code}")
-            ents = [e for e in tar_entries(r.raw, url, data=False) if e.is_file and not is_meta_member(e.name)]
-    except requests.RequestException as e:
-        raise RandomAccessError(f"cannot read shard {url} ({type(e).__name__})") from None
+    with open_remote(url, retries, f"shard {url}", tag, size if size >= 0 else None) as f:  # a cut read resumes
+        ents = [e for e in tar_entries(f, url, data=False) if e.is_file and not is_meta_member(e.name)]
     g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
     if cfile is not None: _save_index(g, cfile, url)
     return g, size, tag
@@ -262,6 +249,7 @@ def sample_index(source,                                   # A directory, tar pa
                  keys: Sequence[str] = ("cls", "image.jpg"), # The fields to index
                  cache: bool | str | Path = True,          # Keep indexes on disk (in this folder, if one); False: never
                  pattern: str = "*.tar",                   # Which shards of a directory
+                 retries: Retries | None = None,           # How reads of shards at URLs retry faults (and their counts)
                 ) -> SampleIndex:
     "The index of every sample in `source` (a directory, tar paths, a brace template, or `ais://bucket`) for `keys`."
     fields = _data_fields(keys)
@@ -269,7 +257,7 @@ def sample_index(source,                                   # A directory, tar pa
         return _bucket_index(open_store(source), fields, cache)
     paths = shard_urls(source, pattern)
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    if any("://" in p for p in paths): return _url_index(paths, fields, name, cache)
+    if any("://" in p for p in paths): return _url_index(paths, fields, name, cache, retries)
     joined = _joined_path(paths, fields, cache) if cache else None
     if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
     idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
@@ -278,13 +266,13 @@ def sample_index(source,                                   # A directory, tar pa
     try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
     except OSError: return idx  # an unwritable cache: index_tar has warned
 
-def _url_index(paths: list[str], fields: Sequence[str], name: str, cache) -> SampleIndex:
+def _url_index(paths: list[str], fields: Sequence[str], name: str, cache, retries: Retries | None) -> SampleIndex:
     "The index of shards at http(s) URLs `paths`, kept on disk by URL, size and validator where every one has one."
     if bad := [p for p in paths if not p.startswith(("http://", "https://"))]:
         raise UsageError(f"random access reads local tars, http(s) URLs or ais:// buckets, not {bad[0]}")
-    heads = [_url_head(p) for p in paths]
+    heads = [remote_head(p, retries, f"shard {p}") for p in paths]
     def build():
-        got = [index_url(p, cache) for p in paths]
+        got = [index_url(p, cache, retries) for p in paths]
         if [(n, t) for _, n, t in got] != heads:
             raise RandomAccessError(f"shards of {name} changed while they were indexed; run again")
         idx = _select([g for g, _, _ in got], paths, fields, source=name, keep_keys=True)

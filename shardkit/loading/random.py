@@ -9,6 +9,8 @@ import json
 import mmap
 import os
 import shutil
+import sys
+import time
 import types
 import warnings
 from collections import OrderedDict
@@ -22,6 +24,7 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..config import private_dir, shardkit_home
 from ..errors import UsageError
+from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
 from ..shards.fields import IMAGE_EXTS, refuse_pickle, split_key
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
@@ -233,6 +236,7 @@ class RandomAccessDataset(Dataset):
         self.index, self.keys, self.transform, self.seed = index, tuple(keys), transform, seed
         self.allow_pickle = allow_pickle
         self.reader = reader or (AISReader(index) if index.source.startswith("ais://") else LocalReader())
+        self.retries = getattr(self.reader, "retries", None)  # its faults, counted by all workers (local: None)
         self._field = {k: index.fields.index(k.lower()) for k in self.keys if not k.startswith("__")}
 
     def __len__(self): return len(self.index)
@@ -305,6 +309,8 @@ def __iter__(self: RandomAccessLoader):
             self.batch += 1
             yield b.unpool() if isinstance(b, PooledBatch) else b
     self.epoch, self.batch = epoch + 1, 0
+    if self.dataset.retries and (report := self.dataset.retries.report(epoch=epoch, everyone=True)):  # all workers'
+        print(report, file=sys.stderr, flush=True)
 
 # %% ../../nbs/27_random.ipynb
 _MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last", "window")
@@ -354,16 +360,18 @@ class ShardCache:
 
 # %% ../../nbs/27_random.ipynb
 @patch
-def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> int:
+def open(self: ShardCache, shard: str, size: int, fetch, version: str = "", reader: str = "") -> int:
     "An open descriptor of the copy of `shard` (`size` bytes), now most recently used; a miss calls `fetch`."
     if self.max_bytes and size > self.max_bytes:
         raise UsageError(f"shard {shard} ({size / 1e6:.1f} MB) is larger than the cache "
                          f"({self.max_bytes / 1e6:.1f} MB); "
                          "give the cache more bytes")
     f = self.file(shard, size, version)
+    gave_up = f.with_name(f".{f.stem}.gaveup")  # a fetch that met faults until its bound: the others do not wait again
     with file_lock(self.folder / f".lock{int(f.stem[:4], 16) % 64}"):  # one process fetches a shard, the others wait
         with file_lock(self.folder / ".lock"):  # opened before anyone can evict it
             if f.exists(): os.utime(f); return os.open(f, os.O_RDONLY)
+        if why := _given_up(gave_up, reader): raise RetriesExhausted(why)
         tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
         try:
             fetch(shard, tmp)
@@ -372,9 +380,19 @@ def open(self: ShardCache, shard: str, size: int, fetch, version: str = "") -> i
                                         "the shard changed after indexing: build the loader again")
             with file_lock(self.folder / ".lock"):
                 self._make_room(size); os.replace(tmp, f); fd = os.open(f, os.O_RDONLY)
+        except RetriesExhausted as e:  # the same loader's other workers give up at once (a while: the epoch is over)
+            until = time.time() + 2 * getattr(e, "wait", 0) + 10
+            gave_up.write_text(json.dumps(dict(until=until, reader=reader, why=str(e)))); raise
         finally: tmp.unlink(missing_ok=True)
     self.fetched += 1
     return fd
+
+def _given_up(marker: Path, reader: str) -> str | None:
+    "Why another worker of loader `reader` gave up fetching this shard just now (another loader tries again), or None."
+    try: m = json.loads(marker.read_text())
+    except (OSError, ValueError): return None
+    if not reader or m.get("reader") != reader or time.time() > m.get("until", 0): return None
+    return f"{m['why']} (another worker gave up on it just now)"
 
 @patch
 def _make_room(self: ShardCache, size: int):
@@ -392,40 +410,25 @@ def _make_room(self: ShardCache, size: int):
 def _copy_file(shard: str, dest: Path): shutil.copyfile(shard, dest)
 
 class _HTTPFetch:
-    "Streams a whole shard to a local file with one GET (on AIStore, redirected to its target); a session per process."
-    def __init__(self, endpoint: str | None = None, bucket: str | None = None):
-        self.endpoint, self.bucket, self.pid = endpoint, bucket, None
-    def session(self) -> requests.Session:
-        if self.pid != os.getpid(): self.s, self.pid = requests.Session(), os.getpid()
-        return self.s
+    "Streams a whole shard to a local file with one GET (on AIStore, redirected to its target), through faults."
+    def __init__(self, endpoint: str | None = None, bucket: str | None = None, retries: Retries | None = None):
+        self.endpoint, self.bucket, self.retries = endpoint, bucket, as_retries(retries)
     def url(self, shard: str) -> str:
         "The URL of `shard`: itself, or its AIStore object URL."
         if self.endpoint is None: return shard
         return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
     def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
-    def version(self, headers) -> str:
-        "The content version in the answer's `headers`, as the index records it (AIStore: checksum/version; ETag)."
-        if self.endpoint is not None:
-            cs, v = headers.get("Ais-Checksum-Value", ""), headers.get("Ais-Version", "")
-            return f"{cs}/{v}" if cs or v else ""  # neither: nothing to compare
-        return headers.get("ETag") or headers.get("Last-Modified") or ""
     def __call__(self, shard: str, dest: Path, version: str = ""):
-        "Stream `shard` to `dest`; if `version` is given, refuse other content (the shard was rewritten since)."
+        "Stream `shard` to `dest` (a cut read resumes); if `version` is given, refuse other content (rewritten since)."
         try:
-            with self.session().get(self.url(shard), stream=True, timeout=(5, 120)) as r, open(dest, "wb") as f:
-                if r.status_code != 200:
-                    raise RandomAccessError(f"GET {self.name(shard)} answered HTTP {r.status_code}; is it still there?")
-                if version and (got := self.version(r.headers)) and got != version:
-                    raise RandomAccessError(f"{self.name(shard)} is now version {got}, indexed as {version}: "
-                                            "the shard changed after indexing: build the loader again")
-                for chunk in r.iter_content(1 << 20): f.write(chunk)
-        except requests.RequestException as e:
-            raise RandomAccessError(f"cannot fetch {self.name(shard)} ({type(e).__name__})") from None
+            with open_remote(self.url(shard), self.retries, f"shard {self.name(shard)}", version) as src, \
+                 open(dest, "wb") as f: shutil.copyfileobj(src, f, 1 << 20)
+        except ObjectChanged as e: raise RandomAccessError(str(e)) from None  # the error of a shard changed since
 
-def shard_fetcher(index: SampleIndex):
+def shard_fetcher(index: SampleIndex, retries: Retries | None = None):
     "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it over HTTP (AIStore too) or copies it."
-    if index.kind == "ais": return _HTTPFetch(index.endpoint, index.source[len("ais://"):])
-    return _HTTPFetch() if index.kind == "http" else _copy_file
+    if index.kind == "ais": return _HTTPFetch(index.endpoint, index.source[len("ais://"):], retries)
+    return _HTTPFetch(retries=retries) if index.kind == "http" else _copy_file
 
 # %% ../../nbs/27_random.ipynb
 def _rows(idx: SampleIndex, s: int) -> tuple[int, int]:
@@ -496,7 +499,8 @@ class CachedShardReader:
         if index.shard_bytes is None:
             raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
         self.cache, self.fetch, self.open, self.pid = cache, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
-        self.max_open = max(64, 2 * cache.max_shards)
+        self.max_open, self.retries = max(64, 2 * cache.max_shards), getattr(self.fetch, "retries", None)
+        self.token = os.urandom(8).hex()  # shared by its workers: one giving up on a shard spares the others the wait
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
         "(fd, first sample number, offsets, sizes, keys or None) of shard `s`'s copy, fetched if needed; kept open."
@@ -508,7 +512,7 @@ class CachedShardReader:
             version = idx.versions[s] if idx.versions else ""
             checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
             fetch = partial(self.fetch, version=version) if checked else self.fetch
-        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version), _rows(idx, s)
+        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version, self.token), _rows(idx, s)
         try:
             if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
             else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
@@ -549,6 +553,7 @@ def shard_cache_dir(index: SampleIndex) -> Path:
 def shard_reader(index: SampleIndex,              # What to read
                  read: str = "auto",              # One of READ_MODES, or 'auto': the default for the source
                  shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' bytes
+                 retries: Retries | None = None,  # How its remote reads retry faults, and their counts
                 ) -> tuple:                       # (the reader, the window of shards its order needs or None)
     "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
     can = {"local": ("local", "cache"), "http": ("cache", "range"), "ais": ("cache", "range", "getbatch")}[index.kind]
@@ -557,29 +562,31 @@ def shard_reader(index: SampleIndex,              # What to read
     if read not in can:
         raise UsageError(f"read={read!r} cannot read {index.kind} shards ({index.source}); use one of {can}")
     if read == "local": return LocalReader(), None
-    if read == "range": return RangeReader(index), None
-    if read == "getbatch": return AISReader(index), None
+    if read == "range": return RangeReader(index, retries), None
+    if read == "getbatch": return AISReader(index, retries), None
     if isinstance(shard_cache, int): cache = ShardCache(shard_cache_dir(index), max_shards=shard_cache)
     else: cache = ShardCache(shard_cache_dir(index), max_shards=max(len(index.shards), 1), max_bytes=shard_cache)
     fits = cache.max_shards if cache.max_bytes is None else cache.max_bytes // max(int(index.shard_bytes.max()), 1)
     if fits < 1: raise UsageError(f"a shard cache of {shard_cache} holds no shard of {shown_path(index.source)} "
                                   f"(the largest is {index.shard_bytes.max() / 1e6:.1f} MB); give it more")
-    return CachedShardReader(index, cache), int(min(fits, cache.max_shards))
+    return CachedShardReader(index, cache, shard_fetcher(index, retries)), int(min(fits, cache.max_shards))
 
 # %% ../../nbs/27_random.ipynb
 def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
                          cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
-                         window: int | None | str = "auto", **kw) -> RandomAccessLoader:
+                         window: int | None | str = "auto", retry_wait: float | Retries = 120,
+                         **kw) -> RandomAccessLoader:
     "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
         transform = train_transform()
     # builds the window decoder here, not in every worker
     if isinstance(transform, TrainTransform): transform.takes_encoded()
-    index = sample_index(source, keys, cache)
-    reader, fits = shard_reader(index, read, shard_cache)  # fits: the shards a window may span (None: any)
+    retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
+    index = sample_index(source, keys, cache, retries=retries)
+    reader, fits = shard_reader(index, read, shard_cache, retries)  # fits: the shards a window may span (None: any)
     if window == "auto": window = fits
     elif fits is not None and fits < len(index.shards) and (window is None or window > fits):
         raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
@@ -617,14 +624,14 @@ def loader_memory(n: int = 10_000_000, folder: str | Path | None = None) -> dict
 # %% ../../nbs/27_random.ipynb
 class AISReader:
     "Reads fields of samples from an AIStore bucket: one GetBatch per batch (per-member GETs where it is missing)."
-    def __init__(self, index: SampleIndex):
+    def __init__(self, index: SampleIndex, retries: Retries | None = None):
         self.endpoint, self.bucket_name = index.endpoint, index.source[len("ais://"):]
-        self.pid, self.use_batch, self.batch_ok = None, True, False
+        self.pid, self.use_batch, self.batch_ok, self.retries = None, True, False, as_retries(retries)
 
     def _bucket(self):
         if self.pid != os.getpid():  # one client per process: sessions are not shared with forked workers
             from shardkit.store import ais_client
-            self.client = ais_client(self.endpoint)
+            self.client = ais_client(self.endpoint, sdk_retries=False)  # faults are retried (and counted) here
             self.bucket, self.pid = self.client.bucket(self.bucket_name), os.getpid()
         return self.bucket
 
@@ -646,9 +653,11 @@ class AISReader:
 def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
     from aistore.sdk.errors import AISError
     bucket = self._bucket()
-    batch = self.client.batch(bucket=bucket)
-    for shard, key, field in want: batch.add(shard, archpath=f"{key}.{field}")
-    try: got = list(batch.get())
+    def get_batch():  # a GetBatch is one request: after a fault it is sent again, whole
+        batch = self.client.batch(bucket=bucket)
+        for shard, key, field in want: batch.add(shard, archpath=f"{key}.{field}")
+        return list(batch.get())
+    try: got = retried(get_batch, f"a GetBatch of {len(want)} members from ais://{self.bucket_name}", self.retries)
     except AISError as e:
         if self.batch_ok or e.status_code not in (400, 404, 405, 501):
             raise self._fail(*want[0], f"GetBatch failed (HTTP {e.status_code}: {e})") from None
@@ -670,8 +679,9 @@ def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
 def _one(self: AISReader, shard: str, key: str, field: str) -> bytes:
     from aistore.sdk.archive_config import ArchiveConfig
     from aistore.sdk.errors import AISError
-    config = ArchiveConfig(archpath=f"{key}.{field}")
-    try: return self._bucket().object(shard).get_reader(archive_config=config).read_all()
+    config, obj = ArchiveConfig(archpath=f"{key}.{field}"), self._bucket().object(shard)
+    name = f"{key}.{field} of shard ais://{self.bucket_name}/{shard}"
+    try: return retried(lambda: obj.get_reader(archive_config=config).read_all(), name, self.retries)
     except AISError as e: raise self._fail(shard, key, field, f"HTTP {e.status_code}") from None
 
 # %% ../../nbs/27_random.ipynb
@@ -694,43 +704,36 @@ def build_shard_index(store, timeout: float = 600) -> str:
 # %% ../../nbs/27_random.ipynb
 class RangeReader:
     "Reads each sample with one HTTP range GET (AIStore: straight to the target that holds its shard)."
-    def __init__(self, index: SampleIndex): self.fetch, self.known = shard_fetcher(index), {}
+    def __init__(self, index: SampleIndex, retries: Retries | None = None):
+        self.fetch, self.known = shard_fetcher(index, retries), {}
+        self.retries = self.fetch.retries
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
         "(URL, first sample number, offsets, sizes) of shard `s`; offsets from its headers if the index has none."
         if s in self.known: return self.known[s]
-        sess, url, (a, b) = self.fetch.session(), self.fetch.url(idx.shards[s]), _rows(idx, s)
-        try:
-            if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
-            else:
-                with sess.get(url, stream=True, timeout=(5, 120)) as r:
-                    if r.status_code != 200: raise self.fetch_error(idx, s, f"HTTP {r.status_code}")
-                    ents = [e for e in tar_entries(r.raw, idx.shards[s], data=False)
-                            if e.is_file and not is_meta_member(e.name)]
-                where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
-            with sess.get(url, allow_redirects=False, stream=True, timeout=(5, 30)) as r:
-                target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
-        except requests.RequestException as e: raise self.fetch_error(idx, s, type(e).__name__) from None
+        url, (a, b), name = self.fetch.url(idx.shards[s]), _rows(idx, s), f"shard {self.fetch.name(idx.shards[s])}"
+        if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
+        else:
+            with open_remote(url, self.retries, name) as f:  # one streamed read of its headers, through faults
+                ents = [e for e in tar_entries(f, idx.shards[s], data=False)
+                        if e.is_file and not is_meta_member(e.name)]
+            where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
+        ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
+        with retried(ask, name, self.retries) as r:
+            target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
         self.known[s] = (target, a, *where)
         return self.known[s]
-
-    def fetch_error(self, idx: SampleIndex, s: int, why: str) -> RandomAccessError:
-        return RandomAccessError(f"cannot read shard {self.fetch.name(idx.shards[s])} ({why}); is it still there?")
 
 # %% ../../nbs/27_random.ipynb
 @patch
 def read(self: RangeReader, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
     "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one range GET per sample)."
-    sess, keys, out = self.fetch.session(), [], []
+    keys, out = [], []
     for i in ids:
-        url, a, off, size = self._shard(idx, int(idx.shard[i]))
+        url, a, off, size = self._shard(idx, s := int(idx.shard[i]))
         o, n = off[i - a], size[i - a]
         lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
-        try: r = sess.get(url, headers={"Range": f"bytes={lo}-{hi - 1}"}, timeout=(5, 60))
-        except requests.RequestException as e:
-            raise self.fetch_error(idx, int(idx.shard[i]), type(e).__name__) from None
-        if r.status_code != 206 or len(r.content) != hi - lo:
-            why = f"a range GET answered HTTP {r.status_code}, {len(r.content)} bytes"
-            raise self.fetch_error(idx, int(idx.shard[i]), why)
-        keys.append(idx.key(i)); out.append([r.content[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
+        data = read_range(url, lo, hi, self.retries, f"shard {self.fetch.name(idx.shards[s])}",  # faults retried
+                          idx.versions[s] if idx.versions else "", int(idx.shard_bytes[s]))
+        keys.append(idx.key(i)); out.append([data[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
     return keys, out

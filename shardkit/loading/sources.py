@@ -13,16 +13,12 @@ from typing import Iterable, Sequence
 import torch
 from braceexpand import braceexpand
 from torch.utils.data import IterableDataset, get_worker_info
-from ..errors import ShardkitError
+from ..errors import LoaderError
 from ..store import open_store, shown_path
 
 # %% auto 0
-__all__ = ['LoaderError', 'shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'EpochShards', 'split_count', 'take_share',
-           'buffer_shuffle', 'shuffle_samples']
-
-# %% ../../nbs/21_sources.ipynb
-class LoaderError(ShardkitError, ValueError):
-    "The loader was given no shards or arguments that do not fit together; the message says what to pass instead."
+__all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'EpochShards', 'split_count', 'take_share', 'buffer_shuffle',
+           'shuffle_samples']
 
 # %% ../../nbs/21_sources.ipynb
 def shard_urls(sources, pattern: str = "*.tar") -> list[str]:

@@ -16,6 +16,7 @@ import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
+from ..remote import Retries, as_retries
 from .collate import MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
@@ -54,10 +55,11 @@ def error_handler(handler) -> Callable:
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
     def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None,
-                 epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0):
+                 epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0,
+                 retries: Retries | None = None):
         super().__init__(*stages)
         self.shards, self.keys, self.batch_size = shards, tuple(keys), batch_size
-        self.epoch_samples, self.handler = epoch_samples, handler
+        self.epoch_samples, self.handler, self.retries = epoch_samples, handler, as_retries(retries)
         self.shuffle, self.tag_workers = shuffle, False
 
     def __iter__(self):
@@ -68,6 +70,9 @@ class ShardDataset(wds.DataPipeline):
             for x in super().__iter__(): yield WorkerTagged(self.shards.ctx["worker"], x)
         else: yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
+        if report: print(report, file=sys.stderr, flush=True)
+        w = get_worker_info()  # and the reads this process retried (the loader's totals: `retries.counts()`)
+        report = self.retries.report(epoch=(self.shards.ctx or {}).get("epoch"), worker=w.id if w else None)
         if report: print(report, file=sys.stderr, flush=True)
 
     def set_epoch(self, epoch: int):

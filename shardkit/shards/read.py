@@ -13,11 +13,13 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 import webdataset as wds
 from webdataset.tariterators import group_by_keys
+from ..errors import ShardkitError
+from ..remote import RemoteError, Retries, open_remote
 from ..store import LocalStore, open_store, shown_path
 from .fields import ShardError, split_key
 
 # %% auto 0
-__all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'open_shards', 'url_samples',
+__all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'open_shard', 'open_shards', 'url_samples',
            'sample_digests', 'count_samples', 'list_shards', 'is_meta_member', 'scan_tar']
 
 # %% ../../nbs/04_read.ipynb
@@ -164,7 +166,7 @@ def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | No
 def tar_members(stream, name: str = "shard") -> Iterator[dict]:
     "The `{fname, data}` records of the files in tar `stream`, parsed directly; ShardError if broken or unsafe."
     try: head = _read(stream, 512)
-    except OSError as e: raise ShardError(f"shard {name} cannot be read ({e})") from None
+    except OSError as e: raise ShardError(f"cannot read shard {name} ({e})") from None
     if head.startswith(_COMPRESSED):  # compressed: tarfile decompresses
         yield from _safe_members(_Rewound(head, stream), name); return
     for e in tar_entries(stream, name, head=head):
@@ -180,27 +182,37 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
     try:
         yield from group_by_keys(tar_members(stream, name))
     except (tarfile.TarError, ValueError, OSError, EOFError, AssertionError) as e:
+        if isinstance(e, ShardkitError): raise  # a remote read that gave up says so itself
         raise ShardError(f"shard {name} is not a readable tar of samples ({_tar_reason(e)}); "
                          "check the object (tar tvf) or rewrite it") from None
 
 
 # %% ../../nbs/04_read.ipynb
-def open_shards(src: Iterable[dict], handler: Callable):
+def open_shard(url: str, retries: Retries | None = None):
+    "A stream of shard `url`: http(s) by `open_remote` (faults retried, cuts resumed); files, `pipe:` by `gopen`."
+    if url.startswith(("http://", "https://")): return open_remote(url, retries, name=f"shard {url}")
+    return wds.gopen(url)
+
+def open_shards(src: Iterable[dict], handler: Callable, retries: Retries | None = None):
     "Each shard of `src` ({url: ...} dicts) opened as a stream (`stream` added); a shard that fails goes to `handler`."
     for d in src:
-        try: stream = wds.gopen(d["url"])
+        try: stream = open_shard(d["url"], retries)
         except Exception as e:
-            e.args = e.args + (d["url"],)
+            if not isinstance(e, ShardkitError): e.args = e.args + (d["url"],)  # shardkit's errors name it already
             if handler(e): continue
             raise
         try: yield dict(d, stream=stream)
-        finally: stream.close()
+        finally:
+            try: stream.close()
+            except OSError as e:  # a `pipe:` command that failed says so as it is closed (curl's exit status)
+                err = ShardError(f"cannot read shard {d['url']} ({e})")
+                if not handler(err): raise err from None
 
-def url_samples(src: Iterable[dict], handler: Callable = wds.reraise_exception):
+def url_samples(src: Iterable[dict], handler: Callable = wds.reraise_exception, retries: Retries | None = None):
     "Samples (dicts of raw bytes) from a stream of `dict(url=...)`, each shard closed as soon as it is read."
-    for d in open_shards(src, handler):
+    for d in open_shards(src, handler, retries):
         try: yield from group_by_keys(tar_members(d["stream"], d["url"]), handler=handler)
-        except ShardError as e:  # a broken or unsafe shard: the handler decides (raise, or skip and count)
+        except (ShardError, RemoteError) as e:  # broken, unsafe, or unreadable through faults: the handler decides
             if handler(e): continue
             raise
 

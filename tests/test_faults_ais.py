@@ -1,0 +1,129 @@
+"""Faults survived on the real local AIStore: one target killed with SIGKILL in the middle of an epoch (streaming, and
+random access through the shard cache) and while `shardkit ais put` uploads, then started again within the retry
+window. The epoch is exactly a clean epoch's samples in order; every shard arrives intact; the retries are reported.
+(AIStore drops a target that stays down for about 30 s from its cluster map, and its objects then answer 404 until it
+is back: the restart here comes after 3 s.)"""
+import hashlib, json, os, signal, subprocess, sys, threading, time, uuid
+from pathlib import Path
+import numpy as np
+import pytest
+import requests
+import webdataset as wds
+from test_faults import keys_of, random_loader, reported, stream_keys
+from shardkit.remote import Retries
+
+NAMES = [f"k-{s:03d}.tar" for s in range(8)]
+
+
+def write_shards(folder: Path, per_shard: int = 40, payload: int = 30_000) -> Path:
+    "8 shards of `per_shard` samples of `payload` random bytes (about 1.2 MB a shard: a read is under way a while)."
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    for s, name in enumerate(NAMES):
+        with wds.TarWriter(str(folder / name)) as w:
+            for i in range(per_shard):
+                w.write({"__key__": f"k{s}_{i:02d}", "cls": i % 5, "bin": rng.integers(0, 256, payload, np.uint8).tobytes()})
+    return folder
+
+
+def _nodes(root: Path) -> dict:
+    return json.loads((Path(root) / "cluster.json").read_text())
+
+
+def busiest_target(endpoint: str, bucket: str) -> str:
+    "The name of the target (target1, target2) that holds most of the bucket's shards (by where GETs redirect)."
+    ports = [requests.get(f"{endpoint}/v1/objects/{bucket}/{n}?provider=ais", allow_redirects=False,
+                          timeout=10).headers["Location"].split("/")[2].split(":")[1] for n in NAMES]
+    port = max(set(ports), key=ports.count)
+    return next(n["name"] for n in _nodes_of(endpoint) if str(n["port"]) == port)
+
+
+def kill_and_restart(root: Path, name: str, after: float = 3.0) -> threading.Thread:
+    "SIGKILL node `name` of the cluster under `root` now, start it again (same command) `after` s later, in a thread."
+    from shardkit.cluster import _ready
+    st = _nodes(root)
+    node = next(n for n in st["nodes"] if n["name"] == name)
+    os.kill(node["pid"], signal.SIGKILL)
+    try: os.waitpid(node["pid"], 0)  # our child (ais_up started it in this process): no zombie left
+    except ChildProcessError: pass
+    def restart():
+        time.sleep(after)
+        with open(Path(node["dir"]) / "stdout.log", "ab") as log:
+            p = subprocess.Popen(node["cmd"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 cwd=node["dir"], start_new_session=True)
+        node["pid"] = p.pid  # so that ais_down stops the new process
+        (Path(root) / "cluster.json").write_text(json.dumps(st, indent=1))
+        deadline = time.time() + 120
+        while not _ready(st["endpoint"], st["targets"]) and time.time() < deadline: time.sleep(0.3)
+    t = threading.Thread(target=restart, daemon=True); t.start()
+    return t
+
+
+_ROOTS = {}
+def _nodes_of(endpoint):
+    return _nodes(_ROOTS[endpoint])["nodes"]
+
+
+@pytest.fixture
+def bucket(ais_cluster, ais_endpoint, tmp_path):
+    "A bucket holding the 8 shards (uploaded with ais_put), and the local folder they came from."
+    from shardkit.cluster import ais_put
+    _ROOTS[ais_endpoint] = ais_cluster["root"]
+    src = write_shards(tmp_path / "shards")
+    name = f"faults-{uuid.uuid4().hex[:8]}"
+    ais_put(src, f"ais://{name}", quiet=True)
+    yield name, src
+    from shardkit.store import open_store
+    open_store(f"ais://{name}").bucket.delete(missing_ok=True)
+
+
+def _epoch_through_a_kill(loader, root: Path, target: str) -> list[str]:
+    "The keys of `loader`'s epoch, `target` killed after its first batch and restarted 3 s later; slow consumer."
+    keys, restarting = [], None
+    for b in loader:
+        keys += b[0]
+        if restarting is None: restarting = kill_and_restart(root, target)
+        time.sleep(0.02)  # a training step: the workers stop at their prefetch, mid-shard
+    restarting.join(150)
+    return keys
+
+
+def test_a_target_killed_mid_epoch_and_restarted(ais_cluster, ais_endpoint, bucket, capfd):
+    name, src = bucket
+    target = busiest_target(ais_endpoint, name)
+    clean = stream_keys([str(src / n) for n in NAMES])
+    retries = Retries(backoff=0.1, max_backoff=1.0, wait=60)
+    from shardkit.loader import create_dataloader, create_dataset
+    ds = create_dataset(f"ais://{name}", keys=("__key__", "cls"), seed=0, batch_size=16, shuffle=50, retry_wait=retries)
+    capfd.readouterr()
+    assert _epoch_through_a_kill(create_dataloader(ds, num_workers=2, batch_size=16), ais_cluster["root"], target) == clean
+    err = capfd.readouterr().err
+    assert sum(reported(err).values()) >= 1 and retries.counts(), err  # the faults met, reported by the workers
+    print("streaming:", retries.counts(), f"{retries.waited:.1f} s")
+    # random access through the shard cache, the same outage: its epoch is a clean one's too
+    local = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))  # windows of 2 shards: fetched as
+    retries = Retries(backoff=0.1, max_backoff=1.0, wait=60)                    # the epoch goes, not all at first
+    dl = random_loader(f"ais://{name}", "cache", retry_wait=retries, shard_cache=2)
+    assert _epoch_through_a_kill(dl, ais_cluster["root"], target) == local
+    assert retries.counts(), "the outage met no read of the shard cache"
+    print("shard cache:", retries.counts(), f"{retries.waited:.1f} s")
+
+
+def test_ais_put_through_a_target_restart(ais_cluster, ais_endpoint, tmp_path):
+    "`shardkit ais put` uploads while a target is down (killed as it starts, back 3 s later): every shard arrives intact."
+    src = write_shards(tmp_path / "shards")
+    name = f"faults-put-{uuid.uuid4().hex[:8]}"
+    from shardkit.store import open_store
+    store = open_store(f"ais://{name}", create=True)  # (creating a bucket needs every target: not during the outage)
+    cmd = [sys.executable, "-m", "shardkit.cli", "ais", "put", str(src), f"ais://{name}", "--retry-wait", "60"]
+    put = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    restarting = kill_and_restart(ais_cluster["root"], "target1")  # about half the shards belong to each target
+    out, err = put.communicate(timeout=180)
+    restarting.join(150)
+    assert put.returncode == 0, out + err
+    assert store.list() == NAMES
+    for n in NAMES:
+        assert hashlib.sha256(store.read_bytes(n)).digest() == hashlib.sha256((src / n).read_bytes()).digest(), n
+    assert "uploaded 8 files" in out and "shardkit ais put:" in out and "connection refused" in out, out
+    print(out)
+    store.bucket.delete(missing_ok=True)
