@@ -13,9 +13,9 @@
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
-#if defined(__GNUC__) && defined(__x86_64__)
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(SK_NO_AVX2)
 #include <immintrin.h>
-#define SK_AVX2 1  /* compiled for any x86-64; the AVX2 path is taken where the CPU has it */
+#define SK_AVX2 1  /* compiled for any x86-64; the AVX2 path is taken where the CPU has it (-DSK_NO_AVX2: never) */
 #endif
 
 #if JPEG_LIB_VERSION >= 70
