@@ -145,7 +145,8 @@ def _finalizers_see_the_dying() -> bool:
 class _Lending:
     "Pool buffers lent to the training loop, with a reference to each field's memory; given back when only it is left."
     def __init__(self, most: int = 64):
-        self.slots, self.most = collections.OrderedDict(), most  # (flags address, slot) -> [flags, slot, storages, lent]
+        # (flags address, slot) -> [flags, slot, each field's storage, lent]
+        self.slots, self.most = collections.OrderedDict(), most
 
     def lend(self, batch: PooledBatch) -> list:
         key = (batch.flags.data_ptr(), batch.slot)

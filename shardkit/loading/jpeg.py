@@ -30,8 +30,8 @@ from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import ShardkitError, UsageError
 
 # %% auto 0
-__all__ = ['JpegError', 'why_no_crop_decode', 'why_no_window_decode', 'window_decoder_path', 'decode_window', 'dct_scale',
-           'decode_crop', 'EncodedJpeg']
+__all__ = ['DCT_MODES', 'JpegError', 'why_no_crop_decode', 'why_no_window_decode', 'window_decoder_path', 'decode_window',
+           'dct_scale', 'decode_crop', 'EncodedJpeg']
 
 # %% ../../nbs/22_jpeg.ipynb
 _NATIVE = Path(native.__file__).parent  # shardkit/native: the C source, and the extension pip built from it
@@ -264,7 +264,7 @@ def decode_window(data: bytes, top: int, left: int, height: int, width: int) -> 
     return _call(native, data, top, left, height, width)
 
 # %% ../../nbs/22_jpeg.ipynb
-_DCT = ("off", "pow2", "any")
+DCT_MODES = ("off", "pow2", "any")  # what `dct_scale` may be asked for
 
 def dct_scale(height: int,    # The crop's height in the image, pixels
               width: int,     # Its width
@@ -273,7 +273,7 @@ def dct_scale(height: int,    # The crop's height in the image, pixels
               mode: str = "off",  # "off": 8/8; "pow2": the smallest of 1, 2, 4, 8; "any": the smallest M
              ) -> int:  # M, of the scale M/8 to decode at
     "M of the smallest scale M/8 at which a `height` x `width` crop is still at least `out_h` x `out_w` (see `mode`)."
-    if mode not in _DCT: raise UsageError(f"dct_scale must be one of {', '.join(_DCT)}, not {mode!r}")
+    if mode not in DCT_MODES: raise UsageError(f"dct_scale must be one of {', '.join(DCT_MODES)}, not {mode!r}")
     m = max(1, -(-8 * out_h // max(height, 1)), -(-8 * out_w // max(width, 1)))
     if mode == "off" or m >= 8: return 8
     return 1 << (m - 1).bit_length() if mode == "pow2" else m
