@@ -194,10 +194,12 @@ def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
         if out is not None: return out
     return tuple(transform(values))
 
+@functools.lru_cache(maxsize=256)
+def _picture_jpeg_key(key: str) -> bool: return is_jpeg_key(key) and not is_mask_key(key)
+
 def _field(key: str, data, allow_pickle: bool, encoded: bool):
     "decode_value, but a JPEG for a transform that takes it encoded: its header read (a bomb refused), not its pixels."
-    if encoded and isinstance(data, (bytes, bytearray)) and is_jpeg_key(key) and \
-            not is_mask_key(key) and data[:2] == b"\xff\xd8":
+    if encoded and isinstance(data, (bytes, bytearray)) and _picture_jpeg_key(key) and data[:2] == b"\xff\xd8":
         return EncodedJpeg(data, *image_size(data))
     return decode_value(key, data, allow_pickle)
 
