@@ -24,7 +24,7 @@ extras = {'dev': dev_requirements, 'lab': shlex.split(cfg.get('lab_requirements'
 # shardkit loads it with ctypes (it is no Python module), so only its one function is exported. Optional: where it
 # cannot be built the install goes on, and shardkit builds it at first use into SHARDKIT_HOME/native or decodes
 # whole images (shardkit.loading.jpeg.why_no_window_decode() says why).
-jpeg_window = setuptools.Extension('shardkit.native._jpeg_window', ['shardkit/native/jpeg_window.c'], libraries=['jpeg'],
+jpeg_window = setuptools.Extension('shardkit.native._jpeg_window', ['shardkit/native/jpeg_window.c'], libraries=['jpeg', 'm'],
                                    extra_compile_args=['-O2', '-fvisibility=hidden'], optional=True)
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']

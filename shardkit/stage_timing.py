@@ -279,8 +279,9 @@ def instrumented(loader, clocks: ProfileClocks):
         kind = "gpu"
         if hasattr(loader, "time_device"): swap(loader, "time_device", True)  # device stages, timed by the loader
         if getattr(loader, "device_events", None): loader.device_seconds()  # events from before: not this run's
-    if kind == "shardkit":  # its window decoder, its calls counted (forked workers inherit it)
-        swap(jpeg, "decode_window", timed_call(jpeg.decode_window, "decode", clocks, calls=True))
+    if kind == "shardkit":  # its window decoders (a window; a crop resized in the same pass), calls counted
+        for name in ("decode_window", "decode_crop"):  # forked workers inherit them
+            swap(jpeg, name, timed_call(getattr(jpeg, name), "decode", clocks, calls=True))
     restart_workers(dl)
     try: yield kind
     finally:

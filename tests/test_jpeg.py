@@ -469,7 +469,8 @@ def test_pip_builds_the_extension_where_it_can_and_installs_without_it_where_it_
     so = unpacked / ext[0]
     if shutil.which("nm"):
         symbols = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout
-        assert [l.split()[-1] for l in symbols.splitlines() if l.split()] == ["sk_decode_rgb_window"], symbols
+        exported = [l.split()[-1] for l in symbols.splitlines() if l.split()]
+        assert exported == ["sk_decode_crop", "sk_decode_rgb_window"], symbols
     r = subprocess.run([sys.executable, "-c", LOADS, str(so.parent)], capture_output=True, text=True, timeout=180,
                        stdin=subprocess.DEVNULL, env={**env, "SHARDKIT_HOME": str(tmp_path / "home")})
     assert r.returncode == 0, r.stderr

@@ -28,14 +28,16 @@ from shardkit.bench.peers import (
     prepare_bench_data,
 )
 from ..errors import UsageError
-from ..loading.jpeg import why_no_window_decode
+from ..loading.jpeg import DCT_MODES, decode_crop, why_no_crop_decode, why_no_window_decode
 from ..loading.sources import shard_urls
+from ..loading.transforms import crop_box
+from ..shards.fields import image_size
 from ..store import shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_page_cache
 
 # %% auto 0
-__all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'bench_ratios', 'loader_table',
-           'plot_bench', 'machine_summary', 'bench_loader_cli']
+__all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'cheapest_peer', 'bench_ratios',
+           'loader_table', 'plot_bench', 'machine_summary', 'bench_loader_cli']
 
 # %% ../../nbs/35_bench_loader.ipynb
 def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
@@ -90,7 +92,29 @@ def _ceiling(spec: dict) -> dict:
     return dict(per_core=n / (time.process_time() - c0))
 
 # %% ../../nbs/35_bench_loader.ipynb
-_TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "convert": convert_to_peer_format}
+def _floor(spec: dict) -> dict:
+    "CPU ms per sample on one core of only a sample's necessary work (`decode_crop`), at each DCT scale; the cheapest."
+    torch.set_num_threads(1)
+    if why := why_no_crop_decode(): return dict(error=f"no floor here: {why}")
+    gen, work = torch.Generator().manual_seed(spec.get("seed", 0)), []
+    for path, _ in folder_items(Path(spec["root"]))[:400]:
+        data = Path(path).read_bytes()
+        w, h = image_size(data)
+        work.append((data, crop_box(h, w, generator=gen), torch.rand(1, generator=gen).item() < 0.5))
+    out = torch.empty(3, 224, 224, dtype=torch.uint8)
+    cpu, n = dict.fromkeys(DCT_MODES, 0.0), dict.fromkeys(DCT_MODES, 0)
+    for mode in cpu:  # warm up
+        for data, box, flip in work[:20]: decode_crop(data, *box, 224, flip, mode, out)
+    while sum(cpu.values()) < spec.get("seconds", 3.0):
+        for mode in cpu:  # a pass at each scale in turn
+            c0 = time.process_time()
+            for data, box, flip in work: decode_crop(data, *box, 224, flip, mode, out)
+            cpu[mode] += time.process_time() - c0; n[mode] += len(work)
+    ms = {m: 1000 * cpu[m] / n[m] for m in cpu}
+    return dict(ms=min(ms.values()), mode=min(ms, key=ms.get), modes=ms)
+
+# %% ../../nbs/35_bench_loader.ipynb
+_TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "floor": _floor, "convert": convert_to_peer_format}
 
 def _task(spec: dict) -> dict: return _TASKS[spec["task"]](spec)
 
@@ -142,11 +166,35 @@ def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dic
     return rows, specs
 
 # %% ../../nbs/35_bench_loader.ipynb
+def _rounds(specs: dict, root: str, repeats: int, timeout: float, cold: bool, seconds: float, progress: bool):
+    "Each row's runs, the ceilings and the floors: `repeats` interleaved rounds of fresh processes; the cache note."
+    from tqdm.auto import tqdm
+    runs, yard, note = {n: [] for n in specs}, {"ceiling": [], "floor": []}, None
+    todo = [(r, n) for r in range(repeats) for n in [*yard, *specs]]
+    for r, name in tqdm(todo, desc="loader runs", disable=not progress):
+        if cold: note = drop_page_cache() or note
+        if name in yard:
+            c = _run_child(dict(task=name, root=root, seconds=seconds), timeout)
+            if name == "ceiling" and "error" in c:
+                raise BenchError(f"the ceiling's run failed ({c['error']}); "
+                                 "the loaders' figures would lack their yardstick")
+            yard[name].append(c)
+        else: runs[name].append(_run_child(specs[name], timeout))
+    return runs, yard, note
+
+def _median_floor(floors: list[dict]) -> dict:
+    "The floor of a benchmark: the median of its runs' cheapest scales, each scale's median, and the usual cheapest."
+    ok = [f for f in floors if "ms" in f]
+    if not ok: return dict(why=sorted({f.get("error", "not measured") for f in floors}) or ["not measured"])
+    modes = [f["mode"] for f in ok]
+    return dict(ms=statistics.median(f["ms"] for f in ok), mode=max(set(modes), key=modes.count),
+                modes={m: statistics.median(f["modes"][m] for f in ok) for m in ok[0]["modes"]})
+
+# %% ../../nbs/35_bench_loader.ipynb
 def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int = 3, max_shards: int | None = None,
                  samples: int = 2000, peers: bool = False, progress: bool = True, cache: str | Path | None = None,
                  only: Sequence[str] | None = None, timeout: float = 600, ceiling_seconds: float = 3.0) -> dict:
     "shardkit's loaders against webdataset, ImageFolder, the post's pipeline, (`peers`) LitData, MDS, DALI, FFCV, wids."
-    from tqdm.auto import tqdm
     urls = shard_urls(sources)[:max_shards]
     data = prepare_bench_data(urls, samples, cache)
     names = [n for n in BASE_ROWS + (tuple(PEER_LOADERS) if peers else ()) if only is None or n in only]
@@ -154,52 +202,58 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
                 workers=num_workers, seed=0, epochs=2)
     rows, specs = _plan(names, data, base, timeout)
     warm_page_cache([Path(u) for u in data.urls if "://" not in u] + [data.root])
-    load_start, runs, ceilings, note = os.getloadavg(), {n: [] for n in specs}, [], None
-    todo = [(r, n) for r in range(repeats) for n in ["ceiling"] + list(specs)]
-    for r, name in tqdm(todo, desc="loader runs", disable=not progress):
-        if cold: note = drop_page_cache() or note
-        if name == "ceiling":
-            c = _run_child(dict(task="ceiling", root=str(data.root), seconds=ceiling_seconds), timeout)
-            if "error" in c: raise BenchError(f"the ceiling's run failed ({c['error']}); "
-                                              "the loaders' figures would lack their yardstick")
-            ceilings.append(c["per_core"])
-        else: runs[name].append(_run_child(specs[name], timeout))
+    load_start = os.getloadavg()
+    runs, yard, note = _rounds(specs, str(data.root), repeats, timeout, cold, ceiling_seconds, progress)
     load_end = os.getloadavg()
     rows.update({n: _summary(rs) for n, rs in runs.items()})
     rows = {n: rows[n] for n in names}
     cores = os.cpu_count() or 1
     ceiling_workers = max(1, min(num_workers, cores))
-    per_core = statistics.median(ceilings) if ceilings else float("nan")
+    per_core = statistics.median(c["per_core"] for c in yard["ceiling"]) if yard["ceiling"] else float("nan")
+    floor = _median_floor(yard["floor"])
     ok = {LOADER_ROWS[n]: r for n, r in rows.items() if r["status"] == "ok"}
     rates, cpu_ms = {k: r["rate"] for k, r in ok.items()}, {k: r["cpu_ms"] for k, r in ok.items()}
     rates[LOADER_ROWS["ceiling"]], cpu_ms[LOADER_ROWS["ceiling"]] = per_core * ceiling_workers, 1000 / per_core
+    if "ms" in floor:
+        rates[LOADER_ROWS["floor"]], cpu_ms[LOADER_ROWS["floor"]] = ceiling_workers * 1000 / floor["ms"], floor["ms"]
     return dict(rows={LOADER_ROWS[n]: r for n, r in rows.items()}, rates=rates, cpu_ms=cpu_ms, per_core=per_core,
-                ceiling_workers=ceiling_workers, samples=data.n, passes=data.passes, shards=len(data.urls),
+                ceiling_workers=ceiling_workers, floor=floor, samples=data.n, passes=data.passes, shards=len(data.urls),
                 fields=data.fields,
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
                 load_start=load_start[0], load_end=load_end[0], load=load_end[0], window=why_no_window_decode(),
                 cache_note=(note or "page cache dropped before each run") if cold else "page cache warm")
 
 # %% ../../nbs/35_bench_loader.ipynb
-LOADER_GOALS = {"peer": 1.1, "ceiling": 0.85, "cpu": 1.0, "first_batch": 0.3}
+LOADER_GOALS = {"peer": 1.3, "ceiling": 0.85, "cpu": 0.75, "floor": 1.25, "first_batch": 0.3}
+
+def _exact_peers(result: dict) -> dict:
+    "The rows of every non-shardkit loader that ran and delivered every sample exactly once."
+    mine = {LOADER_ROWS[n] for n in SHARDKIT_ROWS}
+    return {k: r for k, r in result["rows"].items() if k not in mine and r["status"] == "ok" and r["exact"]}
 
 def fastest_peer(result: dict) -> str | None:
     "The row label of the fastest non-shardkit loader that delivered every sample exactly once (None: none did)."
-    mine = {LOADER_ROWS[n] for n in SHARDKIT_ROWS}
-    peers = {k: r for k, r in result["rows"].items() if k not in mine and r["status"] == "ok" and r["exact"]}
+    peers = _exact_peers(result)
     return max(peers, key=lambda k: peers[k]["rate"]) if peers else None
+
+def cheapest_peer(result: dict) -> str | None:
+    "The row label of the exactly-once peer with the least CPU per sample (None: none ran)."
+    peers = _exact_peers(result)
+    return min(peers, key=lambda k: peers[k]["cpu_ms"]) if peers else None
 
 def bench_ratios(result: dict) -> dict:
     "The default loader against the goals: name -> (measured, goal, met); a figure not measured: (None, goal, False)."
-    d, peer = result["rows"].get(LOADER_ROWS["default"], {}), fastest_peer(result)
-    ok, p = d.get("status") == "ok", result["rows"][peer] if peer else None
-    ceiling = result["rates"].get(LOADER_ROWS["ceiling"])
-    vals = {"peer": d["rate"] / p["rate"] if ok and p else None,
+    rows, d = result["rows"], result["rows"].get(LOADER_ROWS["default"], {})
+    ok, fast, cheap = d.get("status") == "ok", fastest_peer(result), cheapest_peer(result)
+    ceiling, floor = result["rates"].get(LOADER_ROWS["ceiling"]), result.get("floor", {}).get("ms")
+    vals = {"peer": d["rate"] / rows[fast]["rate"] if ok and fast else None,  # against every peer: the fastest
             "ceiling": d["rate"] / ceiling if ok and ceiling else None,
-            "cpu": d["cpu_ms"] / p["cpu_ms"] if ok and p else None,
+            "cpu": d["cpu_ms"] / rows[cheap]["cpu_ms"] if ok and cheap else None,  # every peer: the cheapest
+            "floor": d["cpu_ms"] / floor if ok and floor else None,
             "first_batch": d["first_batch"] if ok else None}
-    met = {"peer": lambda v, g: v >= g, "ceiling": lambda v, g: v >= g, "cpu": lambda v, g: v <= g,
-           "first_batch": lambda v, g: v < g}
+    at_least = lambda v, g: v >= g
+    at_most = lambda v, g: v <= g
+    met = {"peer": at_least, "ceiling": at_least, "cpu": at_most, "floor": at_most, "first_batch": lambda v, g: v < g}
     return {k: (v, LOADER_GOALS[k], v is not None and met[k](v, LOADER_GOALS[k])) for k, v in vals.items()}
 
 # %% ../../nbs/35_bench_loader.ipynb
@@ -212,23 +266,30 @@ def _once(r: dict) -> str:
 # %% ../../nbs/35_bench_loader.ipynb
 def _table_notes(result: dict) -> list[str]:
     "The notes under the loader table: how it measures, the goals and their verdicts, and what to know of this run."
-    rows, peer, g = result["rows"], fastest_peer(result), bench_ratios(result)
+    rows, g, fl = result["rows"], bench_ratios(result), result.get("floor", {})
     verdict = lambda k: "met" if g[k][2] else "MISSED"
     num = lambda v, fmt: "-" if v is None else fmt.format(v)
+    floor = (f"floor = {fl['ms']:.3f} ms per sample on one core (decode_crop at its cheapest DCT scale, {fl['mode']}; "
+             + ", ".join(f"{m} {ms:.3f}" for m, ms in fl["modes"].items()) + ")") if "ms" in fl else \
+        f"floor not measured: {'; '.join(fl.get('why', ['not run']))}"
     notes = [("samples/s and CPU from epoch 2; first batch: from asking for epoch 2's iterator; "
               "cold: building the loader + epoch 1's first batch. "
               f"ceiling = {result['per_core']:.0f} samples/s per core (decode_jpeg + v2, CPU time) "
-              f"x {result['ceiling_workers']}"),
-             (f"goal: default >= {g['peer'][1]:.2f}x the fastest exactly-once peer ({peer or 'none'}): "
-              f"{num(g['peer'][0], '{:.2f}x')} {verdict('peer')}"),
+              f"x {result['ceiling_workers']}; {floor}"),
+             (f"goal: default >= {g['peer'][1]:.2f}x every exactly-once peer's samples/s (the fastest, "
+              f"{fastest_peer(result) or 'none'}): {num(g['peer'][0], '{:.2f}x')} {verdict('peer')}"),
+             (f"goal: default CPU/sample <= {g['cpu'][1]:.2f}x every exactly-once peer's (the cheapest, "
+              f"{cheapest_peer(result) or 'none'}): {num(g['cpu'][0], '{:.2f}x')} {verdict('cpu')}"),
+             (f"goal: default CPU/sample <= {g['floor'][1]:.2f}x the floor: "
+              f"{num(g['floor'][0], '{:.2f}x')} {verdict('floor')}"),
              (f"goal: default >= {g['ceiling'][1]:.2f}x the ceiling: "
               f"{num(g['ceiling'][0], '{:.2f}x')} {verdict('ceiling')}"),
-             f"goal: default CPU/sample <= that peer's: {num(g['cpu'][0], '{:.2f}x')} {verdict('cpu')}",
              (f"goal: default first batch of epoch 2 < {g['first_batch'][1]} s: "
               f"{num(g['first_batch'][0], '{:.2f} s')} {verdict('first_batch')}")]
     why = result.get("window", "not recorded")
-    notes.append(("shardkit's default decodes only the window of each JPEG that its random crop keeps "
-                  "(the same pixels; nbs/22_jpeg); every other row, and the ceiling, decodes whole images")
+    notes.append(("shardkit's default decodes only the window of each JPEG that its random crop keeps, and resizes "
+                  "and flips it in the same pass (the same pixels; nbs/22_jpeg); every other row, and the ceiling, "
+                  "decodes whole images")
                  if why is None else f"shardkit's default decodes whole images here, like every other row: {why}")
     if rows.get(LOADER_ROWS["dali"], {}).get("status") == "ok" and not rows[LOADER_ROWS["dali"]]["exact"]:
         notes.append("DALI's reader carries its shuffle buffer across the epoch boundary (by design): "
@@ -243,6 +304,8 @@ def loader_table(result: dict) -> str:
     "`bench_loader`'s result as a table: samples/s, x shardkit, CPU ms/sample, first batches, exactly once; goals."
     rows, default = result["rows"], result["rows"].get(LOADER_ROWS["default"], {})
     ref = default.get("rate") if default.get("status") == "ok" else None
+    floor = result.get("floor", {}).get("ms")
+    over = lambda cpu: cpu / floor if cpu is not None and floor else None
     out, row_notes = [], []
     for k, r in rows.items():
         ok = r["status"] == "ok"
@@ -250,12 +313,14 @@ def loader_table(result: dict) -> str:
         if ok and r["why"]: note = f"{r['runs'] - r['ok']} of {r['runs']} runs failed: {note}"
         if note: row_notes.append(f"{k}: {note}")
         out.append(dict(loader=k, rate=r.get("rate"), x=r["rate"] / ref if ok and ref else None, cpu=r.get("cpu_ms"),
-                        first=r.get("first_batch"), cold=r.get("cold_first_batch"), once=_once(r)))
-    c = LOADER_ROWS["ceiling"]
-    out.append(dict(loader=c, rate=result["rates"][c], x=result["rates"][c] / ref if ref else None,
-                    cpu=result["cpu_ms"][c], once=""))
+                        floor=over(r.get("cpu_ms")), first=r.get("first_batch"), cold=r.get("cold_first_batch"),
+                        once=_once(r)))
+    for c in (LOADER_ROWS["ceiling"], LOADER_ROWS["floor"]):
+        if c in result["rates"]:
+            out.append(dict(loader=c, rate=result["rates"][c], x=result["rates"][c] / ref if ref else None,
+                            cpu=result["cpu_ms"][c], floor=over(result["cpu_ms"][c]), once=""))
     cols = {"loader": ("loader", "{}"), "rate": ("samples/s", "{:.0f}"), "x": ("x shardkit", "{:.2f}x"),
-            "cpu": ("CPU ms/sample", "{:.2f}"), "first": ("first batch s", "{:.2f}"),
+            "cpu": ("CPU ms/sample", "{:.2f}"), "floor": ("x floor", "{:.2f}x"), "first": ("first batch s", "{:.2f}"),
             "cold": ("cold first batch s", "{:.2f}"), "once": ("exactly once", "{}")}
     title = (f"loader benchmark: {result['samples']} samples in {result['shards']} shards, "
              f"read {result['passes']}x per epoch; {result['num_workers']} workers, {result['cores']} cores; "
@@ -268,8 +333,8 @@ def plot_bench(result: dict, path: str | Path | None = None):
     "Bar charts of the benchmark: samples/s, and CPU ms per sample; saved as PNG when `path` is given."
     import matplotlib.pyplot as plt
     names = list(result["rates"])
-    mine, ceiling = {LOADER_ROWS[n] for n in SHARDKIT_ROWS}, LOADER_ROWS["ceiling"]
-    colors = ["#2a7ab9" if k in mine else "#999999" if k == ceiling else "#c9822b" for k in names][::-1]
+    mine, yardsticks = {LOADER_ROWS[n] for n in SHARDKIT_ROWS}, {LOADER_ROWS["ceiling"], LOADER_ROWS["floor"]}
+    colors = ["#2a7ab9" if k in mine else "#999999" if k in yardsticks else "#c9822b" for k in names][::-1]
     panels = [("samples / s (higher is better)", [result["rates"][k] for k in names], "{:.0f}"),
               ("CPU ms per sample (lower is better)", [result["cpu_ms"][k] for k in names], "{:.2f}")]
     shown = [k + (" (not exactly once)" if result.get("rows", {}).get(k, {}).get("exact") is False else "")

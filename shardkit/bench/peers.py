@@ -359,7 +359,8 @@ LOADER_ROWS = {"default": "shardkit default", "whole": "shardkit default, whole-
                "random": "shardkit random access", "post": "AIStore post's pipeline",
                "wds": "webdataset, done well", "imagefolder": "torchvision ImageFolder (same decoder)",
                "litdata": "LitData", "mds": "MosaicML Streaming", "dali": "DALI (CPU)", "ffcv": "FFCV",
-               "wids": "wids (indexed tars)", "ceiling": "ceiling: decode+augment, 1 core x workers"}
+               "wids": "wids (indexed tars)", "ceiling": "ceiling: decode+augment, 1 core x workers",
+               "floor": "floor: the necessary work, 1 core x workers"}
 LOADER_MAKERS = {"default": _make_default, "whole": _make_whole, "random": _make_random, "post": _make_post,
                  "wds": _make_wds, "imagefolder": _make_imagefolder, "litdata": _make_litdata, "mds": _make_mds,
                  "dali": _make_dali, "ffcv": _make_ffcv, "wids": _make_wids}

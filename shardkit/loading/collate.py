@@ -5,6 +5,8 @@
 # %% ../../nbs/24_collate.ipynb 2
 from __future__ import annotations
 import collections
+import functools
+import weakref
 from typing import Sequence
 import numpy as np
 import torch
@@ -12,7 +14,7 @@ from torch.utils.data import default_convert, get_worker_info
 from .sources import LoaderError
 
 # %% auto 0
-__all__ = ['MAPPED_BUFFERS', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged', 'convert_batch']
+__all__ = ['MAPPED_BUFFERS', 'LENT', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged', 'convert_batch']
 
 # %% ../../nbs/24_collate.ipynb
 def _stack(col: tuple, i: int, buffers: dict | None = None):
@@ -50,11 +52,12 @@ def collate(samples: Sequence[tuple]) -> tuple:
 
 
 # %% ../../nbs/24_collate.ipynb
-# batches of one worker on their way at once: DataLoader's prefetch_factor (2), one being read, one being made
-_SLOTS = 4
+# batches of one worker at once: DataLoader's prefetch_factor (2) on their way, one being made, the one the training
+# loop holds and the one before it (lent until the next batch arrives)
+_SLOTS = 5
 
 class _WorkerPool:
-    "One worker's reusable shared batch buffers; flags[slot] is 1 while that slot's batch goes to the main process."
+    "One worker's reusable shared batch buffers; flags[slot]: 0 free, 1 on its way, 2 lent to the training loop."
     def __init__(self, slots: int = _SLOTS):
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.buffers = [{} for _ in range(slots)]  # per slot: field index -> shared storage
@@ -64,6 +67,11 @@ class _WorkerPool:
         if not len(free): return None
         self.flags[int(free[0])] = 1
         return int(free[0])
+
+    def reset(self):
+        "A new epoch: the batches DataLoader dropped on their way are free again; lent ones stay lent."
+        f = self.flags.numpy()
+        f[f == 1] = 0
 
 _POOL: list = [None, None]  # (the worker's dataset, its pool): a worker process serves one dataset
 
@@ -76,12 +84,16 @@ def worker_pool() -> _WorkerPool | None:
 
 # %% ../../nbs/24_collate.ipynb
 class PooledBatch(tuple):
-    "A worker's batch in one of its pool's buffers: `unpool()` copies it out and hands the buffer back."
+    "A worker's batch in one of its pool's buffers: `lend()` hands it out as it is, `unpool()` copies it out."
     def __new__(cls, values, flags=None, slot: int | None = None):
         batch = super().__new__(cls, values)
         batch.flags, batch.slot = flags, slot
         return batch
     def __reduce__(self): return PooledBatch, (tuple(self), self.flags, self.slot)
+
+    def lend(self) -> list:
+        "The batch in its buffer, no copy, a list as DataLoader's; the buffer goes back once nothing holds it."
+        return LENT.lend(self) if self.flags is not None and _can_lend() else self.unpool()
 
     def unpool(self) -> list:
         "The batch in ordinary memory (numpy copies: one thread), a list as DataLoader's; its buffer freed for reuse."
@@ -111,3 +123,55 @@ def convert_batch(batch):
     "ShardLoader's collate_fn: DataLoader's default_convert, but a pooled batch stays one (it would lose its flags)."
     if isinstance(batch, WorkerTagged): return WorkerTagged(batch.worker, convert_batch(batch.item))
     return batch if isinstance(batch, PooledBatch) else default_convert(batch)
+
+# %% ../../nbs/24_collate.ipynb
+_LENT = 2  # a slot's flag while its batch is lent (1: on its way, 0: free)
+
+def _use_count(storage) -> int: return torch._C._storage_Use_Count(storage._cdata)
+
+@functools.cache
+def _can_lend() -> bool: return hasattr(torch._C, "_storage_Use_Count")
+
+@functools.cache
+def _finalizers_see_the_dying() -> bool:
+    "Whether a tensor's finalizer runs while the tensor still holds its memory (a count of 2 there: it, and LENT)."
+    s, seen = torch.UntypedStorage(8), []
+    t = torch.empty(0, dtype=torch.uint8).set_(s, 0, (8,))
+    weakref.finalize(t, lambda: seen.append(_use_count(s)))
+    del t
+    return seen == [2] and _use_count(s) == 1
+
+# %% ../../nbs/24_collate.ipynb
+class _Lending:
+    "Pool buffers lent to the training loop, with a reference to each field's memory; given back when only it is left."
+    def __init__(self, most: int = 64):
+        # (flags address, slot) -> [flags, slot, each field's storage, lent]
+        self.slots, self.most = collections.OrderedDict(), most
+
+    def lend(self, batch: PooledBatch) -> list:
+        key = (batch.flags.data_ptr(), batch.slot)
+        storages = [v.untyped_storage() if isinstance(v, torch.Tensor) else None for v in batch]
+        batch.flags[batch.slot] = _LENT
+        self.slots[key] = [batch.flags, batch.slot, storages, True]
+        self.slots.move_to_end(key)
+        for k in [k for k, rec in self.slots.items() if not rec[3]][:len(self.slots) - self.most]: del self.slots[k]
+        out = list(batch)
+        if _finalizers_see_the_dying():
+            for i, v in enumerate(out):
+                if isinstance(v, torch.Tensor): weakref.finalize(v, self.give_back, key, i).atexit = False
+        return out
+
+    def give_back(self, key=None, dying: int | None = None):
+        "Free each lent buffer nothing else holds (only `key`'s, when the tensor of its field `dying` is deleted)."
+        for rec in [self.slots.get(key)] if key is not None else list(self.slots.values()):
+            if rec is not None and rec[3] and all(s is None or _use_count(s) <= 1 + (i == dying)
+                                                  for i, s in enumerate(rec[2])):
+                rec[0][rec[1]], rec[3] = 0, False
+
+    def lent(self) -> int: return sum(rec[3] for rec in self.slots.values())
+    def forget(self):
+        "Unmap the buffers given back (a loader starts new workers); those still lent stay until given back."
+        self.give_back()
+        for k in [k for k, rec in self.slots.items() if not rec[3]]: del self.slots[k]
+
+LENT = _Lending()

@@ -20,15 +20,18 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.transforms.v2 import functional as F
 from .. import native
 from ..config import private_dir, shardkit_home, why_untrusted
-from ..errors import ShardkitError
+from ..errors import ShardkitError, UsageError
 
 # %% auto 0
-__all__ = ['JpegError', 'why_no_window_decode', 'window_decoder_path', 'decode_window', 'EncodedJpeg']
+__all__ = ['DCT_MODES', 'JpegError', 'why_no_crop_decode', 'why_no_window_decode', 'window_decoder_path', 'decode_window',
+           'dct_scale', 'decode_crop', 'EncodedJpeg']
 
 # %% ../../nbs/22_jpeg.ipynb
 _NATIVE = Path(native.__file__).parent  # shardkit/native: the C source, and the extension pip built from it
@@ -67,7 +70,7 @@ def _compile(dest: Path) -> str | None:
         src.write_bytes(_source())  # the bytes the key hashed
         cmd = [*shlex.split(cc), "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                *shlex.split(os.environ.get("CFLAGS", "")), "-o", str(out), str(src),
-               *shlex.split(os.environ.get("LDFLAGS", "")), "-ljpeg"]
+               *shlex.split(os.environ.get("LDFLAGS", "")), "-ljpeg", "-lm"]
         try: r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e: return f"{cc} failed to run ({e}): {_HINT}"
         if r.returncode:
@@ -111,22 +114,40 @@ def _library_path(home: Path | None = None) -> Path:
     return (home or shardkit_home()) / "native" / f"jpeg-window-{key}.so"
 
 # %% ../../nbs/22_jpeg.ipynb
-def _bind(lib):
-    fn = lib.sk_decode_rgb_window
-    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+class _Native(NamedTuple):
+    "The library's two functions: a window as decoded; a crop decoded, resized and flipped (None: not used here)."
+    window: object
+    crop: object
 
-def _call(fn, data: bytes, top: int, left: int, height: int, width: int) -> torch.Tensor | None:
+def _bind(lib) -> _Native:
+    win, crop = lib.sk_decode_rgb_window, lib.sk_decode_crop
+    win.argtypes = [ctypes.c_char_p, ctypes.c_size_t] + [ctypes.c_int] * 4 + [
+        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    crop.argtypes = [ctypes.c_char_p, ctypes.c_size_t] + [ctypes.c_int] * 8 + [
+        ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_char_p, ctypes.c_int]
+    win.restype = crop.restype = ctypes.c_int
+    return _Native(win, crop)
+
+def _failed(msg) -> JpegError:
+    return JpegError(f"cannot decode this JPEG: {msg.value.decode(errors='replace') or 'libjpeg gave no reason'}")
+
+def _call(native: _Native, data: bytes, top: int, left: int, height: int, width: int) -> torch.Tensor | None:
     fits = 0 < height <= 65535 and 0 < width <= 65535
     out = torch.empty((height, width, 3) if fits else (0, 0, 3), dtype=torch.uint8)
     msg = ctypes.create_string_buffer(256)
-    r = fn(bytes(data), len(data), top, left, height, width, out.data_ptr(), msg, len(msg))
+    r = native.window(bytes(data), len(data), top, left, height, width, out.data_ptr(), msg, len(msg))
     if r == 1: return None
-    if r or not fits:
-        raise JpegError(f"cannot decode this JPEG: {msg.value.decode(errors='replace') or 'libjpeg gave no reason'}")
+    if r or not fits: raise _failed(msg)
     return out.permute(2, 0, 1)
+
+def _call_crop(native: _Native, data: bytes, box, size, flip: bool, scale: int, out: torch.Tensor):
+    "sk_decode_crop into `out`: `out`, or None for a CMYK JPEG."
+    msg = ctypes.create_string_buffer(256)
+    r = native.crop(bytes(data), len(data), *box, scale, *size, int(flip), out.data_ptr(), out.stride(0),
+                    out.stride(1), msg, len(msg))
+    if r == 1: return None
+    if r: raise _failed(msg)
+    return out
 
 # %% ../../nbs/22_jpeg.ipynb
 def _probe_jpeg() -> bytes:
@@ -138,18 +159,31 @@ def _probe_jpeg() -> bytes:
     Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=80, subsampling=2)
     return buf.getvalue()
 
-def _agrees(fn) -> bool:
+_PROBES = [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)]
+
+def _agrees(native: _Native) -> bool:
     probe = _probe_jpeg()
     full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    return all(torch.equal(_call(fn, probe, top, left, h, w), full[:, top:top + h, left:left + w])
-               for top, left, h, w in [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)])
+    return all(torch.equal(_call(native, probe, top, left, h, w), full[:, top:top + h, left:left + w])
+               for top, left, h, w in _PROBES)
+
+def _crop_agrees(native: _Native) -> bool:
+    "Whether sk_decode_crop resizes (down and up) and flips the probe's crops exactly as torchvision does here."
+    probe = _probe_jpeg()
+    full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    sizes, flips = [(24, 24), (40, 36), (16, 16), (3, 2)], [False, True, True, False]
+    for (top, left, h, w), size, flip in zip(_PROBES, sizes, flips):
+        want = F.resize_image(full[:, top:top + h, left:left + w], list(size), antialias=True)
+        got = _call_crop(native, probe, (top, left, h, w), size, flip, 8, torch.empty((3, *size), dtype=torch.uint8))
+        if not torch.equal(got, want.flip(-1) if flip else want): return False
+    return True
 
 def _load(path: Path):
-    "(the C function, None) if the library at `path` loads and decodes as torchvision does; else (None, why)."
+    "(the C functions, None) if the library at `path` loads and decodes as torchvision does; else (None, why)."
     lib = None
     try:
         lib = ctypes.CDLL(str(path))
-        if _agrees(fn := _bind(lib)): return fn, None
+        if _agrees(native := _bind(lib)): return native if _crop_agrees(native) else native._replace(crop=None), None
         why = ("this machine's libjpeg decodes to other pixels than torchvision's; whole images are decoded "
                "so that crops stay the same")
     except (OSError, AttributeError) as e: why = f"the window decoder could not be loaded ({e}): {_HINT}"
@@ -207,6 +241,13 @@ def _decoder():
     if installed: warnings.warn(f"{installed}; the window decoder built in {path.parent} is used instead", stacklevel=3)
     return fn, None, path
 
+def why_no_crop_decode() -> str | None:
+    "None when JPEG crops are decoded, resized and flipped in one pass here (`decode_crop`); else why not."
+    native, why, _ = _decoder()
+    if native is None: return why
+    if native.crop is not None: return None
+    return "its resize differs from torchvision's here: crops are resized by torchvision"
+
 def why_no_window_decode() -> str | None:
     "None when JPEG windows can be decoded here; else why not, and what to install or change."
     return _decoder()[1]
@@ -218,9 +259,49 @@ def window_decoder_path() -> Path | None:
 # %% ../../nbs/22_jpeg.ipynb
 def decode_window(data: bytes, top: int, left: int, height: int, width: int) -> torch.Tensor | None:
     "Rows `top`..`top+height`, columns `left`..`left+width` of `data`: uint8 RGB, 3 x height x width; None for CMYK."
-    fn, why, _ = _decoder()
-    if fn is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
-    return _call(fn, data, top, left, height, width)
+    native, why, _ = _decoder()
+    if native is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
+    return _call(native, data, top, left, height, width)
+
+# %% ../../nbs/22_jpeg.ipynb
+DCT_MODES = ("off", "pow2", "any")  # what `dct_scale` may be asked for
+
+def dct_scale(height: int,    # The crop's height in the image, pixels
+              width: int,     # Its width
+              out_h: int,     # The height it is resized to
+              out_w: int,     # The width
+              mode: str = "off",  # "off": 8/8; "pow2": the smallest of 1, 2, 4, 8; "any": the smallest M
+             ) -> int:  # M, of the scale M/8 to decode at
+    "M of the smallest scale M/8 at which a `height` x `width` crop is still at least `out_h` x `out_w` (see `mode`)."
+    if mode not in DCT_MODES: raise UsageError(f"dct_scale must be one of {', '.join(DCT_MODES)}, not {mode!r}")
+    m = max(1, -(-8 * out_h // max(height, 1)), -(-8 * out_w // max(width, 1)))
+    if mode == "off" or m >= 8: return 8
+    return 1 << (m - 1).bit_length() if mode == "pow2" else m
+
+# %% ../../nbs/22_jpeg.ipynb
+def decode_crop(data: bytes,             # A JPEG
+                top: int, left: int,     # The crop's top-left corner in the image
+                height: int, width: int, # Its size
+                size,                    # The output's (height, width), or one int for a square
+                flip: bool = False,      # Mirror it left to right
+                dct: str = "off",        # Decode at a smaller DCT scale where the crop allows: `dct_scale`'s mode
+                out: torch.Tensor | None = None,  # Where to write it: uint8 3 x H x W, pixels contiguous
+               ) -> torch.Tensor | None:  # uint8 3 x H x W RGB (`out` if given); None for a CMYK JPEG
+    "The crop, resized as torchvision's antialiased bilinear resize does and mirrored if `flip`, in one pass."
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    if out is None: out = torch.empty((3, *size), dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or tuple(out.shape) != (3, *size) or out.stride(2) != 1 or out.device.type != "cpu":
+        raise UsageError(f"out must be a uint8 CPU tensor of shape (3, {size[0]}, {size[1]}) with contiguous rows, "
+                         f"not {out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
+    native, why, _ = _decoder()
+    if native is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
+    if native.crop is not None:
+        scale = dct_scale(height, width, *size, dct)
+        return _call_crop(native, data, (top, left, height, width), size, flip, scale, out)
+    x = _call(native, data, top, left, height, width)
+    if x is None: return None
+    x = F.resize_image(x, list(size), antialias=True)
+    return out.copy_(x.flip(-1) if flip else x)
 
 # %% ../../nbs/22_jpeg.ipynb
 def _outside(top: int, left: int, height: int, width: int, h: int, w: int) -> str | None:
@@ -254,3 +335,14 @@ class EncodedJpeg:
         if why := _outside(top, left, height, width, *whole.shape[1:]):
             raise JpegError(f"cannot decode this JPEG: {why}")
         return whole[:, top:top + height, left:left + width]
+
+    def crop(self, top: int, left: int, height: int, width: int, size, flip: bool = False, dct: str = "off",
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        "The box resized to `size`, mirrored if `flip` (`decode_crop`, into `out` if given); else from `window`."
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        if why_no_window_decode() is None:
+            x = decode_crop(self.data, top, left, height, width, size, flip, dct, out)
+            if x is not None: return x
+        x = F.resize_image(self.window(top, left, height, width), list(size), antialias=True)
+        x = x.flip(-1) if flip else x
+        return x if out is None else out.copy_(x)

@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
 from ..remote import Retries, as_retries
-from .collate import MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
+from .collate import LENT, MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
@@ -64,8 +64,8 @@ class ShardDataset(wds.DataPipeline):
 
     def __iter__(self):
         # A new epoch in a worker: DataLoader has dropped, unread, every batch of the last one still on its way (its
-        # reset drains them before the workers go on), so buffers whose batches were never handed back are free again
-        if (pool := worker_pool()) is not None: pool.flags.zero_()
+        # reset drains them before the workers go on), so their buffers are free again; lent ones stay lent
+        if (pool := worker_pool()) is not None: pool.reset()
         if self.tag_workers:  # under a ShardLoader: each item says which worker made it (the loader counts them)
             for x in super().__iter__(): yield WorkerTagged(self.shards.ctx["worker"], x)
         else: yield from super().__iter__()
@@ -105,7 +105,7 @@ class ShardLoader(wds.WebLoader):
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle_across: int = 0, **kw):
         rebatch = not shuffle_across and batch_size and batch_size != dataset.batch_size
         dataset = dataset.rebatched(batch_size) if rebatch else copy.copy(dataset)
-        dataset.pool_batches = num_workers > 0  # workers reuse batch buffers; iterator1 copies each batch out, frees it
+        dataset.pool_batches = num_workers > 0  # workers reuse batch buffers, lent out or copied out by _counted
         dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the state
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": convert_batch, **kw})
         self.dataset, self.num_workers, self.shuffle_across, self.epoch = dataset, num_workers, shuffle_across, 0
@@ -124,8 +124,9 @@ class ShardLoader(wds.WebLoader):
         shards, loader = self.dataset.shards, self.pipeline[0]
         self.epoch = shards.epoch
         if self._workers_next != self.epoch: restart_workers(loader)  # asked for another epoch (set_epoch): afresh
-        # new workers, new buffers: unmap the old ones
-        if getattr(loader, "_iterator", None) is None: MAPPED_BUFFERS.clear()
+        # new workers, new buffers: unmap the old ones (those the loop still holds stay lent to it)
+        if getattr(loader, "_iterator", None) is None: MAPPED_BUFFERS.clear(); LENT.forget()
+        else: LENT.give_back()  # the batches of the last epoch that the loop let go of
         self._taken, self._resumed, self._running = self._resumed or [0] * max(self.num_workers, 1), None, True
         self._next = shards.rotation[1] if shards.rotation and shards.rotation[0] == self.epoch else 0
         source = self._counted(iter(loader))  # starts the workers (they copy the dataset at this epoch) or resumes them
@@ -137,11 +138,13 @@ class ShardLoader(wds.WebLoader):
 # %% ../../nbs/25_stream.ipynb
 @patch
 def _counted(self: ShardLoader, items):
-    "The workers' batches in ordinary memory, each counted for the worker that made it; the epoch ends when they do."
+    "The workers' batches, each counted for the worker that made it; the epoch ends when they do."
     for t in items:
         if isinstance(t, WorkerTagged):
             self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
-        yield t.unpool() if isinstance(t, PooledBatch) else t
+        LENT.give_back()  # the buffers of earlier batches the loop has let go of
+        # lent as they are; copied out where shuffle_across keeps their samples for a while (buffers would run out)
+        yield (t.unpool() if self.shuffle_across else t.lend()) if isinstance(t, PooledBatch) else t
     self._running = False
 
 @patch

@@ -4,9 +4,9 @@
 
 # %% ../../nbs/23_transforms.ipynb 2
 from __future__ import annotations
-import contextlib
 import functools
 import math
+import threading
 from typing import Sequence
 import torch
 from torch.utils.data import get_worker_info
@@ -56,11 +56,12 @@ class TrainTransform(v2.Compose):
                  scale: tuple[float, float] = (0.08, 1.0),    # Range of the crop's share of the image area
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), # Range of the crop's aspect ratio
                  normalize: bool = False,                     # Return float32, ImageNet-normalised images
-                 window: bool = True):                        # JPEGs handed over encoded: decode only the crop
+                 window: bool = True,                         # JPEGs handed over encoded: decode only the crop
+                 dct: str = "off"):                           # Decode large crops at M/8 scale: "off", "pow2", "any"
         tfs = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True), v2.RandomHorizontalFlip()]
         if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
         super().__init__(tfs)
-        self.normalize, self.window = normalize, window
+        self.normalize, self.window, self.dct = normalize, window, dct
 
     def takes_encoded(self) -> bool:
         "Whether to hand it JPEGs undecoded (`EncodedJpeg`): `window` is on and this machine decodes windows."
@@ -84,26 +85,36 @@ def train_transform(size: int = 224,                     # Output side, pixels
                     scale: tuple[float, float] = (0.08, 1.0), # Range of the crop's share of the image area
                     normalize: bool = False,             # Return float32, ImageNet-normalised images
                     window: bool = True,                 # JPEGs handed over encoded: decode only the crop
+                    dct: str = "off",                    # Decode large crops at M/8 scale: "off", "pow2", "any"
                    ) -> TrainTransform:
     "The post's training augmentation of (image, trimap, ...) tuples: one crop and flip for all, optional normalising."
-    return TrainTransform(size, scale, normalize=normalize, window=window)
+    return TrainTransform(size, scale, normalize=normalize, window=window, dct=dct)
 
 
 # %% ../../nbs/23_transforms.ipynb
 @functools.lru_cache(maxsize=None)
 def _log_ratio(ratio: tuple[float, float]) -> list[float]: return torch.log(torch.tensor(ratio)).tolist()
 
+_DRAWS = threading.local()
+
+def _draw_buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    "This thread's one-element float32 and int64 tensors that crop_box draws into (no tensor made per draw)."
+    b = getattr(_DRAWS, "b", None)
+    if b is None: b = _DRAWS.b = (torch.empty(1), torch.empty(1, dtype=torch.int64))
+    return b
+
 def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
              generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
     "RandomResizedCrop's (top, left, height, width): `make_params`'s draws in order, from torch's or `generator`."
-    area, (r0, r1) = height * width, _log_ratio(tuple(ratio))
+    area, (r0, r1), (f, i) = height * width, _log_ratio(tuple(ratio)), _draw_buffers()
     for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect_ratio = torch.exp(torch.empty(1).uniform_(r0, r1, generator=generator)).item()
+        # the same draws as torch.empty(1).uniform_, torch.exp and torch.randint, into reused tensors
+        target_area = area * f.uniform_(scale[0], scale[1], generator=generator).item()
+        aspect_ratio = f.uniform_(r0, r1, generator=generator).exp_().item()
         w, h = int(round(math.sqrt(target_area * aspect_ratio))), int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < w <= width and 0 < h <= height:
-            top = torch.randint(0, height - h + 1, size=(1,), generator=generator).item()
-            return top, torch.randint(0, width - w + 1, size=(1,), generator=generator).item(), h, w
+            top = i.random_(0, height - h + 1, generator=generator).item()
+            return top, i.random_(0, width - w + 1, generator=generator).item(), h, w
     r = width / height  # ten misses: the central crop within the ratio range
     if r < min(ratio): h, w = int(round(width / min(ratio))), width
     elif r > max(ratio): h, w = height, int(round(height * max(ratio)))
@@ -111,31 +122,36 @@ def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
     return (height - h) // 2, (width - w) // 2, h, w
 
 # %% ../../nbs/23_transforms.ipynb
-def _crop_flip(tf: TrainTransform, values: tuple) -> tuple | None:
-    "TrainTransform's direct path; None unless the images are all C x H x W Images, Masks and EncodedJpegs of one size."
+def _bilinear(mode) -> bool:
+    "Whether an interpolation (an InterpolationMode, or the string v2 may keep) is bilinear."
+    return getattr(mode, "value", mode) == "bilinear"
+
+def _crop_flip(tf: TrainTransform, values: tuple, wrap: bool = True) -> tuple | None:
+    "TrainTransform's direct path (Image/Mask types if `wrap`); None unless the images are Images/Masks/EncodedJpegs."
     images = [v for v in values if isinstance(v, (torch.Tensor, EncodedJpeg))]
     if not images or any(type(t) not in (tv_tensors.Image, tv_tensors.Mask, EncodedJpeg) or t.ndim != 3
                          or t.shape[-2:] != images[0].shape[-2:] for t in images): return None
     rrc, flip = tf.transforms[0], tf.transforms[1]
     top, left, h, w = crop_box(*images[0].shape[-2:], rrc.scale, rrc.ratio)
-    flipped = not torch.rand(1) >= flip.p  # RandomHorizontalFlip's draw
+    flipped = torch.rand(1).item() < flip.p  # RandomHorizontalFlip's draw
     out = []
     for v in values:
         if type(v) in (tv_tensors.Image, EncodedJpeg):
-            # only the box is decoded; resizing it is what resized_crop_image does after cropping
-            if type(v) is EncodedJpeg:
-                x = F.resize_image(v.window(top, left, h, w), rrc.size, interpolation=rrc.interpolation,
-                                   antialias=rrc.antialias)
-            else:
-                x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size,
-                                         interpolation=rrc.interpolation, antialias=rrc.antialias)
-            if flipped: x = F.horizontal_flip_image(x)
+            if type(v) is EncodedJpeg and _bilinear(rrc.interpolation) and rrc.antialias:
+                x = v.crop(top, left, h, w, rrc.size, flipped, tf.dct)  # decoded, resized and flipped in one pass
+            else:  # only the box is decoded; resizing it is what resized_crop_image does after cropping
+                x = (F.resize_image(v.window(top, left, h, w), rrc.size, interpolation=rrc.interpolation,
+                                    antialias=rrc.antialias) if type(v) is EncodedJpeg else
+                     F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size,
+                                          interpolation=rrc.interpolation, antialias=rrc.antialias))
+                if flipped: x = F.horizontal_flip_image(x)
             if tf.normalize:
                 x = F.normalize_image(F.to_dtype_image(x, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
-            v = x.as_subclass(tv_tensors.Image)
+            v = x.as_subclass(tv_tensors.Image) if wrap else x
         elif type(v) is tv_tensors.Mask:
             x = F.resized_crop_mask(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size)
-            v = (F.horizontal_flip_mask(x) if flipped else x).as_subclass(tv_tensors.Mask)
+            x = F.horizontal_flip_mask(x) if flipped else x
+            v = x.as_subclass(tv_tensors.Mask) if wrap else x
         out.append(v)
     return tuple(out)
 
@@ -157,27 +173,33 @@ def normalize_batch(images: torch.Tensor, device=None, mean=IMAGENET_MEAN, std=I
 
 
 # %% ../../nbs/23_transforms.ipynb
-@contextlib.contextmanager
-def _seeded(seed: int):
+class _seeded:
+    "Within it, torch's CPU generator is seeded with `seed`; outside a worker its state is restored afterwards."
     # the CPU generator only: torch.manual_seed also visits every accelerator backend, 100x slower
-    gen = torch.default_generator
-    saved = gen.get_state() if get_worker_info() is None else None
-    gen.manual_seed(seed)
-    try: yield
-    finally:
-        if saved is not None: gen.set_state(saved)
+    def __init__(self, seed: int): self.seed = seed
+    def __enter__(self):
+        gen = torch.default_generator
+        self.saved = gen.get_state() if get_worker_info() is None else None
+        gen.manual_seed(self.seed)
+    def __exit__(self, *exc):
+        if self.saved is not None: torch.default_generator.set_state(self.saved)
 
 def _plain(v):
     return v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor else v
 
 def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
     if isinstance(transform, dict): return tuple(transform[k](v) if k in transform else v for k, v in zip(keys, values))
+    if type(transform) is TrainTransform and not (transform._forward_hooks or transform._forward_pre_hooks):
+        out = _crop_flip(transform, values, wrap=False)  # its direct path, minus the Module call and the wrapping
+        if out is not None: return out
     return tuple(transform(values))
+
+@functools.lru_cache(maxsize=256)
+def _picture_jpeg_key(key: str) -> bool: return is_jpeg_key(key) and not is_mask_key(key)
 
 def _field(key: str, data, allow_pickle: bool, encoded: bool):
     "decode_value, but a JPEG for a transform that takes it encoded: its header read (a bomb refused), not its pixels."
-    if encoded and isinstance(data, (bytes, bytearray)) and is_jpeg_key(key) and \
-            not is_mask_key(key) and data[:2] == b"\xff\xd8":
+    if encoded and isinstance(data, (bytes, bytearray)) and _picture_jpeg_key(key) and data[:2] == b"\xff\xd8":
         return EncodedJpeg(data, *image_size(data))
     return decode_value(key, data, allow_pickle)
 
