@@ -356,7 +356,7 @@ OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weigh
               "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)}
 
 def train_epochs(model: nn.Module,                 # The model to train (moved to `device`)
-                 loader,                           # Batches of (images, labels, ...) in any order, e.g. create_dataloader's
+                 loader,                           # Batches of (images, labels, ...) in any order (create_dataloader's)
                  epochs: int = 3,                  # Passes over `loader`
                  lr: float = 3e-3,                 # Learning rate
                  device: str = "cpu",              # Where to train
@@ -367,7 +367,8 @@ def train_epochs(model: nn.Module,                 # The model to train (moved t
                  optimizer: str = "adamw",         # adamw, or sgd (with momentum, as `shardkit train`)
                 ) -> list[float]:                  # Each step's loss, over all epochs (a resumed run's included)
     "Train `model` on the batches of `loader` for `epochs` passes; each step's loss. Resumable, mid-epoch included."
-    if optimizer not in OPTIMIZERS: raise TrainError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
+    if optimizer not in OPTIMIZERS:
+        raise TrainError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
     dev = torch.device(device)
     model.to(dev)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr)

@@ -140,7 +140,8 @@ def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, 
         runs += [(f"shardkit CPU loader{how(t)}", cpu(t), None) for t in threads]
         return runs + ([("NVIDIA DALI (mixed decoder)", dali_run, None)] if dali else [])
     fn, w = make_step(step, dev), f"{num_workers} workers"
-    runs = [(f"step alone: {step}, synthetic uint8 batches on {dev.type}", lambda: _synthetic(batch_size, size, dev), fn),
+    synthetic = lambda: _synthetic(batch_size, size, dev)
+    runs = [(f"step alone: {step}, synthetic uint8 batches on {dev.type}", synthetic, fn),
             (f"{on} alone, one process, no crops", lambda: _decoded(urls, image_key, batch_size, dev), None)]
     runs += [(f"shardkit GPU loader alone ({w}{how(t)})", gpu(t), None) for t in threads]
     runs += [(f"shardkit GPU loader + step ({w}{how(t)})", gpu(t), fn) for t in threads]

@@ -281,7 +281,8 @@ class GpuLoader:
 
     def __repr__(self):
         return (f"GpuLoader({len(self.shards.urls)} shards, keys={self.keys}, batch_size={self.batch_size}, "
-                f"device={self.device}, workers={self.loader.num_workers}, prefetch={self.prefetch}, thread={self.thread}, "
+                f"device={self.device}, workers={self.loader.num_workers}, prefetch={self.prefetch}, "
+                f"thread={self.thread}, "
                 f"seed={self.shards.seed}, epoch={self.shards.epoch})")
 
 # %% ../../nbs/29_gpu.ipynb
@@ -292,7 +293,7 @@ def _mark(self: GpuLoader, stream):
     ev = torch.cuda.Event(enable_timing=True); ev.record(stream or torch.cuda.current_stream(self.device)); return ev
 
 def _pinned(self: GpuLoader, data: torch.Tensor) -> torch.Tensor:
-    "`data` copied into the next of a ring of pinned buffers (made once, grown for a larger batch): no pinning per batch."
+    "`data` copied into the next of a ring of pinned buffers (made once, grown when a batch is larger): no pinning."
     self._slot = i = (self._slot + 1) % len(self._ring)  # reused prefetch + 3 batches later, long after its decode
     if self._ring[i] is None or self._ring[i].numel() < data.numel():
         self._ring[i] = torch.empty(data.numel() + data.numel() // 4, dtype=torch.uint8, pin_memory=True)
