@@ -13,6 +13,10 @@ NBS = ROOT / "nbs"
 OUT = ROOT / "tests" / "_out"
 from conftest import CHROMEDRIVER, CHROMIUM, headless_chromium
 
+# the site is built once, in a module fixture: under pytest-xdist every test of it runs on one worker, or each
+# worker that takes one would build the site again (about a minute of the suite)
+pytestmark = pytest.mark.xdist_group("docs")
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):

@@ -7,16 +7,20 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
+from fastcore.basics import patch
 from ..errors import ShardkitError
 
 # %% auto 0
-__all__ = ['BenchError', 'cpu_seconds', 'format_bench', 'run_child', 'drop_page_cache', 'warm_page_cache']
+__all__ = ['BenchError', 'cpu_seconds', 'format_bench', 'run_child', 'warm_children', 'drop_page_cache', 'warm_page_cache']
 
 # %% ../../nbs/31_bench_core.ipynb
 class BenchError(ShardkitError):
@@ -52,16 +56,20 @@ def format_bench(rows: list[dict],            # One dict per contender
     return "\n".join(([title] if title else []) + [line(heads)] + [line(c) for c in cells] + list(notes))
 
 # %% ../../nbs/31_bench_core.ipynb
-def _child():
-    "A benchmark subprocess: `function(spec)`, argv[1] 'module:function', argv[2] spec (JSON); prints `RESULT <json>`."
+def _run_task(task: str, spec: str):
+    "`function(spec)` of `task` ('module:function'; `spec` JSON): prints `RESULT <json>` and ends this process at once."
     warnings.simplefilter("ignore")  # more workers than shards, peers' version notices: the table says what matters
     try:
-        mod, fn = sys.argv[1].split(":")
-        res = getattr(importlib.import_module(mod), fn)(json.loads(sys.argv[2]))
+        mod, fn = task.split(":")
+        res = getattr(importlib.import_module(mod), fn)(json.loads(spec))
     except Exception as e:  # this run failed: the parent shows why in the table
         res = dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
     print("RESULT " + json.dumps(res), flush=True)
     os._exit(0)  # some loaders' exit hooks (shared memory, thread pools) linger; the result is out
+
+def _child():
+    "A benchmark subprocess: argv[1] 'module:function', argv[2] its spec (JSON)."
+    _run_task(sys.argv[1], sys.argv[2])
 
 def _tree_rss(proc) -> int:
     "Resident bytes of `proc` (a psutil.Process) and all its live descendants (shared pages counted in each)."
@@ -74,37 +82,124 @@ def _tree_rss(proc) -> int:
         except psutil.Error: pass  # it ended between the listing and the reading
     return total
 
+def _result(out: str, err: str, rc: int, peak: int | None) -> dict:
+    "What a child printed, read back: its `RESULT` (with `peak_rss_mb` when sampled), or why it gave none."
+    for line in reversed(out.splitlines()):
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            if peak is not None and isinstance(res, dict): res["peak_rss_mb"] = round(peak / 1e6, 1)
+            return res
+    tail = [line for line in err.strip().splitlines() if line.strip()][-2:]
+    return dict(error=f"exit {rc}: " + " | ".join(tail))
+
 # %% ../../nbs/31_bench_core.ipynb
+def _child_env() -> dict:
+    "The children's environment: this checkout of shardkit first (also from a worktree or a notebook), quiet peers."
+    import shardkit
+    here = str(Path(shardkit.__file__).resolve().parent.parent)
+    return dict(os.environ, LITDATA_DISABLE_VERSION_CHECK="1", PYTHONWARNINGS="ignore",
+                PYTHONPATH=os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                     else [])))
+
+def _watch(pid: int, done: Callable, timeout: float, memory: bool) -> tuple[bool, int | None]:
+    """Wait for `done(seconds)` (True once the child `pid` has ended), sampling its tree's memory every 0.1 s when
+    asked; past `timeout` kill the child and all it started. (finished in time, peak resident bytes or None)."""
+    import psutil
+    try: watch = psutil.Process(pid)
+    except psutil.Error: watch = None  # already over
+    peak, end = 0, time.monotonic() + timeout
+    while not done(0.1 if memory else max(0.01, end - time.monotonic())):
+        if time.monotonic() > end:
+            try:
+                for c in (watch.children(recursive=True) + [watch]) if watch else []: c.kill()
+            except psutil.Error: pass
+            return False, None
+        if memory and watch: peak = max(peak, _tree_rss(watch))
+    return True, peak if memory else None
+
+_WARM = None  # the template `run_child` forks from, inside `warm_children` (below)
+
 def run_child(task: str,             # The benchmark to run: 'module:function', taking `spec`
               spec: dict,            # Its argument (JSON)
               timeout: float = 600,  # Seconds before the child and everything it started are killed
               memory: bool = False,  # Also sample the process tree's RSS every 0.1 s: `peak_rss_mb` in the result
              ) -> dict:
-    "Run `task` ('module:function', taking `spec`) in a fresh Python process: its JSON result, or dict(error=why)."
-    import psutil
-    import shardkit
-    here = str(Path(shardkit.__file__).resolve().parent.parent)  # the same shardkit, also from a worktree or a notebook
-    env = dict(os.environ, LITDATA_DISABLE_VERSION_CHECK="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                    else [])))
+    """Run `task` ('module:function', taking `spec`) in a fresh Python process: its JSON result, or dict(error=why).
+    Inside `warm_children(...)` the process is forked from one that has imported the modules already."""
+    if _WARM: return _WARM.run(task, spec, timeout, memory)
     cmd = [sys.executable, "-c", "from shardkit.bench.core import _child; _child()", task, json.dumps(spec)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    watch, peak, end = psutil.Process(p.pid), 0, time.monotonic() + timeout
-    while True:
-        try: out, err = p.communicate(timeout=0.1 if memory else timeout); break
-        except subprocess.TimeoutExpired:  # communicate again later loses no output
-            if time.monotonic() > end:
-                for c in watch.children(recursive=True): c.kill()
-                p.kill(); p.communicate()
-                return dict(error=f"timed out after {timeout:.0f} s")
-            peak = max(peak, _tree_rss(watch))
-    for line in reversed(out.splitlines()):
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
-            if memory and isinstance(res, dict): res["peak_rss_mb"] = round(peak / 1e6, 1)
-            return res
-    tail = [line for line in err.strip().splitlines() if line.strip()][-2:]
-    return dict(error=f"exit {p.returncode}: " + " | ".join(tail))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True, env=_child_env())
+        def done(t):
+            try: p.wait(t); return True
+            except subprocess.TimeoutExpired: return False
+        ok, peak = _watch(p.pid, done, timeout, memory)
+        if not ok: p.wait(); return dict(error=f"timed out after {timeout:.0f} s")
+        out.seek(0); err.seek(0)
+        return _result(out.read(), err.read(), p.returncode, peak)
+
+# %% ../../nbs/31_bench_core.ipynb
+def _zygote():
+    "The template: imports argv[1:], then forks one child per request line `[task, spec, out, err]` and reaps it."
+    warnings.simplefilter("ignore")
+    for m in sys.argv[1:]: importlib.import_module(m)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        task, spec, out, err = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the child: its own output files, no stdin, then the task
+            try:
+                for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+                    f = os.open(path, mode); os.dup2(f, fd); os.close(f)
+                _run_task(task, spec)
+            finally: os._exit(1)
+        print(f"PID {pid}", flush=True)
+        print(f"EXIT {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}", flush=True)
+
+# %% ../../nbs/31_bench_core.ipynb
+class warm_children:
+    "Within this context `run_child` forks its children from one process that has imported `modules` already."
+    def __init__(self, modules: Iterable[str], timeout: float = 300):  # modules to import; seconds to import them
+        self.modules, self.timeout, self.p = list(modules), timeout, None
+    def __enter__(self):
+        global _WARM
+        cmd = [sys.executable, "-c", "from shardkit.bench.core import _zygote; _zygote()", *self.modules]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_child_env())
+        self.lines = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(x) for x in self.p.stdout] + [self.lines.put("")],
+                         daemon=True).start()
+        self._expect("READY", self.timeout)
+        _WARM = self
+        return self
+    def __exit__(self, *exc):
+        global _WARM
+        _WARM = None
+        self.p.stdin.close()
+        try: self.p.wait(10)
+        except subprocess.TimeoutExpired: self.p.kill(); self.p.wait()
+    def _expect(self, word: str, timeout: float) -> str:
+        try: line = self.lines.get(timeout=timeout)
+        except queue.Empty: line = ""
+        if not line.startswith(word):
+            raise BenchError(f"the warm template ({' '.join(self.modules)}) did not answer {word}: it exited "
+                             f"{self.p.poll()}; run without warm_children to see the import's error")
+        return line.split()[-1]
+
+# %% ../../nbs/31_bench_core.ipynb
+@patch
+def run(self: warm_children, task: str, spec: dict, timeout: float, memory: bool) -> dict:
+    "`run_child` of a child forked from the template."
+    with tempfile.TemporaryDirectory(prefix="shardkit-child-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        out.touch(0o600); err.touch(0o600)
+        self.p.stdin.write(json.dumps([task, json.dumps(spec), str(out), str(err)]) + "\n"); self.p.stdin.flush()
+        pid, rc = int(self._expect("PID", 60)), []
+        def done(t):
+            try: rc.append(int(self.lines.get(timeout=t).split()[-1])); return True
+            except queue.Empty: return False
+        ok, peak = _watch(pid, done, timeout, memory)
+        if not ok: self._expect("EXIT", 60); return dict(error=f"timed out after {timeout:.0f} s")
+        return _result(out.read_text(), err.read_text(), rc[0], peak)
 
 # %% ../../nbs/31_bench_core.ipynb
 def drop_page_cache() -> str | None:

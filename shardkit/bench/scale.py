@@ -26,7 +26,7 @@ from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards
 from ..store import open_store, shown_path
 from ..synth import draw_animal, jpeg_bytes
-from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child
+from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children
 
 # %% auto 0
 __all__ = ['KEYS_ONLY', 'LOCAL_STAGES', 'AIS_STAGES', 'SCALE_COLUMNS', 'scale_folder', 'bench_scale', 'scale_growth',
@@ -263,15 +263,17 @@ def bench_scale(root: str | Path,                       # Work folder: the image
     if unknown := [s for s in stages if s not in _STAGES]:
         raise UsageError(f"unknown stages {unknown}; choose from {list(_STAGES)}")
     rows, why_warm = [], None
-    for n in sorted(ns):
-        scale_folder(root, n, progress=progress)
-        for stage in stages:
-            spec = _spec(root, n, stage, **kw)
-            dropped = cold and (why_warm := drop_page_cache()) is None
-            if cold and why_warm and progress and not rows:
-                print(f"--cold: {why_warm}; the numbers below are warm-cache numbers")
-            rows.append(_row(spec, run_child("shardkit.bench.scale:_run_stage", spec, timeout, memory=True), dropped))
-            if progress: print(_line(rows[-1]), flush=True)
+    with warm_children(["shardkit.bench.scale"]):  # each stage a fork of one template that has imported torch
+        for n in sorted(ns):
+            scale_folder(root, n, progress=progress)
+            for stage in stages:
+                spec = _spec(root, n, stage, **kw)
+                dropped = cold and (why_warm := drop_page_cache()) is None
+                if cold and why_warm and progress and not rows:
+                    print(f"--cold: {why_warm}; the numbers below are warm-cache numbers")
+                res = run_child("shardkit.bench.scale:_run_stage", spec, timeout, memory=True)
+                rows.append(_row(spec, res, dropped))
+                if progress: print(_line(rows[-1]), flush=True)
     return rows
 
 def _line(r: dict) -> str:
