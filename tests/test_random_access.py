@@ -7,7 +7,8 @@ import webdataset as wds
 from shardkit.loader import create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_index
-from shardkit.loading.random import create_random_loader, epoch_batches
+from shardkit.loading.order import epoch_batches
+from shardkit.loading.random import create_random_loader
 from shardkit.errors import UsageError
 from shardkit.store import open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
