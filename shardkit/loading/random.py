@@ -18,8 +18,8 @@ from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
 from .index import SampleIndex, sample_index
 from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
+from .resume import check_resumable, saved_count
 from .sources import LoaderError, rank_and_world
-from .stream import saved_count
 from .transforms import TrainTransform, sample_to_tuple, train_transform
 
 # %% auto 0
@@ -127,13 +127,7 @@ def state_dict(self: RandomAccessLoader) -> dict:
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
     "Continue from `state` (from `state_dict`): the next batch is the one the saved loader would have given next."
-    if not isinstance(state, dict):
-        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict that its "
-                          "state_dict() returned")
-    mine = self.state_dict()
-    diff = {k: (state.get(k), mine[k]) for k in _MUST_MATCH if state.get(k) != mine[k]}
-    if diff: raise UsageError(f"cannot resume: saved vs this loader differ in {diff}; "
-                              "build the loader with the saved run's arguments")
+    check_resumable(state, self.state_dict(), _MUST_MATCH, "random-access loader")
     epoch, batch = saved_count(state.get("epoch"), "epoch"), saved_count(state.get("batch"), "batch", 0, len(self))
     self.epoch, self.batch, self._restored = epoch, batch, True
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
