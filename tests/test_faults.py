@@ -179,7 +179,7 @@ def test_a_dead_shard_costs_one_bound_for_all_of_a_loaders_workers(server):
     """A shard-cache fetch that gave up leaves a note: the same loader's next reader of that shard (another worker,
     waiting for the shard's lock meanwhile) gives up at once instead of waiting out the bound again; another loader
     tries afresh. (With 2 workers and the default bound, a dead shard cost 240 s without the note, 120 s with it.)"""
-    from shardkit.loading.random import CachedShardReader
+    from shardkit.loading.readers import CachedShardReader
     from shardkit.remote import RetriesExhausted
     dl = random_loader(server.urls(NAMES), "cache", workers=0, retry_wait=fast(wait=1, backoff=0.2))
     server.clear(); server.fault(500, pattern=NAMES[3], when="always")

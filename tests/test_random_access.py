@@ -7,8 +7,9 @@ import webdataset as wds
 from shardkit.loader import create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_index
-from shardkit.loading.random import create_random_loader, epoch_batches
-from shardkit.errors import UsageError
+from shardkit.loading.order import epoch_batches
+from shardkit.loading.random import create_random_loader
+from shardkit.errors import LoaderError, UsageError
 from shardkit.store import open_store
 from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
 
@@ -160,7 +161,7 @@ def test_resume_in_a_fresh_process(shards, uninterrupted, stop):
 
 def test_resume_refuses_other_settings(shards):
     dl = _loader(shards, batch_size=5, num_workers=0, seed=7)
-    with pytest.raises(UsageError, match="batch_size"):
+    with pytest.raises(LoaderError, match="batch_size is 4 here, 5 in the saved state"):
         _loader(shards, batch_size=4, num_workers=0, seed=7).load_state_dict(dl.state_dict())
 
 

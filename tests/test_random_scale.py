@@ -6,8 +6,9 @@ import pytest
 import webdataset as wds
 from shardkit.errors import UsageError
 from shardkit.loading.index import sample_index
-from shardkit.loading.random import (RangeReader, ShardCache, create_random_loader, epoch_order, order_quality,
-                                     shard_cache_dir)
+from shardkit.loading.order import epoch_order, order_quality
+from shardkit.loading.random import create_random_loader
+from shardkit.loading.readers import RangeReader, ShardCache, shard_cache_dir
 from shardkit.store import open_store
 
 SIZES = (7, 3, 5, 9, 4, 6)  # uneven shards, 34 samples
@@ -244,14 +245,14 @@ def test_batches_follow_a_batch_size_set_later(shards):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 64, 1024, 4099, 65_537])
 def test_permute_is_a_permutation(n):
-    from shardkit.loading.random import permute
+    from shardkit.loading.order import permute
     for seed in (0, 1, 12345):
         assert np.array_equal(np.sort(permute(np.arange(n), n, seed)), np.arange(n)), "every number once"
 
 
 def test_batches_of_a_huge_epoch_need_no_array_of_its_samples():
     "A trillion samples: batch b comes from (seed, epoch, b) alone, in both orders, without the samples before it."
-    from shardkit.loading.random import EpochBatches, EpochOrder
+    from shardkit.loading.order import EpochBatches, EpochOrder
     n = 10**12
     starts = np.arange(0, n + 1, 10**6, dtype=np.int64)  # a million shards of a million samples
     for window in (None, 16):
@@ -263,7 +264,7 @@ def test_batches_of_a_huge_epoch_need_no_array_of_its_samples():
 
 
 def test_a_late_window_batch_equals_the_whole_order():
-    from shardkit.loading.random import EpochBatches, EpochOrder, epoch_batches, shard_starts
+    from shardkit.loading.order import EpochBatches, EpochOrder, epoch_batches, shard_starts
     shard = np.repeat(np.arange(50, dtype=np.int32), np.arange(50) % 7 + 1)  # uneven shards, some of one sample
     whole = epoch_batches(len(shard), 3, 5, 2, rank=1, world_size=2, pad=True, order=epoch_order(shard, 5, 2, 4))
     lazy = EpochBatches(EpochOrder(shard_starts(shard, 50), 5, 2, 4), 3, 1, 2, pad=True)
@@ -290,7 +291,7 @@ def _fresh_bucket(paths):
 def test_ais_cached_copies_follow_the_shards_content(tmp_path, ais_endpoint):
     "A shard overwritten with other bytes of the same size: a new loader reads the new bytes, never the old copy."
     from shardkit.errors import ShardkitError
-    from shardkit.loading.random import CachedShardReader
+    from shardkit.loading.readers import CachedShardReader
     paths = _write_shards(tmp_path / "s", sizes=(3, 2))
     store = _fresh_bucket(paths)
     try:
@@ -355,7 +356,7 @@ def test_http_index_is_built_once_per_machine(shards, http_base):
 
 def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
     "The in-place scan of plain headers gives what `scan_tar` gives; a long name (pax) or a folder: the full reader."
-    from shardkit.loading.random import _plain_members, _scan_fd
+    from shardkit.loading.readers import _plain_members, _scan_fd
     from shardkit.shards.read import scan_tar
     longp = tmp_path / "long.tar"
     with tarfile.open(longp, "w", format=tarfile.PAX_FORMAT) as t:

@@ -220,7 +220,7 @@ class _RandomEpochs:
                                        pad=True).dataset
         self.passes, self.workers, self.epoch = spec["passes"], spec["workers"], 0
     def __iter__(self):
-        from shardkit.loading.random import epoch_batches
+        from shardkit.loading.order import epoch_batches
         n, epoch = len(self.ds), self.epoch
         ids, self.epoch = np.concatenate(epoch_batches(n * self.passes, 1, self.ds.seed, epoch)) % n, epoch + 1
         batches = [(epoch, ids[i:i + 64]) for i in range(0, len(ids), 64)]

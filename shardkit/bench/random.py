@@ -13,7 +13,8 @@ from fastcore.script import store_true
 from ..config import private_dir
 from ..errors import UsageError
 from ..loader import create_dataloader, create_dataset
-from ..loading.random import RandomAccessLoader, build_shard_index, create_random_loader
+from ..loading.random import RandomAccessLoader, create_random_loader
+from ..loading.readers import build_shard_index
 from ..loading.sources import shard_urls
 from ..loading.transforms import train_transform
 from ..store import open_store

@@ -20,7 +20,8 @@ from ..errors import UsageError
 from ..folder import class_names, convert_folder
 from ..loader import create_dataloader, create_dataset
 from ..loading.index import sample_index
-from ..loading.random import build_shard_index, create_random_loader
+from ..loading.random import create_random_loader
+from ..loading.readers import build_shard_index
 from ..loading.transforms import train_transform
 from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards

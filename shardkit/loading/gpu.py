@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import secrets
 import time
 import warnings
 from functools import partial
@@ -15,17 +14,15 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 import torchvision
-import webdataset as wds
 from fastcore.basics import patch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
-from ..loader import ahead, create_dataloader
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size, is_image_key, is_jpeg_key
-from ..shards.read import url_samples
-from .sources import EpochShards, LoaderError, rank_and_world, seed_for, shard_urls, shuffle_samples
-from .stream import ShardDataset, ShardLoader, skip_resumed
+from .pipeline import ahead, create_dataloader, shard_dataset
+from .sources import EpochShards, LoaderError, seed_for, shard_urls
+from .stream import ShardLoader
 from .transforms import crop_box, decode_value
 
 # %% auto 0
@@ -398,17 +395,7 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
     if torch.device(device).type == "cuda" and (why := why_no_gpu(str(device))):
         raise LoaderError(f"cannot decode on {device}: {why}. Use the CPU loader, create_dataloader(create_dataset("
                           "sources, ...)), or device='cpu' to run this same pipeline on the CPU")
-    seed_given = seed is not None
-    if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
-    shards = EpochShards(shard_urls(sources), seed, rank=rank, world_size=world_size)
-    shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
-    stages = [shards, url_samples]
-    if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
-    stages += [partial(skip_resumed, shards=shards),
-               wds.map(partial(jpeg_sample, keys=tuple(keys), image_key=images[0], shards=shards, scale=tuple(scale),
-                               allow_pickle=allow_pickle)),
-               wds.batched(batch_size, collation_fn=pack_jpegs, partial=True)]
-    dataset = ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=None,
-                           shuffle=shuffle)
+    to_jpeg = partial(jpeg_sample, keys=tuple(keys), image_key=images[0], scale=tuple(scale), allow_pickle=allow_pickle)
+    dataset = shard_dataset(shard_urls(sources), to_jpeg, keys, batch_size, pack_jpegs, seed, shuffle, rank, world_size)
     loader = create_dataloader(dataset, num_workers=num_workers, batch_size=batch_size)
     return GpuLoader(loader, keys, images[0], device, size, normalize, channels_last, prefetch, thread)

@@ -18,11 +18,11 @@ from torch.utils.data import get_worker_info
 from ..errors import UsageError
 from ..remote import Retries, as_retries
 from .collate import LENT, MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
+from .resume import check_resumable, saved_count
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'skip_resumed', 'saved_count',
-           'check_position']
+__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'skip_resumed', 'check_position']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -167,17 +167,6 @@ def skip_resumed(src, shards: EpochShards):
     yield from it
 
 # %% ../../nbs/25_stream.ipynb
-def saved_count(value, field: str, low: int = 0, high: int | None = None) -> int:
-    "`value` of a saved state's `field` as an int from `low` to `high`, else a LoaderError that names the field."
-    whole = (isinstance(value, int) and not isinstance(value, bool)) or \
-        (isinstance(value, float) and value.is_integer())
-    if not whole or value < low or (high is not None and value > high):
-        should = f"a whole number from {low} to {high}" if high is not None else f"a whole number, {low} or more"
-        raise LoaderError(f"cannot resume: {field} is {value!r:.60} in the saved state; it should be {should}. "
-                          "The state is corrupted or not a loader's state_dict(): use an earlier checkpoint, "
-                          "or start without one")
-    return int(value)
-
 def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
     "A saved state's (epoch, batches handed out per worker, next worker), checked for a loader of `workers` workers."
     batches = state.get("batches")
@@ -217,15 +206,10 @@ def state_dict(self: ShardLoader) -> dict:
 @patch
 def load_state_dict(self: ShardLoader, state: dict):
     "Go on from `state` (`state_dict`'s, from this or another process): the next batch is the saved loader's next one."
-    if not isinstance(state, dict):
-        raise LoaderError(f"cannot resume from a {type(state).__name__}: a loader's state is the dict that its "
-                          "state_dict() returned")
     sh = self.dataset.shards
-    if not getattr(sh, "seed_given", True): sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
-    mine = self.state_dict()
-    diff = [k for k in _MUST_MATCH if state.get(k) != mine[k]]
-    said = "; ".join(f"{k} is {mine[k]!r} here, {state.get(k)!r} in the saved state" for k in diff)
-    if diff: raise LoaderError(f"cannot resume: {said}. Build the loader with the saved run's arguments")
+    if isinstance(state, dict) and not getattr(sh, "seed_given", True):
+        sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
+    check_resumable(state, self.state_dict(), _MUST_MATCH, "streaming loader")
     epoch, batches, nxt = check_position(state, len(self._taken))
     self.set_epoch(epoch)
     self._resumed, self._workers_next = batches, None  # the counts go on; persistent workers restart
