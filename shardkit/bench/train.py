@@ -9,7 +9,7 @@ import statistics
 import time
 from pathlib import Path
 from ..loading.sources import shard_urls
-from .core import BenchError, cpu_seconds, format_bench, run_child
+from .core import BenchError, cpu_seconds, format_bench, run_child, warm_children
 
 # %% auto 0
 __all__ = ['CONTENDERS', 'bench_train', 'train_table', 'bench_train_cli']
@@ -68,10 +68,11 @@ def bench_train(src,                  # Shards with NAME.jpg + NAME.cls: a direc
     if unknown: raise BenchError(f"unknown contenders {unknown}; pick from {list(CONTENDERS)}")
     base = dict(urls=urls, classes=classes, size=size, batch_size=batch_size, workers=workers, arch=arch)
     out = {c: [] for c in contenders}
-    for _ in range(runs):
-        for c in contenders:
-            spec = dict(base, contender=c, pipeline=CONTENDERS[c])
-            out[c].append(run_child("shardkit.bench.train:_task", spec, timeout))
+    with warm_children(["shardkit.bench.train"]):  # fresh processes, forked with torch imported: same for every one
+        for _ in range(runs):
+            for c in contenders:
+                spec = dict(base, contender=c, pipeline=CONTENDERS[c])
+                out[c].append(run_child("shardkit.bench.train:_task", spec, timeout))
     return _summary(out)
 
 # %% ../../nbs/44_bench_train.ipynb
