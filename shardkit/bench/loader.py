@@ -33,7 +33,7 @@ from ..loading.sources import shard_urls
 from ..loading.transforms import crop_box
 from ..shards.fields import image_size
 from ..store import shown_path
-from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_page_cache
+from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children, warm_page_cache
 
 # %% auto 0
 __all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'cheapest_peer', 'bench_ratios',
@@ -171,15 +171,16 @@ def _rounds(specs: dict, root: str, repeats: int, timeout: float, cold: bool, se
     from tqdm.auto import tqdm
     runs, yard, note = {n: [] for n in specs}, {"ceiling": [], "floor": []}, None
     todo = [(r, n) for r in range(repeats) for n in [*yard, *specs]]
-    for r, name in tqdm(todo, desc="loader runs", disable=not progress):
-        if cold: note = drop_page_cache() or note
-        if name in yard:
-            c = _run_child(dict(task=name, root=root, seconds=seconds), timeout)
-            if name == "ceiling" and "error" in c:
-                raise BenchError(f"the ceiling's run failed ({c['error']}); "
-                                 "the loaders' figures would lack their yardstick")
-            yard[name].append(c)
-        else: runs[name].append(_run_child(specs[name], timeout))
+    with warm_children(["shardkit.bench.loader"]):  # forks of one process with torch imported; clocks start later
+        for r, name in tqdm(todo, desc="loader runs", disable=not progress):
+            if cold: note = drop_page_cache() or note
+            if name in yard:
+                c = _run_child(dict(task=name, root=root, seconds=seconds), timeout)
+                if name == "ceiling" and "error" in c:
+                    raise BenchError(f"the ceiling's run failed ({c['error']}); "
+                                     "the loaders' figures would lack their yardstick")
+                yard[name].append(c)
+            else: runs[name].append(_run_child(specs[name], timeout))
     return runs, yard, note
 
 def _median_floor(floors: list[dict]) -> dict:
