@@ -22,8 +22,9 @@ from .store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'ais_status', 'ais_up', 'ais_down',
-           'ais_put', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
+           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'free_base_port', 'ais_status',
+           'ais_up', 'ais_down', 'ais_put', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli',
+           'ais_put_cli']
 
 # %% ../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -164,6 +165,18 @@ def _listens(pid: int) -> list[str]:
 def _reap(pid: int) -> None:
     try: os.waitpid(pid, os.WNOHANG)
     except ChildProcessError: pass
+
+# %% ../nbs/07_cluster.ipynb
+def free_base_port(start: int = 18080,  # the first base port to try
+                   stop: int = 20080,   # try base ports below this one
+                   nodes: int = 3,      # nodes of the cluster: one proxy and `nodes - 1` targets
+                   step: int = 10,      # distance between the base ports tried
+                  ) -> int:             # a base port P whose P+i, P+1000+i and P+2000+i are free for every node i
+    "A base port for `ais_up(port=...)` at which a cluster of `nodes` nodes finds all its ports free on 127.0.0.1."
+    for p in range(start, stop, step):
+        if all(_port_free(q) for i in range(nodes) for q in _node_ports(p, i)): return p
+    raise ClusterError(f"no free base port in {start}..{stop} (step {step}) for {nodes} nodes; "
+                       "stop what holds those ports or pick another range")
 
 # %% ../nbs/07_cluster.ipynb
 def _ready(endpoint: str, targets: int) -> bool:

@@ -14,10 +14,8 @@ OUT = ROOT / "tests" / "_out"  # screenshots and figures the tests write (git-ig
 
 def _free_base_port(start=28080, step=10, nodes=4):
     "A base port P such that P+i, P+1000+i and P+2000+i are free for `nodes` nodes."
-    from shardkit.cluster import _node_ports, _port_free
-    for p in range(start, start + 2000, step):
-        if all(_port_free(q) for i in range(nodes) for q in _node_ports(p, i)): return p
-    raise RuntimeError("no free ports for a local AIStore cluster")
+    from shardkit.cluster import free_base_port
+    return free_base_port(start, start + 2000, nodes, step)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups

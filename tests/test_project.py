@@ -104,11 +104,12 @@ def test_lines_are_at_most_120_characters():
 
 
 def test_no_module_takes_another_modules_private_names():
-    "What two modules share has a public name in its home: no `from .x import _name` across the package's modules."
+    """What two modules share has a public name in its home: no `from .x import _name` across the package's modules,
+    nor from the package into tests/conftest.py, whose fixtures every test shares."""
     pkg, found = ROOT / "shardkit", []
-    for p in sorted(pkg.rglob("*.py")):
+    for p in sorted(pkg.rglob("*.py")) + [ROOT / "tests" / "conftest.py"]:
         if p.name == "_modidx.py": continue
-        here = ".".join(p.relative_to(pkg).with_suffix("").parts)
+        here = ".".join(p.relative_to(pkg).with_suffix("").parts) if p.is_relative_to(pkg) else "tests.conftest"
         for n in ast.walk(ast.parse(p.read_text())):
             if not isinstance(n, ast.ImportFrom): continue
             if n.level: parts = here.split(".")[: len(here.split(".")) - n.level] + ([n.module] if n.module else [])
