@@ -14,7 +14,7 @@ from .errors import ShardkitError
 __all__ = ['COMMANDS', 'find_command', 'load_command', 'command_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb
-COMMANDS = {
+_DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards
     ("demo",):             ("shardkit.demo:demo_cli",
                             "Run the whole pipeline end to end on the embedded default (or AIS_ENDPOINT)"),
     ("ais", "up"):         ("shardkit.cluster:ais_up_cli",
@@ -42,6 +42,10 @@ COMMANDS = {
     ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
     ("verify",):           ("shardkit.shards.manifest:verify_cli",
                             "Check every shard in a store against its manifest (SHA-256, size, samples)"),
+}
+
+# %% ../nbs/99_cli.ipynb
+COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the applications
     ("etl", "serve"):      ("shardkit.etl.sidecar:etl_serve_cli",
                             "Serve a sample transform as an ETL sidecar in front of a store"),
     ("etl", "run"):        ("shardkit.etl:etl_run_cli",
