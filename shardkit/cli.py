@@ -5,6 +5,7 @@
 # %% ../nbs/99_cli.ipynb 3
 from __future__ import annotations
 import argparse
+import difflib
 import importlib
 import sys
 from fastcore.script import anno_parser
@@ -109,6 +110,7 @@ def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
             if s.startswith("--") and "_" in s:  # `try_` (a keyword) reads `--try`
                 a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-").rstrip("-")
                 p._option_string_actions[h] = p._option_string_actions.pop(s)
+        if a.dest.endswith("_") and a.nargs != 0: a.metavar = a.dest.rstrip("_").upper()  # TRY, not TRY_
     return p
 
 # %% ../nbs/99_cli.ipynb
@@ -119,16 +121,33 @@ def _hyphenate(arg: str) -> str:
     return opt.replace("_", "-") + eq + val
 
 # %% ../nbs/99_cli.ipynb
+def _version() -> str:
+    "The installed shardkit's version."
+    from importlib.metadata import PackageNotFoundError, version
+    try: return version("shardkit")
+    except PackageNotFoundError: return "unknown (not installed: pip install -e .)"
+
+def _unknown(argv: list[str]) -> str:
+    "The error for a command line that names no command: the closest commands, and where the whole list is."
+    words, firsts = " ".join(argv[:2]), sorted({k[0] for k in COMMANDS})
+    close = difflib.get_close_matches(words, [" ".join(k) for k in COMMANDS], n=3, cutoff=0.75)
+    if not close:  # a misspelt first word: the commands under the words it is close to (a right one: listed above)
+        near = [w for w in difflib.get_close_matches(argv[0], firsts, n=2, cutoff=0.6) if w != argv[0]]
+        close = [" ".join(k) for k in COMMANDS if k[0] in near][:3]
+    hint = f"; did you mean {' or '.join(repr('shardkit ' + c) for c in close)}?" if close else ""
+    return f"shardkit: unknown command {words!r}{hint} (`shardkit --help` lists every command)"
+
+# %% ../nbs/99_cli.ipynb
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `shardkit` command: the one place where errors become a message and an exit status."
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]): print(f"shardkit {_version()}"); return 0
     cmd, rest = find_command(argv)
     if cmd is None:
         prefix = tuple(argv[:1]) if argv and any(k[0] == argv[0] for k in COMMANDS) else ()
-        print(_usage(prefix))
         asked = not argv or argv[0] in ("-h", "--help") or (prefix and rest[1:2] in ([], ["-h"], ["--help"]))
-        if not asked:
-            print(f"\nshardkit: unknown command {' '.join(argv[:2])!r}", file=sys.stderr)
+        if asked or prefix: print(_usage(prefix))  # a group (bench): its commands; a wrong one in it: them, then why
+        if not asked: print(_unknown(argv), file=sys.stderr)
         return 0 if asked else 2
     func = load_command(cmd)
     args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))

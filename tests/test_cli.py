@@ -108,3 +108,14 @@ def test_no_test_edits_the_command_table():
     offenders = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").glob("*.py")) if p.name != "test_cli.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if edit.search(line)]
     assert not offenders, f"tests that change cli.COMMANDS (use the real table): {offenders}"
+
+
+def test_help_has_no_placeholders_and_version_answers():
+    "`--help` names each value the way the option reads (`--try TRY`, not `TRY_`); `--version` says the version."
+    r = main_cli("profile", "--help")
+    assert r.returncode == 0 and "--try TRY " in r.stdout and "TRY_" not in r.stdout, r.stdout
+    r = main_cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("shardkit 0."), r.stdout
+    r = main_cli("convertt", "folder")
+    assert r.returncode == 2 and "did you mean 'shardkit convert folder'" in r.stderr, r.stderr
+    assert "commands:" not in r.stdout, "an unknown command says so first, without the list of every command"
