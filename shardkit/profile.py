@@ -53,7 +53,7 @@ def profile_overhead(make_loader: Callable,         # Makes a fresh loader for e
     ratios = [b / a for a, b in zip(runs["plain"], runs["profiled"])]  # pairs ran side by side: the same load
     return dict(plain=med(runs["plain"]), profiled=med(runs["profiled"]), cpu_plain=med(cpu["plain"]),
                 cpu_profiled=med(cpu["profiled"]), overhead=1 - med(ratios),
-                cpu_overhead=med(cpu["profiled"]) / med(cpu["plain"]) - 1, runs=runs)
+                cpu_overhead=med(cpu["profiled"]) / med(cpu["plain"]) - 1, runs=runs, cpu_runs=cpu)
 
 # %% ../nbs/42b_profile_script.ipynb
 PIPELINES = ("default", "whole", "post", "gpu")
