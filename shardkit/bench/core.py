@@ -195,8 +195,10 @@ def run(self: warm_children, task: str, spec: dict, timeout: float, memory: bool
         self.p.stdin.write(json.dumps([task, json.dumps(spec), str(out), str(err)]) + "\n"); self.p.stdin.flush()
         pid, rc = int(self._expect("PID", 60)), []
         def done(t):
-            try: rc.append(int(self.lines.get(timeout=t).split()[-1])); return True
+            try: line = self.lines.get(timeout=t)
             except queue.Empty: return False
+            if not line.startswith("EXIT"): raise BenchError(f"the warm template ended during a run ({line!r})")
+            rc.append(int(line.split()[-1])); return True
         ok, peak = _watch(pid, done, timeout, memory)
         if not ok: self._expect("EXIT", 60); return dict(error=f"timed out after {timeout:.0f} s")
         return _result(out.read_text(), err.read_text(), rc[0], peak)
