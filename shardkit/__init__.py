@@ -8,6 +8,7 @@ __all__ = []
 
 # %% ../nbs/97_api.ipynb
 _API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets", "synthesize_folder": "folder",
+        "write_shards": "shards.write", "create_random_loader": "loading.random",
         "convert_folder": "folder", "shuffle_shards": "shuffle", "verify_shards": "shards.manifest", "run_etl": "etl",
         "create_dataset": "loader", "create_dataloader": "loader", "create_gpu_loader": "loading.gpu",
         "train_transform": "loading.transforms", "profile_pipeline": "profile", "train_epochs": "train",

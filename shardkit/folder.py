@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,8 +22,8 @@ from .store import parse_size, shown_path
 from .synth import draw_animal, jpeg_bytes
 
 # %% auto 0
-__all__ = ['FOLDER_SPLITS', 'class_names', 'synthesize_folder', 'FolderError', 'FolderListing', 'folder_samples',
-           'folder_shard_samples', 'convert_folder', 'synth_folder_cli', 'convert_folder_cli']
+__all__ = ['FOLDER_SPLITS', 'SPLIT_NAMES', 'class_names', 'synthesize_folder', 'FolderError', 'FolderListing', 'folder_samples',
+           'folder_shard_samples', 'folder_prefix', 'convert_folder', 'synth_folder_cli', 'convert_folder_cli']
 
 # %% ../nbs/10_folder.ipynb
 def class_names(classes: int) -> list[str]:
@@ -136,19 +137,29 @@ def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/trai
         yield {"__key__": f"{i:07d}", "jpg": jpg, "cls": cls}
 
 # %% ../nbs/10_folder.ipynb
+SPLIT_NAMES = frozenset({"train", "val", "valid", "validation", "test", "dev"})
+
+def folder_prefix(src: str | Path) -> str:
+    "Shard names after the tree: `pets-` for `pets/`, `pets-train-` for `pets/train` (a split folder)."
+    p = Path(src).resolve()
+    parts = [p.parent.name, p.name] if p.name.lower() in SPLIT_NAMES and p.parent.name else [p.name]
+    return "-".join(re.sub(r"[^A-Za-z0-9_]+", "-", x).strip("-") or "data" for x in parts) + "-"
+
+# %% ../nbs/10_folder.ipynb
 def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROOT/train
                    dest,                            # Store for the shards: a local directory or ais://bucket[/prefix]
-                   prefix: str = "imagenet-train-", # Shard names: PREFIX000000.tar, PREFIX000001.tar, ...
-                   maxcount: int = 100_000,         # At most this many samples per shard
+                   prefix: str | None = None,       # Shard names: PREFIX000000.tar, ...; None: `folder_prefix(src)`
+                   maxcount: int | None = None,     # At most this many samples per shard; None: `auto_maxcount`
                    maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (int, or e.g. 100MB)
                    shuffle: bool = True,            # Shuffle the samples once before writing
                    seed: int = 0,                   # Seed of that shuffle
                    progress: bool = True            # Show a progress bar
                   ) -> dict:
     "Convert ImageFolder tree `src` into WebDataset shards of `NAME.jpg` + `NAME.cls` in store `dest`; a summary dict."
-    if maxcount < 1: raise UsageError(f"maxcount must be positive, got {maxcount}")
+    if maxcount is not None and maxcount < 1: raise UsageError(f"maxcount must be positive, got {maxcount}")
     maxsize = parse_size(maxsize) or 10**15
     pairs, classes = folder_samples(src)
+    prefix = folder_prefix(src) if prefix is None else prefix
     if not pairs: raise FolderError(f"{shown_path(src)} holds no images in its class folders {classes[:3]}...")
     skipped = Counter()
     m = write_shards(folder_shard_samples(src, shuffle, seed, skipped, pairs), dest, prefix=prefix, maxcount=maxcount,
@@ -171,14 +182,13 @@ def synth_folder_cli(root: str,               # Folder to write train/ and val/ 
 # %% ../nbs/10_folder.ipynb
 def convert_folder_cli(src: str,                         # ImageFolder tree, e.g. ROOT/train
                        dest: str,                        # Destination store: a directory or ais://bucket[/prefix]
-                       prefix: str = "imagenet-train-",  # Shard names: PREFIX000000.tar, ...
-                       maxcount: int = 100_000,          # At most this many samples per shard
+                       prefix: str = None,               # Shard names: PREFIX000000.tar, ...; default: SRC's name
+                       maxcount: int = None,             # Samples per shard; default: about 1/16 of them
                        maxsize: str = "1GB",             # Close a shard once it holds this many bytes, e.g. 100MB
                        seed: int = 0,                    # Seed of the one-time shuffle
                        no_shuffle: store_true = False):  # Keep ImageFolder order (one class after another)
     "Convert an ImageFolder tree into WebDataset shards of NAME.jpg + NAME.cls, classes numbered like ImageFolder."
     s = convert_folder(src, dest, prefix, maxcount, maxsize, not no_shuffle, seed)
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
-    print(f"{s['samples']} samples of {s['classes']} classes -> {len(s['shards'])} shards "
-          f"({s['bytes'] / 1e6:.1f} MB) in {shown_path(s['dest'])}: {s['shards'][0]} .. {s['shards'][-1]}; "
+    print(f"{s['classes']} classes, numbered as ImageFolder does; shards {s['shards'][0]} .. {s['shards'][-1]}; "
           f"skipped: {skipped}")

@@ -18,7 +18,7 @@ import webdataset as wds
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from .errors import ShardkitError
-from .loading.sources import rank_and_world
+from .loading.sources import rank_and_world, shard_urls
 from .loading.transforms import normalize_batch
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
 from .shards.read import url_samples
@@ -35,7 +35,8 @@ class TrainError(ShardkitError, ValueError):
 
 # %% ../nbs/30_train.ipynb
 def expand_urls(shards: str | list[str], base: str = "") -> list[str]:
-    "URLs of the shards: a brace template (or a list of names/URLs) expanded, each name prefixed with `base`."
+    "URLs of the shards: a directory or `ais://` store (its `*.tar`), a brace template or names, each after `base`."
+    if not base and isinstance(shards, (str, os.PathLike)): return shard_urls(shards)  # as every command reads them
     return [(base or "") + n for n in expand_names(shards)]
 
 # %% ../nbs/30_train.ipynb

@@ -24,7 +24,7 @@ from .collate import collate
 from .random import RandomAccessLoader
 from .sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
 from .stream import ShardDataset, ShardLoader, error_handler, skip_resumed
-from .transforms import TrainTransform, sample_to_tuple, train_transform
+from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
 
 # %% auto 0
 __all__ = ['shard_dataset', 'create_dataset', 'create_dataloader', 'ahead', 'DeviceLoader']
@@ -74,10 +74,10 @@ def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataset(sources,                      # Shards: a store, a directory, ais://bucket, a brace template or URLs
-                   keys: Sequence[str] = ("cls", "image.jpg", "trimap.png"),  # Fields of each sample, in this order
+                   keys: Sequence[str] | None = None,  # Fields of each sample, in this order; None: every sample's
                    transform=None,               # Applied to each sample's tuple; None: train_transform() for images
                    shuffle: int = 1000,          # Each worker's sample shuffle buffer (samples); 0: shard order
-                   batch_size: int | None = 16,  # Samples per batch, made in the workers; None: single samples
+                   batch_size: int | None = 64,  # Samples per batch, made in the workers; None: single samples
                    seed: int | None = None,      # Seed of shard order, shuffles and crops; None: random (0 with ranks)
                    resampled: bool = False,      # Draw shards with replacement, `epoch_samples` per epoch
                    epoch_samples: int | None = None,  # Samples per epoch of the whole job (with `resampled`)
@@ -92,14 +92,16 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
+    if access == "stream" and resampled and not epoch_samples:
+        raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
+    if access == "stream" and epoch_samples and not resampled:
+        raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
+    urls, retries = shard_urls(sources), as_retries(retry_wait)
+    keys = data_keys(sources, urls, keys, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
+    if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
     if access == "random": return _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
                                                  rank, world_size, normalize, allow_pickle, retry_wait)
-    urls, handler, retries = shard_urls(sources), error_handler(handler), as_retries(retry_wait)
-    if resampled and not epoch_samples:
-        raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
-    if epoch_samples and not resampled:
-        raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
-    if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
+    handler = error_handler(handler)
     if transform is None and any(map(is_image_key, keys)):
         transform = train_transform(normalize=normalize)
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
@@ -110,7 +112,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataloader(dataset: ShardDataset,         # from create_dataset
                       num_workers: int = 4,          # worker processes that decode and augment
-                      batch_size: int | None = 64,   # samples per batch (the workers make them)
+                      batch_size: int | None = None, # samples per batch (the workers make them); None: the dataset's
                       shuffle_across: int = 0,       # N: the post's unbatch, shuffle across workers, rebatch
                       device=None,                   # None: batches in CPU memory; "cuda": on the GPU, one batch ahead
                       **kw                           # more DataLoader arguments
@@ -121,10 +123,10 @@ def create_dataloader(dataset: ShardDataset,         # from create_dataset
         return dataset if device is None else DeviceLoader(dataset, device)
     if not isinstance(dataset, ShardDataset):
         raise UsageError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
-    if "shuffle" in kw:  # its name until 2026-11: tutorials and scripts may still pass it
-        warnings.warn("create_dataloader(shuffle=N) is now shuffle_across=N (create_dataset's shuffle is each "
-                      "worker's buffer)", DeprecationWarning, stacklevel=2)
-        shuffle_across = kw.pop("shuffle")
+    if "shuffle" in kw:  # its name until 2026-11
+        raise UsageError("create_dataloader(shuffle=N) is now shuffle_across=N (create_dataset's shuffle is each "
+                         "worker's buffer)")
+    batch_size = batch_size or dataset.batch_size
     if shuffle_across and not dataset.batch_size:
         raise LoaderError("shuffle_across=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")
     sh = dataset.shards

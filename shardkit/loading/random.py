@@ -19,8 +19,8 @@ from .index import SampleIndex, sample_index
 from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
-from .sources import LoaderError, rank_and_world
-from .transforms import TrainTransform, sample_to_tuple, train_transform
+from .sources import LoaderError, rank_and_world, shard_urls
+from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
 
 # %% auto 0
 __all__ = ['RandomAccessDataset', 'RandomAccessLoader', 'create_random_loader', 'loader_memory']
@@ -133,19 +133,20 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
 
 # %% ../../nbs/27_random.ipynb
-def create_random_loader(source, keys: Sequence[str] = ("cls", "image.jpg"), transform=None, batch_size: int = 64,
+def create_random_loader(source, keys: Sequence[str] | None = None, transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
                          cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
                          window: int | None | str = "auto", retry_wait: float | Retries = 120,
                          **kw) -> RandomAccessLoader:
     "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
+    retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
+    keys = data_keys(source, shard_urls(source), keys, retries=retries, allow_pickle=allow_pickle)  # None: every sample's
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
         transform = train_transform()
     # builds the window decoder here, not in every worker
     if isinstance(transform, TrainTransform): transform.takes_encoded()
-    retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
     index = sample_index(source, keys, cache, retries=retries)
     reader, fits = shard_reader(index, read, shard_cache, retries)  # fits: the shards a window may span (None: any)
     if window == "auto": window = fits

@@ -6,7 +6,9 @@
 from __future__ import annotations
 import functools
 import math
+import os
 import threading
+from pathlib import Path
 from typing import Sequence
 import torch
 from torch.utils.data import get_worker_info
@@ -18,19 +20,25 @@ from shardkit.shards.fields import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     MAX_PIXELS,
+    PICKLE_EXTS,
     decode_field,
+    field_ext,
     image_size,
     is_image_key,
     is_jpeg_key,
     is_mask_key,
 )
 from ..errors import ShardkitError
+from ..remote import Retries
+from ..shards.manifest import manifest_fields
+from ..shards.read import first_sample
+from ..store import open_store, shown_path
 from .jpeg import EncodedJpeg, JpegError, why_no_window_decode
 from .sources import EpochShards, LoaderError, seed_for
 
 # %% auto 0
 __all__ = ['decode_rgb', 'decode_value', 'TrainTransform', 'train_transform', 'crop_box', 'eval_transform', 'normalize_batch',
-           'MissingField', 'sample_to_tuple']
+           'MissingField', 'sample_to_tuple', 'data_keys']
 
 # %% ../../nbs/23_transforms.ipynb
 def decode_rgb(data: bytes) -> torch.Tensor:
@@ -229,3 +237,35 @@ def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: E
             else: values = _apply(transform, values, keys)
         except JpegError as e: raise bad(e) from None  # an encoded JPEG, found bad when its window was decoded
     return tuple(_plain(v) for v in values)
+
+# %% ../../nbs/23_transforms.ipynb
+def _store_of(sources):
+    "The store `sources` names (a store, a directory, `ais://...`), else None (a template, URLs)."
+    if hasattr(sources, "list") and hasattr(sources, "urls"): return sources
+    s = str(sources) if isinstance(sources, (str, os.PathLike)) else None
+    return open_store(s) if s and "{" not in s and (s.startswith("ais://") or Path(s).is_dir()) else None
+
+def data_keys(sources,                        # What create_dataset was given: a store, a directory, a template, URLs
+              urls: Sequence[str],            # The shards' URLs, `shard_urls(sources)`
+              keys: Sequence[str] | None = None,  # The fields asked for; None: those every sample holds
+              check: bool = True,             # Refuse here a field the manifest says no sample holds
+              retries: Retries | None = None, # How the first sample's read retries (no manifest)
+              allow_pickle: bool = False,     # Include pickled fields when choosing
+             ) -> tuple[str, ...]:
+    "`keys`, checked against the shards' manifest; or, given None, every sample's fields, said in one printed line."
+    store = _store_of(sources)
+    known = manifest_fields(store, store.list("*.tar")) if store is not None else None
+    if keys is not None:
+        missing = [k for k in keys if not k.startswith("__") and known and k not in known[0]]
+        if check and missing:
+            raise MissingField(f"no sample in {shown_path(store.spec)} has {missing}; they have {sorted(known[0])} "
+                               "(their manifest). Pass keys= with those")
+        return tuple(keys)
+    if known: have, where = [k for k, c in known[0].items() if c == known[1]], "every sample has"
+    else:
+        s = first_sample(urls[0], retries) or {}
+        have, where = [k for k in s if not k.startswith("__")], f"the first sample of {Path(urls[0]).name} has"
+    keys = tuple(sorted(k for k in have if allow_pickle or field_ext(k) not in PICKLE_EXTS))
+    if not keys: raise MissingField(f"no field to load: {where} {sorted(have) or 'none'}; pass keys=")
+    print(f"keys={keys}: the fields {where}; pass keys= to choose")
+    return keys

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from typing import Iterator
+from typing import Iterator, Sequence
 from tqdm import tqdm
 from ..errors import StoreError
 from ..store import open_store, shown_path
@@ -16,7 +16,7 @@ from .read import count_samples
 
 # %% auto 0
 __all__ = ['sha256_file', 'manifest_name', 'read_manifest', 'save_manifest', 'resume_mismatch', 'resume_point', 'summarize',
-           'incomplete_jobs', 'verify_shards', 'verify_cli']
+           'incomplete_jobs', 'manifest_fields', 'verify_shards', 'verify_cli']
 
 # %% ../../nbs/05_manifest.ipynb
 def sha256_file(path) -> str:
@@ -64,7 +64,8 @@ def summarize(m: dict) -> str:
     "One paragraph on what a conversion wrote and skipped."
     src = m.get("source") or {}
     sk = src.get("skipped") or {}
-    lines = [f"{m['samples']} samples in {len(m['shards'])} shards ({m['bytes'] / 1e6:.1f} MB) "
+    n = len(m["shards"])
+    lines = [f"{m['samples']} samples in {n} shard{'s' * (n != 1)} ({m['bytes'] / 1e6:.1f} MB) "
              f"in {shown_path(m['store'])}"
              + ("" if m.get("complete") else " (incomplete)")]
     if src: lines.append(f"listed {src.get('listed')}, kept {src.get('kept')}, skipped {sum(sk.values())}"
@@ -89,6 +90,18 @@ def incomplete_jobs(store) -> list[str]:
     store = open_store(store)
     return [f"{name} says the job that wrote it did not finish ({len(m['shards'])} shards recorded); "
             "run the same command again to complete it" for name, m in _manifests(store) if not m.get("complete")]
+
+# %% ../../nbs/05_manifest.ipynb
+def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str, int], int] | None:
+    "({field: samples holding it}, samples) over shards `names` of `store` (None: all its manifests' shards), else None."
+    store = open_store(store)
+    recs = {s["name"]: s for _, m in _manifests(store) for s in m["shards"]}
+    names = list(recs) if names is None else list(names)
+    if not names or any("fields" not in recs.get(n, {}) for n in names): return None  # none, or written before 11-2026
+    counts = {}
+    for n in names:
+        for k, c in recs[n]["fields"].items(): counts[k] = counts.get(k, 0) + c
+    return counts, sum(recs[n]["samples"] for n in names)
 
 # %% ../../nbs/05_manifest.ipynb
 def verify_shards(dest, progress: bool = True) -> list[str]:

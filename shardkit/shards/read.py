@@ -20,7 +20,7 @@ from .fields import ShardError, split_key
 
 # %% auto 0
 __all__ = ['unsafe_name', 'TarEntry', 'tar_entries', 'tar_members', 'read_samples', 'open_shard', 'open_shards', 'url_samples',
-           'sample_digests', 'count_samples', 'list_shards', 'is_meta_member', 'scan_tar']
+           'first_sample', 'sample_digests', 'count_samples', 'list_shards', 'is_meta_member', 'scan_tar']
 
 # %% ../../nbs/04_read.ipynb
 def _tar_reason(e: Exception) -> str:
@@ -215,6 +215,13 @@ def url_samples(src: Iterable[dict], handler: Callable = wds.reraise_exception, 
         except (ShardError, RemoteError) as e:  # broken, unsafe, or unreadable through faults: the handler decides
             if handler(e): continue
             raise
+
+# %% ../../nbs/04_read.ipynb
+def first_sample(url: str, retries: Retries | None = None) -> dict | None:
+    "The first sample of shard `url`, raw, read no further than its end (None: the shard holds no sample)."
+    samples = url_samples([dict(url=url)], retries=retries)
+    try: return next(samples, None)
+    finally: samples.close()
 
 # %% ../../nbs/04_read.ipynb
 def sample_digests(store, names: list[str] | str | None = None) -> dict[str, str]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import errno
 import hashlib
+import io
 import json
 import multiprocessing as mp
 import os
@@ -20,7 +21,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sized
 import numpy as np
 import webdataset as wds
 from fastcore.basics import patch
@@ -31,7 +32,7 @@ from .manifest import manifest_name, read_manifest, resume_mismatch, resume_poin
 from .read import unsafe_name
 
 # %% auto 0
-__all__ = ['ordered_map', 'staging_dir', 'write_shards']
+__all__ = ['AUTO_SHARDS', 'ordered_map', 'staging_dir', 'auto_maxcount', 'auto_maxcount_why', 'write_shards']
 
 # %% ../../nbs/06_write.ipynb
 def _apply(fn, batch): return [fn(x) for x in batch]
@@ -65,17 +66,33 @@ def ordered_map(fn: Callable, items: Iterable, workers: int = 1, batch: int = 16
         ex.shutdown(wait=True, cancel_futures=True)
 
 # %% ../../nbs/06_write.ipynb
+_IMAGE_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "ppm": "PPM", "bmp": "BMP"}
+
+def _encode_value(k: str, v) -> bytes:
+    "One field's bytes, chosen by its type and its extension (`image.jpg`, `x.npy`, `meta.json`, `cls`, `text.txt`)."
+    ext = k.rsplit(".", 1)[-1].lower()
+    if isinstance(v, (bytearray, memoryview)): return bytes(v)
+    if isinstance(v, (dict, list)): return json.dumps(v, sort_keys=True).encode()
+    if isinstance(v, (bool, np.bool_)): return str(int(v)).encode()
+    if isinstance(v, (int, float, np.integer, np.floating, str)): return str(v).encode()
+    if hasattr(v, "save") and hasattr(v, "mode") and ext in _IMAGE_FORMATS:  # a PIL image
+        buf = io.BytesIO()
+        v.save(buf, _IMAGE_FORMATS[ext], **({"quality": 95} if _IMAGE_FORMATS[ext] == "JPEG" else {}))
+        return buf.getvalue()
+    if ext == "npy" and (isinstance(v, np.ndarray) or hasattr(v, "numpy")):  # a numpy array or a CPU tensor
+        a = np.asarray(v if isinstance(v, np.ndarray) else v.numpy())
+        if a.dtype == object: raise UsageError(f"field {k!r} is an object array: it would need pickle; give numbers")
+        buf = io.BytesIO(); np.save(buf, a, allow_pickle=False); return buf.getvalue()
+    raise UsageError(f"field {k!r} is a {type(v).__name__}; give bytes, int, float, str, dict or list, a PIL image "
+                     "named *.jpg or *.png, or a numpy array named *.npy")
+
 def _encode(sample: dict) -> dict:
-    "Sample fields as bytes (what TarWriter stores): ints as text, dicts as JSON, str as UTF-8."
+    "Sample fields as bytes (what TarWriter stores), each encoded by `_encode_value`; the key checked."
     out = {}
     for k, v in sample.items():
-        if type(v) is bytes or k.startswith("_"): out[k] = v
-        elif isinstance(v, (bytearray, memoryview)): out[k] = bytes(v)
-        elif isinstance(v, (dict, list)): out[k] = json.dumps(v, sort_keys=True).encode()
-        elif isinstance(v, (int, np.integer, str)): out[k] = str(v).encode()
-        else:
-            raise UsageError(f"field {k!r} of sample {sample.get('__key__')!r} is a {type(v).__name__}; "
-                             "give bytes, int, str or dict (encode it first, e.g. np.save to bytes)")
+        if type(v) is bytes or k.startswith("_"): out[k] = v; continue
+        try: out[k] = _encode_value(k, v)
+        except UsageError as e: raise UsageError(f"sample {sample.get('__key__')!r}: {e}") from None
     if unsafe_name(str(out.get("__key__", ""))):
         raise UsageError(f"sample key {out.get('__key__')!r} is {unsafe_name(str(out.get('__key__', '')))}; "
                          "shards must be safe to extract")
@@ -84,6 +101,7 @@ def _encode(sample: dict) -> dict:
                          "use keys without dots")
     return out
 
+# %% ../../nbs/06_write.ipynb
 def _tar_size(sample: dict) -> int:
     "Bytes the encoded `sample` takes in a tar: a 512-byte header per member plus its data padded to 512."
     return sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if not k.startswith("_"))
@@ -121,7 +139,7 @@ def _store_shard(self: _ShardSink, sh: dict):
     self.store.put_file(sh["path"], sh["name"])
     sh["path"].unlink()
     self.m["shards"].append(dict(name=sh["name"], samples=sh["count"], bytes=nbytes, sha256=sha,
-                                 first_key=sh["first"], last_key=sh["last"]))
+                                 first_key=sh["first"], last_key=sh["last"], fields=sh["fields"]))
     self.m["samples"] += sh["count"]; self.m["bytes"] += nbytes
     save_manifest(self.store, self.m)
 
@@ -131,7 +149,7 @@ def _open_shard(self: _ShardSink):
     name = f"{self.prefix}{self.index:0{self.digits}d}.tar"
     self.index += 1
     f = open(self.tmpdir / name, "wb")
-    self.cur = dict(name=name, path=self.tmpdir / name, file=f, count=0, size=0, first=None, last=None,
+    self.cur = dict(name=name, path=self.tmpdir / name, file=f, count=0, size=0, first=None, last=None, fields={},
                     tar=wds.TarWriter(f, encoder=False, mtime=self.mtime))
 
 @patch
@@ -153,6 +171,8 @@ def add(self: _ShardSink, enc: dict, maxcount: int, maxsize: int | None):
     cur = self.cur
     cur["tar"].write(enc)
     cur["count"] += 1; cur["size"] += n
+    for k in enc:
+        if not k.startswith("_"): cur["fields"][k] = cur["fields"].get(k, 0) + 1
     cur["first"] = cur["first"] or enc["__key__"]; cur["last"] = enc["__key__"]
 
 @patch
@@ -167,6 +187,24 @@ def cleanup(self: _ShardSink):
     if self.cur: self.cur["tar"].close(); self.cur["file"].close()
     self.uploader.shutdown(wait=True)
     shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+# %% ../../nbs/06_write.ipynb
+AUTO_SHARDS = 16  # shards a data set gets by default: enough for 2 ranks x 8 workers (or 16 x 1) to each read one
+
+def auto_maxcount(total: int | None,  # Samples to write; None: unknown
+                  shards: int = AUTO_SHARDS,  # Shards to aim for
+                  most: int = 10_000,  # Samples per shard at most, however large the data set
+                 ) -> int:
+    "Samples per shard so that `total` samples make about `shards` shards (1000 when `total` is unknown)."
+    if not total: return 1000
+    return min(max(-(-total // shards), 1), most)
+
+def auto_maxcount_why(total: int | None, maxcount: int) -> str:
+    "One line on how `auto_maxcount` chose `maxcount` for `total` samples."
+    if not total: return "the number of samples is unknown (pass total=)"
+    n = -(-total // maxcount)
+    return (f"{total} samples in {n} shard{'s' * (n != 1)}, so that up to {n} loader workers (ranks x workers) "
+            "each read one" + (f"; {maxcount} at most per shard" if maxcount == 10_000 else ""))
 
 # %% ../../nbs/06_write.ipynb
 def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcount: int, maxsize: int | None,
@@ -192,7 +230,7 @@ def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcoun
 def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a fixed order
                  dest,                     # Store: a local directory or ais://bucket[/prefix]
                  prefix: str = "shard-",   # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json
-                 maxcount: int = 400,      # Most samples per shard
+                 maxcount: int | None = None,  # Most samples per shard; None: `auto_maxcount` of the sample count
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB (None: no limit)
                  stats: dict | None = None,  # Source statistics, recorded in the manifest when complete
                  info: dict | None = None,   # What identifies the input (checked on resume)
@@ -201,6 +239,10 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
                  mtime: float = 0,           # Modification time of every member (fixed: reproducible bytes)
                  digits: int = 5):           # Digits of the shard number: 5 for pets-00000.tar, 6 for x-000000.tar
     "Write `samples` as WebDataset shards into `dest`, each handed to the store when finished; the manifest."
+    if total is None and isinstance(samples, Sized): total = len(samples)
+    if maxcount is None:
+        maxcount = auto_maxcount(total)
+        if progress: print(f"maxcount {maxcount}: {auto_maxcount_why(total, maxcount)}; set maxcount to choose")
     if maxcount < 1: raise UsageError(f"maxcount must be >= 1, got {maxcount}")
     maxsize = parse_size(maxsize)
     if maxsize is not None and maxsize < 10240:
