@@ -248,7 +248,7 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
                        world, keys_out, val_loader)[0]
 
 # %% ../nbs/30b_train_script.ipynb
-def train_cli(shards: str = None,     # Training shards: a brace template, e.g. 'imagenet-train-{000000..000009}.tar'
+def train_cli(shards: str = None,     # Training shards: a directory, ais://bucket, a brace template or URLs
               folder: str = None,     # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
               base: str = "",         # Prefix of each shard name: 'http://host:port/', 'pipe:curl -s http://host:port/'
               val_shards: str = None, # Validation shards (brace template, same --base)

@@ -101,6 +101,17 @@ def test_every_documented_command_exists():
     assert len(used) >= 25, f"only {len(used)} commands documented: {sorted(used)}"
 
 
+def test_the_readme_lists_every_command():
+    "The README's command list (the block after `<!-- command-list`) names every command in the table, and no other."
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("<!-- command-list"):]
+    block = block[:block.index("```", block.index("```") + 3)]
+    listed = {find_command(w)[0] for w in mentioned_commands(block, False)}
+    assert None not in listed, "the README's command list names a command the table does not have"
+    missing = sorted(" ".join(c) for c in set(COMMANDS) - listed)
+    assert not missing, f"commands missing from the README's command list: {missing}"
+
+
 def test_no_test_edits_the_command_table():
     "CLI tests run the real table: a test that registers the command it tests passes with the command deleted."
     edit = re.compile(r"COMMANDS\s*\[[^\]]*\]\s*=|setitem\([^,]*COMMANDS|delitem\([^,]*COMMANDS|"
@@ -112,6 +123,11 @@ def test_no_test_edits_the_command_table():
 
 def test_help_has_no_placeholders_and_version_answers():
     "`--help` names each value the way the option reads (`--try TRY`, not `TRY_`); `--version` says the version."
+    for cmd in COMMANDS:  # every command's help, built in this process (each parser is what `--help` prints)
+        text = command_parser(cmd).format_help()
+        odd = re.findall(r"\b[A-Z][A-Z0-9_]*_\b|default: None|%\(\w+\)|\bTODO\b", text)
+        assert not odd, f"`shardkit {' '.join(cmd)} --help` shows {odd}:\n{text}"
+        assert f"usage: shardkit {' '.join(cmd)}" in text and len(text.splitlines()) >= 4, text
     r = main_cli("profile", "--help")
     assert r.returncode == 0 and "--try TRY " in r.stdout and "TRY_" not in r.stdout, r.stdout
     r = main_cli("--version")
