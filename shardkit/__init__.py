@@ -7,6 +7,19 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/97_api.ipynb
+def _with_parameters(fn):
+    "`fn`, its docstring followed by its parameters and their docments (what `help()` and Jupyter's `?` show)."
+    if not callable(fn) or isinstance(fn, type) or "\nParameters\n" in (fn.__doc__ or ""): return fn
+    import inspect
+    from fastcore.docments import docments
+    try: docs = docments(fn, full=True)
+    except (TypeError, OSError, SyntaxError): return fn  # no source to read: leave the docstring as it is
+    shown = lambda d: "" if d["default"] is inspect.Parameter.empty else f" (default: {d['default']!r})"
+    rows = [f"    {k}: {d['docment']}{shown(d)}" for k, d in docs.items() if k != "return" and d["docment"]]
+    if rows: fn.__doc__ = f"{fn.__doc__ or ''}\n\nParameters\n" + "\n".join(rows)
+    return fn
+
+# %% ../nbs/97_api.ipynb
 _API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets", "synthesize_folder": "folder",
         "write_shards": "shards.write", "create_random_loader": "loading.random",
         "convert_folder": "folder", "shuffle_shards": "shuffle", "verify_shards": "shards.manifest", "run_etl": "etl",
@@ -18,7 +31,7 @@ def __getattr__(name: str):
     "A name of the API, imported from its module the first time it is asked for."
     import importlib  # here, not at the top: nbdev writes `__version__` first, and a module's imports come first
     if name not in _API: raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"shardkit.{_API[name]}"), name)
+    value = _with_parameters(getattr(importlib.import_module(f"shardkit.{_API[name]}"), name))
     globals()[name] = value  # asked once: the next look-up finds it without coming here
     return value
 

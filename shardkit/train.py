@@ -221,7 +221,8 @@ def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, wor
 def _reading(shards, pipeline: str, decode: str, dev) -> str:
     "How the run reads its data, for the first line it prints."
     how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" * (decode == "gpu"))
-    return how + (f" ({torch.get_num_threads()} threads per rank)" if dev.type == "cpu" else "")
+    n = torch.get_num_threads()
+    return how + (f" ({n} thread{'s' * (n != 1)} per rank)" if dev.type == "cpu" else "")
 
 # %% ../nbs/30b_train_script.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps, samples, classes,
@@ -241,7 +242,7 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
     model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world, ck)
     step = training_step(net, opt, dev, precision)
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
-               f"{world} rank(s), "
+               f"{world} rank{'s' * (world != 1)}, "
                f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
     return run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,

@@ -54,7 +54,7 @@ def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
     assert set(seen[0]) <= rank0 and set(seen[1]) <= {f"s{k:04d}" for k in range(20, 40)}
     hist = json.loads((tmp_path / "hist.json").read_text())
     assert [h["samples"] for h in hist] == [32, 32] and hist[-1]["steps"] == 4
-    assert "2 rank(s)" in r.stdout
+    assert "2 ranks," in r.stdout
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def incomplete_jobs(store) -> list[str]:
 
 # %% ../../nbs/05_manifest.ipynb
 def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str, int], int] | None:
-    "({field: samples holding it}, samples) over shards `names` of `store` (None: all its manifests' shards), else None."
+    "({field: samples holding it}, samples) over shards `names` of `store` (None: all its manifests'), else None."
     store = open_store(store)
     recs = {s["name"]: s for _, m in _manifests(store) for s in m["shards"]}
     names = list(recs) if names is None else list(names)
