@@ -159,10 +159,81 @@ def test_resume_in_a_fresh_process(shards, uninterrupted, stop):
         assert torch.equal(a[1], b[1]), "same pixels, same augmentation"
 
 
-def test_resume_refuses_other_settings(shards):
+def test_resume_refuses_another_order(shards):
     dl = _loader(shards, batch_size=5, num_workers=0, seed=7)
-    with pytest.raises(LoaderError, match="batch_size is 4 here, 5 in the saved state"):
-        _loader(shards, batch_size=4, num_workers=0, seed=7).load_state_dict(dl.state_dict())
+    with pytest.raises(LoaderError, match="seed is 8 here, 7 in the saved state"):
+        _loader(shards, batch_size=4, num_workers=0, seed=8).load_state_dict(dl.state_dict())
+
+
+# Elastic resume: 1,200 samples, 12 a step of the whole job on every shape, so that a resume after 1, 50 or 99 steps is
+# at 1%, 50% and 99% of the epoch. (ranks, workers per rank, batch size per rank)
+ELASTIC = (1, 0, 12), (2, 1, 6), (3, 3, 4), (1, 3, 12), (2, 0, 6), (3, 1, 4)
+PAIRS = [(ELASTIC[i], ELASTIC[(i + k) % len(ELASTIC)]) for i in range(len(ELASTIC)) for k in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def elastic_shards(tmp_path_factory):
+    from shardkit.shards.write import write_shards
+    folder = tmp_path_factory.mktemp("elastic")
+    write_shards(({"__key__": f"k{i:04d}", "cls": i % 7} for i in range(1200)), folder, maxcount=100, progress=False)
+    return folder
+
+
+def _job(src, shape, state=None):
+    "One loader per rank of `shape`, each resumed from `state` if given."
+    ranks, workers, bs = shape
+    dls = [create_random_loader(src, keys=("__key__",), transform=None, batch_size=bs, num_workers=workers, seed=11,
+                                rank=r, world_size=ranks) for r in range(ranks)]
+    for dl in dls:
+        if state is not None: dl.load_state_dict(state)
+    return dls
+
+
+def _steps(dls, n=None):
+    "The keys of the job's next `n` steps (None: to the epoch's end), rank 0's batch first in each; rank 0's state."
+    its, out = [iter(dl) for dl in dls], []
+    for i, step in enumerate(zip(*its)):
+        out.append([k for b in step for k in b[0]])
+        if n is not None and i + 1 == n: break
+    state = dls[0].state_dict()
+    del its
+    return out, state
+
+
+def _elastic_check(src, pairs, points=(1, 50, 99)):
+    whole, _ = _steps(_job(src, (1, 0, 12)))
+    assert sorted(k for s in whole for k in s) == [f"k{i:04d}" for i in range(1200)]
+    for a, b in pairs:
+        for p in points:
+            head, state = _steps(_job(src, a), p)
+            tail, _ = _steps(_job(src, b, state))
+            assert head + tail == whole, f"{a} -> {b} after {p} steps: not the uninterrupted run's batches"
+
+
+@pytest.mark.parametrize("pairs", [PAIRS[:6], PAIRS[6:]], ids=["pairs0-5", "pairs6-11"])
+def test_resume_on_another_shape_gives_the_uninterrupted_batches(elastic_shards, pairs):
+    "Any number of ranks and workers, the same samples a step: the batches after the resume are the uninterrupted run's."
+    _elastic_check(elastic_shards, pairs)
+
+
+def test_resume_on_another_step_size_reads_the_rest_once(elastic_shards, capsys):
+    "12 a step, then 7 on one rank: the rest of the same order, cut anew, each sample once."
+    whole, _ = _steps(_job(elastic_shards, (1, 0, 12)))
+    head, state = _steps(_job(elastic_shards, (2, 1, 6)), 50)
+    tail, _ = _steps(_job(elastic_shards, (1, 0, 7), state))
+    assert [k for s in head + tail for k in s] == [k for s in whole for k in s] and len(tail[0]) == 7
+    assert "resumed at sample 600 of epoch 0's order on steps of 7 samples, not 12" in capsys.readouterr().err
+
+
+def test_resume_on_another_shape_on_aistore(elastic_shards, ais_endpoint):
+    "The same, reading a bucket (the shard cache, ais://'s default)."
+    name = f"shardkit-elastic-{uuid.uuid4().hex[:8]}"
+    store = open_store(f"ais://{name}", create=True)
+    try:
+        for p in sorted(elastic_shards.glob("*")): store.put_file(p)
+        _elastic_check(f"ais://{name}", [PAIRS[1], PAIRS[4]])
+    finally:
+        for n in store.list(): store.delete(n)
 
 
 def test_set_epoch(shards):

@@ -143,16 +143,18 @@ class EpochBatches:
                  world_size: int = 1,         # Ranks sharing every step
                  pad: bool = False,           # Repeat the order's first samples to fill the last step
                  drop_last: bool = True,      # Drop the samples of a last, partial step (with pad=False)
+                 start: int = 0,              # Position in `order` of the first batch's first sample (a resume)
                 ):
-        n = len(order)
+        if not 0 <= start <= len(order): raise UsageError(f"start must lie in 0..{len(order)}, got {start}")
+        n = len(order) - start
         if not (drop_last or pad) and world_size > 1:
             raise UsageError(f"with {world_size} ranks every rank needs the same number of full batches "
                              "(DDP waits for all of them): keep drop_last=True, or pass pad=True to repeat samples")
-        self.order, self.n, self.batch_size, self.rank = order, n, batch_size, rank
+        self.order, self.n, self.batch_size, self.rank, self.start = order, n, batch_size, rank, start
         self.partial = not (drop_last or pad)  # one rank: a partial last batch
         self.step = batch_size if self.partial else batch_size * world_size
         self.steps = -(-n // self.step) if self.partial or pad else n // self.step
-        if self.steps == 0 and not self.partial:
+        if self.steps == 0 and not self.partial and not start:
             raise UsageError(f"{n} samples make no full step of batch_size {batch_size} x {world_size} ranks; "
                              "use a smaller batch_size, or pad=True to repeat samples")
     def __len__(self): return self.steps
@@ -164,4 +166,4 @@ class EpochBatches:
         b %= self.steps
         if self.partial: pos = np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.n))
         else: pos = (b * self.step + self.rank * self.batch_size + np.arange(self.batch_size)) % self.n
-        return self.order(pos)
+        return self.order(self.start + pos)

@@ -67,6 +67,7 @@ class RandomAccessLoader:
         # None: DataLoader's default with one rank
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)
         self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
+        self.start = 0  # where this epoch's batches start in its order: not 0 after a resume on another step size
         self.starts = shard_starts(dataset.index.shard, len(dataset.index.shards))  # per shard: all the order needs
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
@@ -74,17 +75,19 @@ class RandomAccessLoader:
     def seed(self) -> int: return self.dataset.seed
     def batches(self, epoch: int) -> EpochBatches:
         "This rank's batches of `epoch`, each made when asked for: a global permutation, or windows of shards."
-        key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window)
+        start = self.start if epoch == self.epoch else 0
+        key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window,
+               start)
         if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
             order = EpochOrder(self.starts, self.seed, epoch, self.window)
             self._cut = (key, EpochBatches(order, self.batch_size, self.rank, self.world_size, self.pad,
-                                           self.drop_last))
+                                           self.drop_last, start))
         return self._cut[1]
     def __len__(self): return len(self.batches(self.epoch))
 
     def set_epoch(self, epoch: int):
         "Start epoch `epoch` from its first batch (right after `load_state_dict` for it: from the restored batch)."
-        if not (self._restored and epoch == self.epoch): self.epoch, self.batch = int(epoch), 0
+        if not (self._restored and epoch == self.epoch): self.epoch, self.batch, self.start = int(epoch), 0, 0
         self._restored = False
 
 # %% ../../nbs/27_random.ipynb
@@ -97,7 +100,7 @@ class _Todo:
 
 @patch
 def __iter__(self: RandomAccessLoader):
-    if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # the last pass stopped after its last batch
+    if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # stopped after its last batch
     epoch, todo = self.epoch, _Todo(self.epoch, self.batches(self.epoch), self.batch)
     self._restored = False
     if len(todo):
@@ -110,27 +113,41 @@ def __iter__(self: RandomAccessLoader):
         for b in dl:
             self.batch += 1
             yield b.unpool() if isinstance(b, PooledBatch) else b
-    self.epoch, self.batch = epoch + 1, 0
+    self.epoch, self.batch, self.start = epoch + 1, 0, 0
     if self.dataset.retries and (report := self.dataset.retries.report(epoch=epoch, everyone=True)):  # all workers'
         print(report, file=sys.stderr, flush=True)
 
 # %% ../../nbs/27_random.ipynb
-_MUST_MATCH = ("seed", "samples", "batch_size", "rank", "world_size", "pad", "drop_last", "window")
+_MUST_MATCH = ("seed", "samples", "window")  # what the epoch's order depends on; the shape may change
+
+def _step(s: dict) -> int:
+    "Samples a step of the whole job takes from the order, for a state's (or loader's) shape."
+    return s["batch_size"] * (s["world_size"] if s["drop_last"] or s["pad"] else 1)
 
 @patch
 def state_dict(self: RandomAccessLoader) -> dict:
-    "Where the loader is: epoch and batches handed out in it, with the settings a resumed loader must share."
-    return dict(epoch=self.epoch, batch=self.batch, seed=self.seed, samples=len(self.dataset),
-                batch_size=self.batch_size, rank=self.rank, world_size=self.world_size, pad=self.pad,
-                drop_last=self.drop_last, window=self.window)
+    "Where the loader is: the epoch and how far the whole job is into its order, with what the order depends on."
+    mine = dict(batch_size=self.batch_size, rank=self.rank, world_size=self.world_size, pad=self.pad,
+                drop_last=self.drop_last)
+    position = min(self.start + self.batch * _step(mine), len(self.dataset))  # samples every rank took, together
+    return dict(epoch=self.epoch, batch=self.batch, position=position, seed=self.seed, samples=len(self.dataset),
+                window=self.window, **mine)
 
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
-    "Continue from `state` (from `state_dict`): the next batch is the one the saved loader would have given next."
+    "Continue from `state` (any rank's `state_dict`) on this loader's shape: the rest of the epoch's order, once."
     check_resumable(state, self.state_dict(), _MUST_MATCH, "random-access loader")
-    epoch, batch = saved_count(state.get("epoch"), "epoch"), saved_count(state.get("batch"), "batch", 0, len(self))
-    self.epoch, self.batch, self._restored = epoch, batch, True
-    if self.batch >= len(self): self.epoch, self.batch = self.epoch + 1, 0  # saved after the epoch's last batch
+    epoch = saved_count(state.get("epoch"), "epoch")
+    if "position" in state: position = saved_count(state["position"], "position", 0, len(self.dataset))
+    else:  # saved before 2026-11-27: the batch count of the saved shape
+        position = min(saved_count(state.get("batch"), "batch") * _step(state), len(self.dataset))
+    step = _step(self.state_dict())
+    self.epoch, self._restored = epoch, True
+    self.start, self.batch = (0, position // step) if position % step == 0 else (position, 0)
+    if self.start:
+        print(f"resumed at sample {position} of epoch {epoch}'s order on steps of {step} samples, not {_step(state)}: "
+              "the rest of its order, each sample once, cut into the new steps", file=sys.stderr)
+    if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # saved at the epoch's end
 
 # %% ../../nbs/27_random.ipynb
 def create_random_loader(source, keys: Sequence[str] | None = None, transform=None, batch_size: int = 64,
