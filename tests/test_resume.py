@@ -118,8 +118,8 @@ def test_a_setting_that_changes_the_order_is_named(shards):
     state = a.state_dict()
     with pytest.raises(LoaderError, match=r"seed is 4 here, 3 in the saved state"):
         _loader(shards, 2, seed=4).load_state_dict(state)
-    with pytest.raises(LoaderError, match=r"num_workers is 1 here, 2 in the saved state"):
-        _loader(shards, 1, seed=3).load_state_dict(state)
+    with pytest.raises(LoaderError, match=r"seed is 4 here, 3 in the saved state"):  # on another shape too
+        _loader(shards, 1, seed=4).load_state_dict(state)
     with pytest.raises(LoaderError, match=r"shards is"):
         _loader(shards[:-1], 2, seed=3).load_state_dict(state)
     with pytest.raises(LoaderError, match="shuffle_across=0"):
@@ -182,8 +182,8 @@ def test_a_state_that_is_not_a_dict_is_refused(shards):
 
 
 @pytest.mark.parametrize("change, says", [
-    (dict(batch=99), "batch is 99 in the saved state; it should be a whole number from 0 to"),
-    (dict(batch=-1), "batch is -1"), (dict(batch="3"), "batch is '3'"),
+    (dict(position=99), "position is 99 in the saved state; it should be a whole number from 0 to 34"),
+    (dict(position=-1), "position is -1"), (dict(position="3"), "position is '3'"),
     (dict(epoch=-1), "epoch is -1 in the saved state; it should be a whole number, 0 or more"), (dict(epoch=None), "epoch is None"),
 ])
 def test_the_random_loader_refuses_a_malformed_state(shards, change, says):
@@ -194,3 +194,77 @@ def test_the_random_loader_refuses_a_malformed_state(shards, change, says):
     with pytest.raises(LoaderError, match=re.escape(says)):
         make().load_state_dict({**a.state_dict(), **change})
     with pytest.raises(LoaderError, match="cannot resume from a str"): make().load_state_dict("x")
+
+
+# Elastic resume (nbs/25a_elastic): a job stopped on one shape goes on on another, every sample of the epoch once.
+# (ranks, workers per rank, batch size): every rank and worker count of {1, 2, 3} x {0, 1, 3}, in 6 pairs
+ELASTIC = [((1, 0, 4), (3, 3, 5)), ((2, 1, 4), (1, 0, 4)), ((3, 3, 4), (2, 0, 6)), ((1, 3, 5), (2, 1, 4)),
+           ((2, 0, 4), (3, 1, 4)), ((3, 1, 6), (1, 3, 4))]
+
+
+@pytest.fixture(scope="module")
+def elastic_shards(tmp_path_factory):
+    "1,200 keys-only samples in 12 shards of 100."
+    from shardkit.shards.write import write_shards
+    folder = tmp_path_factory.mktemp("elastic")
+    write_shards(({"__key__": f"k{i:04d}", "cls": i % 7} for i in range(1200)), folder, maxcount=100, progress=False)
+    return folder
+
+
+def _job(src, shape, share=None, states=None):
+    "Each rank of `shape` in turn: the keys it hands out (all, or until it has `share` of its part), and its state."
+    ranks, workers, bs = shape
+    keys, saved = [], []
+    for r in range(ranks):
+        ds = create_dataset(src, keys=("__key__",), transform=None, shuffle=50, batch_size=bs, seed=5, rank=r,
+                            world_size=ranks)
+        dl = create_dataloader(ds, num_workers=workers)
+        if states is not None: dl.load_state_dict(states)
+        it, mine = iter(dl), []
+        for b in it:
+            mine += list(b[0])
+            if share is not None and len(mine) >= share * 1200 / ranks: break
+        keys += mine
+        saved.append(dl.state_dict()); del it
+    return keys, saved
+
+
+def _exactly_once_after_reshapes(src, pairs, shares=(0.01, 0.5, 0.99)):
+    for a, b in pairs:
+        for share in shares:
+            head, states = _job(src, a, share)
+            tail, _ = _job(src, b, states=states)
+            both = head + tail
+            assert len(both) == len(set(both)) == 1200, (a, b, share, len(head), len(tail), len(set(both)))
+
+
+@pytest.mark.parametrize("pairs", [ELASTIC[:3], ELASTIC[3:]], ids=["pairs0-2", "pairs3-5"])
+def test_streaming_resume_on_another_shape_reads_each_sample_once(elastic_shards, pairs):
+    "Stopped at 1%, 50% and 99% of an epoch on one shape, gone on with on another: every sample once, none twice."
+    _exactly_once_after_reshapes(elastic_shards, pairs)
+
+
+def test_streaming_resume_reshapes_twice_and_refuses_half_a_job(elastic_shards):
+    "A job resumed on another shape, stopped again and resumed on a third; one rank's state alone is refused."
+    head, states = _job(elastic_shards, (2, 1, 4), 0.3)
+    mid, states2 = _job(elastic_shards, (3, 0, 5), 0.3, states=states)
+    assert all(s["plan"] for s in states2), "the state of a resumed epoch keeps its plan"
+    again, _ = _job(elastic_shards, (3, 0, 5), states=states2)  # the same shape as it saved: the plan goes on
+    tail, _ = _job(elastic_shards, (1, 3, 4), states=states2)   # another shape again
+    assert len(set(head + mid + again)) == len(head + mid + again) == 1200
+    assert sorted(head + mid + tail) == sorted(head + mid + again)
+    with pytest.raises(LoaderError, match=r"the states are of ranks \[0\], and the saved run had 2"):
+        _job(elastic_shards, (1, 0, 4), states=states[:1])
+    with pytest.raises(LoaderError, match="pass every rank's state_dict"):
+        _job(elastic_shards, (3, 0, 4), states=states[1])
+
+
+def test_streaming_resume_on_another_shape_from_aistore(elastic_shards, ais_endpoint):
+    import uuid
+    from shardkit.store import open_store
+    store = open_store(f"ais://shardkit-elastic-{uuid.uuid4().hex[:8]}", create=True)
+    try:
+        for p in sorted(elastic_shards.glob("*")): store.put_file(p)
+        _exactly_once_after_reshapes(store.spec, ELASTIC[1:3], shares=(0.5,))
+    finally:
+        for name in store.list(): store.delete(name)

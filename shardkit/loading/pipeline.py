@@ -22,7 +22,7 @@ from ..shards.fields import is_image_key
 from ..shards.read import url_samples
 from .collate import collate
 from .random import RandomAccessLoader
-from .sources import EpochShards, LoaderError, rank_and_world, shard_urls, shuffle_samples, take_share
+from .sources import EpochShards, LoaderError, drop_planned, rank_and_world, shard_urls, shuffle_samples, take_share
 from .stream import ShardDataset, ShardLoader, error_handler, skip_resumed
 from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
 
@@ -50,7 +50,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
     shards = EpochShards(urls, seed, shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
-    stages = [shards, partial(url_samples, handler=handler, retries=retries)]
+    stages = [shards, partial(url_samples, handler=handler, retries=retries), partial(drop_planned, shards=shards)]
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before

@@ -8,7 +8,7 @@ import hashlib
 import os
 import random
 from itertools import islice
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterable, Sequence
 import torch
 from braceexpand import braceexpand
@@ -17,8 +17,8 @@ from ..errors import LoaderError
 from ..store import open_store, shown_path
 
 # %% auto 0
-__all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'EpochShards', 'split_count', 'take_share', 'buffer_shuffle',
-           'shuffle_samples']
+__all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name', 'epoch_shard_order', 'EpochShards',
+           'split_count', 'take_share', 'buffer_shuffle', 'shuffle_samples', 'drop_planned']
 
 # %% ../../nbs/21_sources.ipynb
 def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
@@ -61,6 +61,17 @@ def seeded_rng(*parts) -> random.Random:
     return random.Random(seed_for(*parts))
 
 # %% ../../nbs/21_sources.ipynb
+def shard_name(url: str) -> str:
+    "A shard's name in its store, from its URL or path (a job may resume reading a bucket through another proxy)."
+    return PurePosixPath(url.split("?")[0]).name
+
+def epoch_shard_order(urls: Sequence[str], seed: int, epoch: int, shuffle: bool = True) -> list[str]:
+    "Every shard of epoch `epoch` in its seeded order (as listed, if not `shuffle`): slot s of S reads `[s::S]`."
+    urls = list(urls)
+    if shuffle: seeded_rng(seed, epoch, "shards").shuffle(urls)
+    return urls
+
+# %% ../../nbs/21_sources.ipynb
 class EpochShards(IterableDataset):
     "The shard URLs of one epoch for this rank and worker, in a seeded order that changes every epoch."
     def __init__(self, urls: Sequence[str], seed: int, shuffle: bool = True, resampled: bool = False,
@@ -68,8 +79,8 @@ class EpochShards(IterableDataset):
         self.urls, self.seed, self.shuffle, self.resampled = list(urls), seed, shuffle, resampled
         self.rank, self.world_size = rank, world_size
         self.epoch, self.ctx = 0, None
-        # for a resumed epoch (ShardLoader.load_state_dict)
-        self.resume, self.seed_given, self.rotation = None, True, None
+        # for a resumed epoch (ShardLoader.load_state_dict); `plan`: the rest of an epoch resumed on another shape
+        self.resume, self.seed_given, self.rotation, self.plan = None, True, None, None
 
     def set_epoch(self, epoch: int): self.epoch = int(epoch)
 
@@ -89,9 +100,12 @@ class EpochShards(IterableDataset):
         if self.resampled:
             rng = seeded_rng(self.seed, ctx["epoch"], "resample", ctx["slot"])
             while True: yield dict(url=rng.choice(self.urls))
-        urls = list(self.urls)
-        if self.shuffle: seeded_rng(self.seed, ctx["epoch"], "shards").shuffle(urls)
-        for url in urls[ctx["slot"]::ctx["slots"]]: yield dict(url=url)
+        if self.plan is not None and self.plan["epoch"] == ctx["epoch"]:  # what is left of it, dealt to this shape
+            by_name = {shard_name(u): u for u in self.urls}
+            for name, _ in self.plan["shards"][ctx["slot"]::ctx["slots"]]: yield dict(url=by_name[name])
+            return
+        for url in epoch_shard_order(self.urls, self.seed, ctx["epoch"], self.shuffle)[ctx["slot"]::ctx["slots"]]:
+            yield dict(url=url)
 
 # %% ../../nbs/21_sources.ipynb
 def split_count(total: int, slot: int, slots: int) -> int:
@@ -131,3 +145,18 @@ def shuffle_samples(src: Iterable, shards: EpochShards, bufsize: int = 1000):
 def _chain1(first, rest):
     yield first
     yield from rest
+
+# %% ../../nbs/21_sources.ipynb
+def drop_planned(src: Iterable[dict], shards: EpochShards):
+    "Samples of an epoch resumed on another shape, but those its `plan` says were handed out (by place in shard)."
+    src = iter(src)
+    first = next(src, None)
+    if first is None: return
+    plan = shards.plan
+    if plan is None or plan["epoch"] != shards.ctx["epoch"]: yield from _chain1(first, src); return
+    gone = {name: frozenset(positions) for name, positions in plan["shards"] if positions}
+    url, i, skip = None, 0, frozenset()
+    for s in _chain1(first, src):
+        if s.get("__url__") != url: url, i = s.get("__url__"), 0; skip = gone.get(shard_name(str(url)), frozenset())
+        if i not in skip: yield s
+        i += 1

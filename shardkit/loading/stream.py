@@ -18,6 +18,7 @@ from torch.utils.data import get_worker_info
 from ..errors import UsageError
 from ..remote import Retries, as_retries
 from .collate import LENT, MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
+from .elastic import checked_plan, merge_states, next_plan
 from .resume import check_resumable, saved_count
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
@@ -181,6 +182,7 @@ def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
 
 # %% ../../nbs/25_stream.ipynb
 _MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples")
+_SHAPE = ("num_workers", "rank", "world_size")  # another shape: the rest of the epoch is planned again (25a_elastic)
 
 @functools.lru_cache(maxsize=16)  # DeviceLoader asks for the state at every batch
 def _shards_digest(urls: tuple[str, ...]) -> str:
@@ -198,20 +200,39 @@ def state_dict(self: ShardLoader) -> dict:
     if self._running: epoch, taken, nxt = self.epoch, list(self._taken), self._next
     elif self._resumed is not None: epoch, taken, nxt = sh.epoch, list(self._resumed), sh.rotation[1]
     else: epoch, taken, nxt = sh.epoch, [0] * len(self._taken), 0
+    plan = sh.plan if sh.plan is not None and sh.plan["epoch"] == epoch else None  # an epoch resumed on another shape
     return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(tuple(sh.urls)),
-                num_workers=self.num_workers,
-                batch_size=ds.batch_size, rank=rank, world_size=world, shuffle=ds.shuffle,
-                epoch_samples=ds.epoch_samples)
+                num_workers=self.num_workers, batch_size=ds.batch_size, rank=rank, world_size=world,
+                shuffle=ds.shuffle, epoch_samples=ds.epoch_samples, shard_shuffle=sh.shuffle, plan=plan)
 
 @patch
-def load_state_dict(self: ShardLoader, state: dict):
-    "Go on from `state` (`state_dict`'s, from this or another process): the next batch is the saved loader's next one."
+def load_state_dict(self: ShardLoader, state: dict | Sequence[dict]):
+    "Go on from `state` (`state_dict`'s, any process's); on another shape, from every rank's (a list): the rest, once."
     sh = self.dataset.shards
-    if isinstance(state, dict) and not getattr(sh, "seed_given", True):
-        sh.seed = state.get("seed", sh.seed)  # seed=None: take the saved run's
+    states = list(state) if isinstance(state, (list, tuple)) else [state]
+    if states and isinstance(states[0], dict) and not getattr(sh, "seed_given", True):
+        sh.seed = states[0].get("seed", sh.seed)  # seed=None: take the saved run's
+    mine = self.state_dict()
+    own = [s for s in states if isinstance(s, dict) and all(s.get(k) == mine[k] for k in _SHAPE)]
+    if own or not all(isinstance(s, dict) for s in states): return self._resume_here(own[0] if own else state)
+    if isinstance(state, dict) and state.get("world_size", 1) != 1:
+        raise LoaderError(f"cannot resume on another shape from one rank's state (rank {state.get('rank')} of "
+                          f"{state.get('world_size')}): pass every rank's state_dict() (a list)")
+    job = merge_states(states)  # another shape: what the saved job has not handed out yet, dealt to this one
+    check_resumable(job, mine, ("seed", "shards"), "streaming loader")
+    plan = next_plan(job, sh.urls, self.dataset.handler, self.dataset.retries)
+    self._resumed, self._workers_next, sh.rotation, sh.resume = None, None, None, None
+    sh.plan = plan if plan["shards"] else None
+    self.set_epoch(job["epoch"] + (not plan["shards"]))  # nothing left: the next epoch
+
+@patch
+def _resume_here(self: ShardLoader, state: dict):
+    "Go on from `state`, saved on this loader's shape: each worker skips, undecoded, what it handed out."
+    sh = self.dataset.shards
     check_resumable(state, self.state_dict(), _MUST_MATCH, "streaming loader")
     epoch, batches, nxt = check_position(state, len(self._taken))
     self.set_epoch(epoch)
+    sh.plan = checked_plan(state.get("plan"), epoch)  # an epoch resumed on another shape before: its plan goes on
     self._resumed, self._workers_next = batches, None  # the counts go on; persistent workers restart
     sh.rotation = (epoch, nxt)  # DataLoader's workers take turns from worker 0: the
     # worker whose turn was next plays worker 0's part in this epoch (its shards, its seeds, its count), and so on round
