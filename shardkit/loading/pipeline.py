@@ -21,9 +21,10 @@ from ..remote import Retries, as_retries
 from ..shards.fields import is_image_key
 from ..shards.read import url_samples
 from .collate import collate
+from .mix import mix_samples, mixed_sources
 from .random import RandomAccessLoader
 from .sources import EpochShards, LoaderError, drop_planned, rank_and_world, shard_urls, shuffle_samples, take_share
-from .stream import ShardDataset, ShardLoader, error_handler, skip_resumed
+from .stream import ShardDataset, ShardLoader, error_handler, shards_digest, skip_resumed
 from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
 
 # %% auto 0
@@ -44,6 +45,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
                   epoch_samples: int | None = None,     # Samples per epoch of the whole job (with `resampled`)
                   handler: Callable = wds.reraise_exception,  # A bad sample: a webdataset handler
                   retries: Retries | None = None,       # How reads retry faults (and count them); None: the default
+                  mix: tuple | None = None,             # (names, weights, the other sources' URLs): `mix_samples`
                  ) -> ShardDataset:
     "The stages of every streaming pipeline: the epoch's shards, their samples, shuffled, resumed, decoded, batched."
     seed_given = seed is not None
@@ -51,13 +53,17 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     shards = EpochShards(urls, seed, shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler, retries=retries), partial(drop_planned, shards=shards)]
+    if mix: stages.append(partial(mix_samples, shards=shards, names=mix[0], weights=mix[1], others=mix[2],
+                                  handler=handler, retries=retries))
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
     stages.append(wds.map(partial(decode, shards=shards), handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collation_fn, partial=True))
-    return ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples,
-                        handler=handler, shuffle=shuffle, retries=retries)
+    ds = ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples,
+                      handler=handler, shuffle=shuffle, retries=retries)
+    ds.mix = None if not mix else {n: [w, shards_digest(tuple(u))] for n, w, u in zip(mix[0], mix[1], [urls, *mix[2]])}
+    return ds
 
 # %% ../../nbs/27a_pipeline.ipynb
 def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
@@ -89,6 +95,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                    allow_pickle: bool = False,   # Decode .pyd/.pickle fields (only for shards you trust)
                    access: str = "stream",       # "stream": shards in order; "random": a global shuffle
                    retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError; or Retries
+                   weights: dict[str, float] | None = None,  # With a dict of sources {name: source}: each one's share
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
@@ -96,8 +103,10 @@ def create_dataset(sources,                      # Shards: a store, a directory,
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
     if access == "stream" and epoch_samples and not resampled:
         raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
+    sources, mix = mixed_sources(sources, weights, access)
     urls, retries = shard_urls(sources), as_retries(retry_wait)
     keys = data_keys(sources, urls, keys, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
+    for other in (mix or {}).get("sources", ()): data_keys(other, shard_urls(other), keys, check=handler == "raise")
     if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
     if access == "random": return _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
                                                  rank, world_size, normalize, allow_pickle, retry_wait)
@@ -106,8 +115,9 @@ def create_dataset(sources,                      # Shards: a store, a directory,
         transform = train_transform(normalize=normalize)
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
     to_tuple = partial(sample_to_tuple, keys=tuple(keys), transform=transform, allow_pickle=allow_pickle)
+    if mix: mix = (mix["names"], mix["weights"], [shard_urls(s) for s in mix["sources"]])
     return shard_dataset(urls, to_tuple, keys, batch_size, collate, seed, shuffle, rank, world_size, shard_shuffle,
-                         resampled, epoch_samples, handler, retries)
+                         resampled, epoch_samples, handler, retries, mix)
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataloader(dataset: ShardDataset,         # from create_dataset

@@ -23,7 +23,8 @@ from .resume import check_resumable, saved_count
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'skip_resumed', 'check_position']
+__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'skip_resumed', 'check_position',
+           'shards_digest']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -181,11 +182,11 @@ def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
     return saved_count(state.get("epoch"), "epoch"), counts, nxt
 
 # %% ../../nbs/25_stream.ipynb
-_MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples")
+_MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples", "mix")
 _SHAPE = ("num_workers", "rank", "world_size")  # another shape: the rest of the epoch is planned again (25a_elastic)
 
 @functools.lru_cache(maxsize=16)  # DeviceLoader asks for the state at every batch
-def _shards_digest(urls: tuple[str, ...]) -> str:
+def shards_digest(urls: tuple[str, ...]) -> str:
     "The shard list by name and order (not by host, so a resumed job may read the same bucket through another proxy)."
     return hashlib.sha256("\n".join(PurePosixPath(u.split("?")[0]).name for u in urls).encode()).hexdigest()[:16]
 
@@ -201,9 +202,10 @@ def state_dict(self: ShardLoader) -> dict:
     elif self._resumed is not None: epoch, taken, nxt = sh.epoch, list(self._resumed), sh.rotation[1]
     else: epoch, taken, nxt = sh.epoch, [0] * len(self._taken), 0
     plan = sh.plan if sh.plan is not None and sh.plan["epoch"] == epoch else None  # an epoch resumed on another shape
-    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=_shards_digest(tuple(sh.urls)),
+    return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=shards_digest(tuple(sh.urls)),
                 num_workers=self.num_workers, batch_size=ds.batch_size, rank=rank, world_size=world,
-                shuffle=ds.shuffle, epoch_samples=ds.epoch_samples, shard_shuffle=sh.shuffle, plan=plan)
+                shuffle=ds.shuffle, epoch_samples=ds.epoch_samples, shard_shuffle=sh.shuffle, plan=plan,
+                mix=getattr(ds, "mix", None))
 
 @patch
 def load_state_dict(self: ShardLoader, state: dict | Sequence[dict]):
@@ -218,6 +220,8 @@ def load_state_dict(self: ShardLoader, state: dict | Sequence[dict]):
     if isinstance(state, dict) and state.get("world_size", 1) != 1:
         raise LoaderError(f"cannot resume on another shape from one rank's state (rank {state.get('rank')} of "
                           f"{state.get('world_size')}): pass every rank's state_dict() (a list)")
+    if mine["mix"] is not None:
+        raise LoaderError("cannot resume a mix of sources on another shape: resume it on the shape that saved it")
     job = merge_states(states)  # another shape: what the saved job has not handed out yet, dealt to this one
     check_resumable(job, mine, ("seed", "shards"), "streaming loader")
     plan = next_plan(job, sh.urls, self.dataset.handler, self.dataset.retries)
