@@ -22,9 +22,9 @@ from .store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'free_base_port', 'ais_status',
-           'ais_up', 'ais_down', 'ais_put', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli',
-           'ais_put_cli']
+           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'free_base_port', 'cluster_ready',
+           'ais_status', 'ais_up', 'ais_down', 'ais_put', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli',
+           'ais_build_cli', 'ais_put_cli']
 
 # %% ../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -179,7 +179,8 @@ def free_base_port(start: int = 18080,  # the first base port to try
                        "stop what holds those ports or pick another range")
 
 # %% ../nbs/07_cluster.ipynb
-def _ready(endpoint: str, targets: int) -> bool:
+def cluster_ready(endpoint: str, targets: int) -> bool:
+    "Whether the cluster at `endpoint` answers its health check with at least `targets` targets in its map."
     try:
         if requests.get(f"{endpoint}/v1/health?prr=true", timeout=2).status_code != 200: return False
         smap = requests.get(f"{endpoint}/v1/daemon?what=smap", timeout=2).json()
@@ -200,7 +201,7 @@ def ais_status(root: str | Path | None = None) -> dict:
     st = json.loads(sf.read_text())
     for n in st["nodes"]: n["alive"] = _alive(n); n["listens"] = _listens(n["pid"]) if n["alive"] else []
     st["running"] = any(n["alive"] for n in st["nodes"])
-    st["ready"] = st["running"] and _ready(st["endpoint"], st["targets"])
+    st["ready"] = st["running"] and cluster_ready(st["endpoint"], st["targets"])
     du = shutil.disk_usage(root)
     mp = root / "mountpaths"
     used = sum(p.stat().st_size for p in mp.rglob("*") if p.is_file()) if mp.exists() else 0
@@ -216,7 +217,7 @@ def ais_status(root: str | Path | None = None) -> dict:
 def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, timeout: float) -> None:
     "Wait until the cluster is ready; if a node exits or `timeout` passes, stop the cluster and say why."
     deadline = time.time() + timeout
-    while not _ready(endpoint, targets):
+    while not cluster_ready(endpoint, targets):
         dead = [n for n in nodes if not _alive(n)]
         if dead or time.time() > deadline:
             why = f"{dead[0]['name']} exited" if dead else f"not ready after {timeout:.0f} s"

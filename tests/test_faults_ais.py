@@ -40,7 +40,7 @@ def busiest_target(endpoint: str, bucket: str) -> str:
 
 def kill_and_restart(root: Path, name: str, after: float = 3.0) -> threading.Thread:
     "SIGKILL node `name` of the cluster under `root` now, start it again (same command) `after` s later, in a thread."
-    from shardkit.cluster import _ready
+    from shardkit.cluster import cluster_ready
     st = _nodes(root)
     node = next(n for n in st["nodes"] if n["name"] == name)
     os.kill(node["pid"], signal.SIGKILL)
@@ -54,7 +54,7 @@ def kill_and_restart(root: Path, name: str, after: float = 3.0) -> threading.Thr
         node["pid"] = p.pid  # so that ais_down stops the new process
         (Path(root) / "cluster.json").write_text(json.dumps(st, indent=1))
         deadline = time.time() + 120
-        while not _ready(st["endpoint"], st["targets"]) and time.time() < deadline: time.sleep(0.3)
+        while not cluster_ready(st["endpoint"], st["targets"]) and time.time() < deadline: time.sleep(0.3)
     t = threading.Thread(target=restart, daemon=True); t.start()
     return t
 

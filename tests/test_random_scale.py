@@ -356,7 +356,7 @@ def test_http_index_is_built_once_per_machine(shards, http_base):
 
 def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
     "The in-place scan of plain headers gives what `scan_tar` gives; a long name (pax) or a folder: the full reader."
-    from shardkit.loading.readers import _plain_members, _scan_fd
+    from shardkit.loading.readers import plain_members, scan_members
     from shardkit.shards.read import scan_tar
     longp = tmp_path / "long.tar"
     with tarfile.open(longp, "w", format=tarfile.PAX_FORMAT) as t:
@@ -367,9 +367,9 @@ def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
     for p in (shards[0], str(longp)):
         fd = os.open(p, os.O_RDONLY)
         try:
-            names, offs, sizes = _scan_fd(fd, p)
+            names, offs, sizes = scan_members(fd, p)
             want = scan_tar(p)
             assert (names, list(offs), list(sizes)) == (list(want[0]), list(want[1]), list(want[2]))
         finally: os.close(fd)
     data = open(shards[0], "rb").read()
-    assert _plain_members(data, len(data)) is not None and _plain_members(open(longp, "rb").read(), 10240) is None
+    assert plain_members(data, len(data)) is not None and plain_members(open(longp, "rb").read(), 10240) is None

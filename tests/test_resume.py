@@ -196,7 +196,7 @@ def test_the_random_loader_refuses_a_malformed_state(shards, change, says):
     with pytest.raises(LoaderError, match="cannot resume from a str"): make().load_state_dict("x")
 
 
-# Elastic resume (nbs/25a_elastic): a job stopped on one shape goes on on another, every sample of the epoch once.
+# Elastic resume (nbs/24b_elastic): a job stopped on one shape goes on on another, every sample of the epoch once.
 # (ranks, workers per rank, batch size): every rank and worker count of {1, 2, 3} x {0, 1, 3}, in 6 pairs
 ELASTIC = [((1, 0, 4), (3, 3, 5)), ((2, 1, 4), (1, 0, 4)), ((3, 3, 4), (2, 0, 6)), ((1, 3, 5), (2, 1, 4)),
            ((2, 0, 4), (3, 1, 4)), ((3, 1, 6), (1, 3, 4))]

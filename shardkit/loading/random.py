@@ -100,7 +100,7 @@ class _Todo:
 
 @patch
 def __iter__(self: RandomAccessLoader):
-    if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # stopped after its last batch
+    if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # stopped at the end
     epoch, todo = self.epoch, _Todo(self.epoch, self.batches(self.epoch), self.batch)
     self._restored = False
     if len(todo):

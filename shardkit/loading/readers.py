@@ -27,8 +27,9 @@ from ..store import open_store, parse_size, shown_path
 from .index import RandomAccessError, SampleIndex, file_lock, key_from_header
 
 # %% auto 0
-__all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'ShardCache', 'shard_fetcher', 'member_offsets', 'CachedShardReader',
-           'AISReader', 'build_shard_index', 'RangeReader', 'shard_cache_dir', 'shard_reader']
+__all__ = ['READ_MODES', 'DEFAULT_AIS_READ', 'LocalReader', 'ShardCache', 'shard_fetcher', 'plain_members', 'scan_members',
+           'member_offsets', 'CachedShardReader', 'AISReader', 'build_shard_index', 'RangeReader', 'shard_cache_dir',
+           'shard_reader']
 
 # %% ../../nbs/26b_readers.ipynb
 class LocalReader:
@@ -152,7 +153,7 @@ def shard_fetcher(index: SampleIndex, retries: Retries | None = None):
     return _HTTPFetch(retries=retries) if index.kind == "http" else _copy_file
 
 # %% ../../nbs/26b_readers.ipynb
-def _plain_members(buf, n: int) -> tuple[list, list, list] | None:
+def plain_members(buf, n: int) -> tuple[list, list, list] | None:
     "Names, data offsets, sizes in tar bytes `buf` (`n` long) if every header is a plain file's; else None."
     names, offs, sizes, pos = [], [], [], 0
     try:
@@ -174,11 +175,11 @@ def _plain_members(buf, n: int) -> tuple[list, list, list] | None:
     keep = [i for i, m in enumerate(names) if not is_meta_member(m)]
     return [names[i] for i in keep], [offs[i] for i in keep], [sizes[i] for i in keep]
 
-def _scan_fd(fd: int, name: str) -> tuple[list, list, list]:
+def scan_members(fd: int, name: str) -> tuple[list, list, list]:
     "Names, data offsets and sizes of the members of the tar open as `fd`: plain headers read in place, others parsed."
     if (n := os.fstat(fd).st_size) >= 512:
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as buf:
-            if (got := _plain_members(buf, n)) is not None: return got
+            if (got := plain_members(buf, n)) is not None: return got
     with os.fdopen(os.dup(fd), "rb") as f:
         f.seek(0)
         ents = [e for e in tar_entries(f, name, data=False) if e.is_file and not is_meta_member(e.name)]
@@ -239,7 +240,7 @@ class CachedShardReader:
             if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
             else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
                 keys = _shard_keys(idx, a, b)
-                where = member_offsets(idx, s, *_scan_fd(fd, idx.shards[s]), keys=keys)
+                where = member_offsets(idx, s, *scan_members(fd, idx.shards[s]), keys=keys)
         except BaseException: os.close(fd); raise
         if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
         self.open[s] = (fd, a, *where, keys)

@@ -183,7 +183,7 @@ def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
 
 # %% ../../nbs/25_stream.ipynb
 _MUST_MATCH = ("seed", "shards", "num_workers", "batch_size", "rank", "world_size", "shuffle", "epoch_samples", "mix")
-_SHAPE = ("num_workers", "rank", "world_size")  # another shape: the rest of the epoch is planned again (25a_elastic)
+_SHAPE = ("num_workers", "rank", "world_size")  # another shape: the rest of the epoch is planned again (24b_elastic)
 
 @functools.lru_cache(maxsize=16)  # DeviceLoader asks for the state at every batch
 def shards_digest(urls: tuple[str, ...]) -> str:

@@ -245,6 +245,8 @@ def _store_of(sources):
     s = str(sources) if isinstance(sources, (str, os.PathLike)) else None
     return open_store(s) if s and "{" not in s and (s.startswith("ais://") or Path(s).is_dir()) else None
 
+def _local(url: str) -> bool: return "://" not in url and not url.startswith("pipe:") and Path(url).is_file()
+
 def data_keys(sources,                        # What create_dataset was given: a store, a directory, a template, URLs
               urls: Sequence[str],            # The shards' URLs, `shard_urls(sources)`
               keys: Sequence[str] | None = None,  # The fields asked for; None: those every sample holds
@@ -260,6 +262,11 @@ def data_keys(sources,                        # What create_dataset was given: a
         if check and missing:
             raise MissingField(f"no sample in {shown_path(store.spec)} has {missing}; they have {sorted(known[0])} "
                                "(their manifest). Pass keys= with those")
+        if check and not known and _local(urls[0]):  # no manifest, a file here: its first sample, read in a moment
+            have = [k for k in (first_sample(urls[0]) or {}) if not k.startswith("__")]
+            if missing := [k for k in keys if not k.startswith("__") and k not in have]:
+                raise MissingField(f"the first sample of {shown_path(urls[0])} has no {missing}; "
+                                   f"it has {sorted(have)}. Pass keys= with fields the shards hold")
         return tuple(keys)
     if known: have, where = [k for k, c in known[0].items() if c == known[1]], "every sample has"
     else:
