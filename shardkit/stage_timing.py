@@ -22,8 +22,9 @@ from webdataset.cache import StreamingOpen
 from .loading import gpu, jpeg
 from .loading import random as random_access
 from .loading.collate import WorkerTagged
+from .loading.mix import mix_samples
 from .loading.random import RandomAccessLoader
-from .loading.sources import EpochShards, shuffle_samples
+from .loading.sources import EpochShards, drop_planned, shuffle_samples
 from .loading.stream import restart_workers
 from .loading.transforms import sample_to_tuple
 from .remote import RemoteError, Retries
@@ -190,7 +191,7 @@ def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
         kw = {k: stage.kw[k] for k in ("handler",) if k in stage.kw}
         return [T(partial(wt.url_opener, **kw), "read"), T(partial(_timed_streams, clocks=clocks), "read"),
                 T(partial(wt.tar_file_expander, **stage.kw), "parse"), T(partial(wt.group_by_keys, **kw), "parse")]
-    if f in (wt.tar_file_expander, wt.group_by_keys): return [T(stage, "parse")]
+    if f in (wt.tar_file_expander, wt.group_by_keys) or func in (drop_planned, mix_samples): return [T(stage, "parse")]
     if f is wf._map and _gpu_stage(stage.args[0]): return [T(stage, "header")]
     if f is wf._map and isinstance(stage.args[0], partial) and stage.args[0].func is sample_to_tuple:
         p = stage.args[0]

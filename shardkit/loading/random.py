@@ -158,6 +158,7 @@ def create_random_loader(source, keys: Sequence[str] | None = None, transform=No
                          **kw) -> RandomAccessLoader:
     "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
     retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
+    if keys is not None: refuse_pickle(keys, allow_pickle)  # before any shard is opened
     keys = data_keys(source, shard_urls(source), keys, retries=retries, allow_pickle=allow_pickle)  # None: all fields
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
