@@ -15,11 +15,11 @@ statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Produ
 py_versions = '3.10 3.11 3.12'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
+# optional extras: settings.ini key `<extra>_requirements` -> pip install "shardkit[<extra>]"; `dev` also takes in
+# every extra named in `dev_extras`
+extras = {k: shlex.split(cfg.get(f'{k}_requirements', '')) for k in ('lab', 'docs', 'dask', 'peers')}
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
-# optional extras: settings.ini key `<extra>_requirements` -> pip install "shardkit[<extra>]"
-extras = {'dev': dev_requirements, 'lab': shlex.split(cfg.get('lab_requirements', '')),
-          'dask': shlex.split(cfg.get('dask_requirements', '')),
-          'peers': shlex.split(cfg.get('peers_requirements', ''))}
+extras['dev'] = list(dict.fromkeys([r for k in cfg.get('dev_extras', '').split() for r in extras[k]] + dev_requirements))
 # The crop-window JPEG decoder (shardkit/native/jpeg_window.c), built where a C compiler and libjpeg's headers are.
 # shardkit loads it with ctypes (it is no Python module), so only its one function is exported. Optional: where it
 # cannot be built the install goes on, and shardkit builds it at first use into SHARDKIT_HOME/native or decodes

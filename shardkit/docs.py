@@ -6,6 +6,7 @@
 from __future__ import annotations
 import shutil
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 from fastcore.script import store_true
 from shardkit.docs_pages import (
@@ -24,6 +25,7 @@ from shardkit.docs_render import (
     committed_executed,
     execute_notebook,
     execute_notebooks,
+    process_notebooks,
     render_offline,
     render_quarto,
     shrink_image,
@@ -33,18 +35,39 @@ from shardkit.docs_render import (
 from .docs_checks import broken_links, external_refs, out_problem, strip_external
 
 # %% auto 0
-__all__ = ['docs_cli', 'pipeline_diagram', 'save_pipeline_diagram', 'PACKAGES', 'find_notebooks', 'notebook_title', 'page_path',
-           'site_nav', 'clean_notebook', 'DocsError', 'project_root', 'process_notebook', 'mkdocs_config',
-           'external_refs', 'strip_external', 'broken_links', 'out_problem', 'render_offline', 'render_quarto',
+__all__ = ['DOCS_MODULES', 'OFFLINE_MODULES', 'docs_missing', 'docs_deps_problem', 'docs_cli', 'pipeline_diagram',
+           'save_pipeline_diagram', 'PACKAGES', 'find_notebooks', 'notebook_title', 'page_path', 'site_nav',
+           'clean_notebook', 'DocsError', 'project_root', 'process_notebook', 'mkdocs_config', 'external_refs',
+           'strip_external', 'broken_links', 'out_problem', 'render_offline', 'process_notebooks', 'render_quarto',
            'execute_notebook', 'execute_notebooks', 'committed_executed', 'shrink_image', 'shrink_outputs',
            'shrink_notebook']
 
 # %% ../nbs/98_docs.ipynb
 _all_ = ["PACKAGES", "find_notebooks", "notebook_title", "page_path", "site_nav",
          "clean_notebook", "DocsError", "project_root", "process_notebook", "mkdocs_config",
-         "external_refs", "strip_external", "broken_links", "out_problem", "render_offline",
+         "external_refs", "strip_external", "broken_links", "out_problem", "render_offline", "process_notebooks",
          "render_quarto", "execute_notebook", "execute_notebooks", "committed_executed", "shrink_image",
          "shrink_outputs", "shrink_notebook"]
+
+# %% ../nbs/98_docs.ipynb
+DOCS_MODULES = {"nbdev": "nbdev", "execnb": "execnb", "pkg_resources": "setuptools<81", "yaml": "pyyaml"}
+OFFLINE_MODULES = {"mkdocs": "mkdocs", "material": "mkdocs-material", "mkdocs_jupyter": "mkdocs-jupyter"}
+
+def docs_missing(modules: dict[str, str]) -> list[str]:
+    "The modules (names as imported) of `modules` ({module: package}) that cannot be imported here."
+    return [m for m in modules if find_spec(m) is None]
+
+def docs_deps_problem(offline: bool = True,        # Include the offline renderer's modules
+                      modules: dict[str, str] | None = None,  # {module: package} to check instead of the defaults
+                     ) -> str | None:               # What is missing and how to install it, or None
+    "Why `shardkit docs` cannot run in this Python (modules missing, with the command that adds them), or None."
+    modules = modules if modules is not None else {**DOCS_MODULES, **(OFFLINE_MODULES if offline else {})}
+    missing = docs_missing(modules)
+    if not missing: return None
+    named = ", ".join(m if modules[m] == m else f"{m} (package {modules[m]})" for m in missing)
+    return (f"the docs build needs modules that are not installed in {sys.executable}: {named}. "
+            'Install the docs extra: pip install -e ".[docs]" in the shardkit checkout, '
+            'or pip install "shardkit[docs]"')
 
 # %% ../nbs/98_docs.ipynb
 def docs_cli(out: str = "_site",                 # Folder to write the site into
@@ -63,15 +86,22 @@ def docs_cli(out: str = "_site",                 # Folder to write the site into
         print(f"shardkit docs: --out {out!r} {problem}: pick a new or empty folder, or an earlier site",
               file=sys.stderr)
         return 2
+    quarto = bool(shutil.which("quarto")) and not offline
+    missing = docs_deps_problem(offline=not quarto)
+    if missing:
+        print(f"shardkit docs: {missing}", file=sys.stderr); return 2
     if execute:
         if execute_notebooks(committed_executed(nbs)): return 1
-    if shutil.which("quarto") and not offline:
-        print("rendering with Quarto (nbdev's pipeline) ...")
-        site = render_quarto(nbs, out)
-    else:
-        print("Quarto not found: rendering offline with mkdocs-material + mkdocs-jupyter" if not offline
-              else "rendering offline with mkdocs-material + mkdocs-jupyter")
-        site = render_offline(nbs, out)
+    try:
+        if quarto:
+            print("rendering with Quarto (nbdev's pipeline) ...")
+            site = render_quarto(nbs, out)
+        else:
+            print("Quarto not found: rendering offline with mkdocs-material + mkdocs-jupyter" if not offline
+                  else "rendering offline with mkdocs-material + mkdocs-jupyter")
+            site = render_offline(nbs, out)
+    except DocsError as e:
+        print(f"shardkit docs: {e}", file=sys.stderr); return 1
     print(f"the site is in {site}\nview it with:  python -m http.server -d {site} --bind 127.0.0.1 8000"
           f"   then open http://127.0.0.1:8000/")
     return 0

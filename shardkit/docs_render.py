@@ -19,7 +19,6 @@ from PIL import Image
 from shardkit.docs_pages import (
     DocsError,
     cell_directives,
-    clean_notebook,
     find_notebooks,
     in_project,
     mkdocs_config,
@@ -27,7 +26,6 @@ from shardkit.docs_pages import (
     process_notebook,
     project_root,
     site_nav,
-    site_url,
     source_text,
     working_dir,
 )
@@ -35,8 +33,8 @@ from .docs_checks import broken_links, external_refs, out_problem, strip_externa
 from .errors import UsageError
 
 # %% auto 0
-__all__ = ['render_offline', 'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed', 'shrink_image',
-           'shrink_outputs', 'shrink_notebook']
+__all__ = ['process_notebooks', 'render_offline', 'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed',
+           'shrink_image', 'shrink_outputs', 'shrink_notebook']
 
 # %% ../nbs/97c_docs_render.ipynb
 _CSS = """/* shardkit docs: wider content, notebook outputs sized to the page */
@@ -54,22 +52,23 @@ def _progress(items, desc):
     except ImportError: return items
 
 # %% ../nbs/97c_docs_render.ipynb
-def _process_notebooks(nbs: Path, rels: list[Path], docs: Path, root: Path, quiet: bool) -> list[str]:
-    "Process notebooks `rels` into `docs` under their page names; what nbdev fails on goes in cleaned. The failures."
+def process_notebooks(nbs: Path,             # The notebooks folder
+                      rels: list[Path],      # Notebooks to process, relative to `nbs`
+                      docs: Path,            # Folder to write the processed notebooks into, under their page names
+                      root: Path,            # The nbdev project (its settings.ini)
+                      quiet: bool = False,   # No progress bar
+                     ) -> list[str]:         # The failures, as `notebook: why`
+    "Process notebooks `rels` under `nbs` into `docs` with nbdev's processors; the ones that failed, and why."
     failed = []
     for rel in _progress(rels, "processing notebooks") if not quiet else rels:
-        dest = docs / page_path(rel).with_suffix(".ipynb")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # nbdev's style hints ("imports and other code"), not problems
-                process_notebook(nbs / rel, dest, root, depth=len(rel.parts) - 1)
+                process_notebook(nbs / rel, docs / page_path(rel).with_suffix(".ipynb"), root,
+                                 depth=len(rel.parts) - 1)
         except Exception as e:
             cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
             failed.append(f"{rel}: {str(e).splitlines()[0] if str(e) else type(e).__name__}{cause}")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            data = clean_notebook(json.loads((nbs / rel).read_text(encoding="utf-8")), site_url(root),
-                                  len(rel.parts) - 1)
-            dest.write_text(json.dumps(data), encoding="utf-8")
     return failed
 
 # %% ../nbs/97c_docs_render.ipynb
@@ -82,6 +81,15 @@ def _copy_images(nbs: Path, docs: Path):
             shutil.copy2(f, docs / rel)
 
 # %% ../nbs/97c_docs_render.ipynb
+def _failures(failed: list[str], total: int, shown: int = 5) -> str:
+    "The error for notebooks nbdev could not process: how many, the first `shown` of them and why, what to do."
+    more = f"\n  ... and {len(failed) - shown} more" if len(failed) > shown else ""
+    return (f"nbdev could not process {len(failed)} of {total} notebook(s), so no site was built (their pages would "
+            "lack the parameter tables nbdev adds). nbdev runs the exported cells and every cell that imports "
+            "something: keep imports in the import cell at the top. The first of them:\n  "
+            + "\n  ".join(failed[:shown]) + more)
+
+# %% ../nbs/97c_docs_render.ipynb
 def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Path:
     "Build the docs site of the notebooks under `nbs` into `out` with mkdocs-material + mkdocs-jupyter, offline."
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
@@ -92,7 +100,8 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
     docs = build / "docs"
     try:
         rels = find_notebooks(nbs)
-        failed = _process_notebooks(nbs, rels, docs, root, quiet)
+        failed = process_notebooks(nbs, rels, docs, root, quiet)
+        if failed: raise DocsError(_failures(failed, len(rels)))
         _copy_images(nbs, docs)
         (docs / "shardkit.css").write_text(_CSS)
         from configparser import ConfigParser
@@ -113,11 +122,6 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
         if bad: print(f"warning: {len(bad)} broken link(s) between pages:\n  " + "\n  ".join(bad), file=sys.stderr)
     finally:
         shutil.rmtree(build, ignore_errors=True)
-    if failed:
-        print(f"warning: nbdev could not process {len(failed)} notebook(s); their pages show them unprocessed "
-              "(nbdev_docs would stop here). nbdev runs the exported cells and every cell that imports something; "
-              "keep imports in the import cell at the top:", file=sys.stderr)
-        for f in failed: print("  " + f, file=sys.stderr)
     return out
 
 # %% ../nbs/97c_docs_render.ipynb

@@ -30,9 +30,9 @@ class MissingExtra(ImportError):
                          f"(in a checkout: pip install -e '.[{extra}]')")
 
 class JupyterLabMissing(MissingExtra):
-    "JupyterLab (or ipykernel) is missing; `pip install 'shardkit[lab]'` adds both."
+    "JupyterLab, ipykernel or ipywidgets is missing; `pip install 'shardkit[lab]'` adds all three."
 
-def check_lab(modules=("jupyterlab", "ipykernel")):
+def check_lab(modules=("jupyterlab", "ipykernel", "ipywidgets")):
     "Raise `JupyterLabMissing` unless every module in `modules` can be imported."
     missing = [m for m in modules if find_spec(m) is None]
     if missing: raise JupyterLabMissing(" and ".join(missing), "lab")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.script import store_true
 from PIL import Image
-from tqdm import tqdm
+from tqdm.auto import tqdm
 from .errors import ShardkitError, UsageError
 from .shards.fields import SkipSample, check_image, image_size, load_image_decoder
 from .shards.read import unsafe_name

@@ -190,6 +190,31 @@ def test_docs_cli_bad_out(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+
+def test_docs_cli_names_the_missing_install(tmp_path, monkeypatch, capsys):
+    "Without mkdocs (blocked: `import mkdocs` fails), `shardkit docs` stops before any work and names the install."
+    from shardkit.cli import main
+    monkeypatch.setitem(sys.modules, "mkdocs", None)
+    assert main(["docs", "--offline", "--out", str(tmp_path / "site"), "--nbs", str(NBS)]) == 2
+    err = capsys.readouterr().err
+    assert "not installed" in err and ": mkdocs. Install the docs extra" in err, err  # mkdocs alone is missing
+    assert 'pip install -e ".[docs]"' in err and 'pip install "shardkit[docs]"' in err, err
+    assert not (tmp_path / "site").exists()
+
+
+def test_docs_cli_fails_when_a_notebook_cannot_be_processed(tmp_path, capsys):
+    "A notebook nbdev cannot process stops the build: exit 1, the count, the notebook and why; no site."
+    proj = tmp_path / "proj"
+    (proj / "nbs").mkdir(parents=True)
+    shutil.copy(ROOT / "settings.ini", proj)
+    import nbformat
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Fine")]), proj / "nbs" / "index.ipynb")
+    _nb(proj / "nbs" / "01_broken.ipynb", "#| export\nraise ValueError('broken on purpose')")
+    assert docs.docs_cli(out=str(tmp_path / "site"), nbs=str(proj / "nbs"), offline=True) == 1
+    err = capsys.readouterr().err
+    assert "could not process 1 of 2 notebook(s)" in err and "01_broken.ipynb: " in err and "broken on purpose" in err, err
+    assert not (tmp_path / "site").exists()
+
 def _nb(path, *sources):
     import nbformat
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources]), path)

@@ -103,6 +103,14 @@ def test_lines_are_at_most_120_characters():
     assert not long, f"{len(long)} lines over 120 characters (fix them in their notebooks): " + ", ".join(long[:20])
 
 
+
+def test_progress_bars_are_tqdm_auto():
+    "Progress bars come from tqdm.auto: a widget in Jupyter (ipywidgets, in the lab extra), text in a terminal."
+    plain = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "shardkit").rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.match(r"\s*(from tqdm import|import tqdm\s*$)", line)]
+    assert not plain, f"plain tqdm draws text bars in notebooks; use `from tqdm.auto import tqdm`: {plain}"
+
 def test_no_module_takes_another_modules_private_names():
     """What two modules share has a public name in its home: no `from .x import _name` across the package's modules,
     nor from the package into tests/conftest.py, whose fixtures every test shares."""

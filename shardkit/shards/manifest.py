@@ -8,7 +8,7 @@ import hashlib
 import json
 import sys
 from typing import Iterator, Sequence
-from tqdm import tqdm
+from tqdm.auto import tqdm
 from ..errors import StoreError
 from ..store import open_store, shown_path
 from .fields import ShardError

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator, Sized
 import numpy as np
 import webdataset as wds
 from fastcore.basics import patch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 from ..errors import StoreError, UsageError
 from ..store import LocalStore, open_store, parse_size, shown_path
 from .manifest import manifest_name, read_manifest, resume_mismatch, resume_point, save_manifest, sha256_file, summarize
