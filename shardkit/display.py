@@ -246,9 +246,11 @@ def _split_shard_spec(shard: str) -> tuple[str, str]:
         raise StoreError(f"no shard file {shown_path(p)}; give a path to a .tar or ais://BUCKET/NAME.tar")
     return str(p.resolve().parent), p.name
 
-def ls_cli(dest: str,              # Store: a directory or ais://bucket[/prefix]
+def ls_cli(dest: str,              # Store (a directory, ais://bucket), or shards in one: DIR/x-{000..015}.tar
            pattern: str = "*.tar"):  # Which shards: glob, brace template or prefix
     "List the shards in a store with their samples and sizes."
+    if pattern == "*.tar" and "/" in dest and any(c in dest.rsplit("/", 1)[1] for c in "{*?") or dest.endswith(".tar"):
+        dest, pattern = dest.rsplit("/", 1)  # shards named as every command takes them: their store, them as pattern
     store = open_store(dest)
     rows = list_shards(store, pattern)
     if not rows:
