@@ -347,7 +347,7 @@ def test_a_dataloader_over_files_is_known_and_advised_shards(tmp_path):
     from torchvision import datasets, transforms as T
     from shardkit.folder import synthesize_folder
     synthesize_folder(tmp_path, classes=2, per_class=2, val_per_class=0, progress=False)
-    dl = DataLoader(datasets.ImageFolder(tmp_path / "train", transform=T.Compose([T.Resize(32), T.ToTensor()])),
+    dl = DataLoader(datasets.ImageFolder(tmp_path / "train", transform=T.Compose([T.Resize((32, 32)), T.ToTensor()])),
                     batch_size=2)
     p = profile_pipeline(dl, device=None)
     assert p.kind == "map-style" and p.files and type(p.rate) is float and p.gpu == torch.cuda.is_available(), p
