@@ -24,8 +24,8 @@ _API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets"
         "write_shards": "shards.write", "create_random_loader": "loading.random",
         "convert_folder": "folder", "shuffle_shards": "shuffle", "verify_shards": "shards.manifest", "run_etl": "etl",
         "create_dataset": "loader", "create_dataloader": "loader", "create_gpu_loader": "loading.gpu",
-        "train_transform": "loading.transforms", "profile_pipeline": "profile", "train_epochs": "train",
-        "ShardkitError": "errors"}
+        "train_transform": "loading.transforms", "profile_pipeline": "profile", "profile_report": "profile",
+        "train_epochs": "train", "ShardkitError": "errors"}
 
 def __getattr__(name: str):
     "A name of the API, imported from its module the first time it is asked for."

@@ -16,15 +16,16 @@ from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
 from .loading.stream import restart_workers
 from .profile_measure import Profile, profile_pipeline
-from .profile_verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_timeline, report, verdicts
+from .profile_verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_timeline, profile_report, report, verdicts
 from .stage_timing import batch_len, loader_parts
 
 # %% auto 0
 __all__ = ['PIPELINES', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_cli', 'MAIN_PARTS',
-           'COLORS', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'compare', 'plot_stages', 'plot_timeline']
+           'COLORS', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'profile_report', 'compare', 'plot_stages',
+           'plot_timeline']
 
 # %% ../nbs/42b_profile_script.ipynb
-_all_ = ["MAIN_PARTS", "COLORS", "Profile", "profile_pipeline", "verdicts", "report",
+_all_ = ["MAIN_PARTS", "COLORS", "Profile", "profile_pipeline", "verdicts", "report", "profile_report",
          "compare", "plot_stages", "plot_timeline"]
 
 # %% ../nbs/42b_profile_script.ipynb
@@ -93,7 +94,7 @@ def suggested_change(p: Profile) -> dict:
         return dict(workers=2 * max(p.workers, 1))
     if idle >= 0.5 and p.workers < p.cores: return dict(workers=p.cores)
     if p.kind == "webdataset" or p.windows == "available but off": return dict(pipeline="default")
-    if p.bottleneck == "decode" and p.kind == "shardkit" and why_no_gpu() is None: return dict(pipeline="gpu")
+    if p.bottleneck == "decode" and p.kind == "shardkit" and p.gpu and why_no_gpu() is None: return dict(pipeline="gpu")
     return dict(workers=p.workers + 1)
 
 # %% ../nbs/42b_profile_script.ipynb

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 import numpy as np
 import torch
@@ -86,6 +86,11 @@ class Profile:
     timeline: dict = field(default_factory=dict, repr=False)
     retries: dict = field(default_factory=dict)  # reads retried through faults of the store, by cause (01a_remote)
     retry_wait: float = 0.0     # s spent on those faults (failed attempts and pauses, in all processes)
+    gpu: bool = False           # a usable CUDA GPU was there (torch.cuda.is_available()): GPU advice only then
+    files: bool = False         # a map-style DataLoader over files (torchvision's ImageFolder), not over shards
+    def to_dict(self) -> dict:
+        "The measured numbers as plain Python values, the timeline left out: for JSON, and `Profile(**d)` again."
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
     @property
     def worker_ms(self) -> float: return sum(v["wall"] for k, v in self.stages.items() if k != "rebatch")
     @property
@@ -149,6 +154,19 @@ def _device_ms(loader) -> dict:
     return {k: 1000 * s / max(made.get(k, 0), 1) for k, s in loader.device_seconds().items()}
 
 # %% ../nbs/42_profile.ipynb
+def _plain(x):
+    "`x` with numpy's scalars as Python's, inside dicts too: a profile's numbers print as numbers, and go to JSON."
+    if isinstance(x, dict): return {k: _plain(v) for k, v in x.items()}
+    return x.item() if isinstance(x, np.generic) else x
+
+def _over_files(loader) -> bool:
+    "Whether `loader` is a DataLoader over files: its dataset lists `samples` of (path, class), as ImageFolder's does."
+    ds = getattr(loader_parts(loader)[0], "dataset", None)
+    items = getattr(ds, "samples", None)
+    return isinstance(items, list) and bool(items) and isinstance(items[0], tuple) and \
+        isinstance(items[0][0], (str, os.PathLike))
+
+# %% ../nbs/42_profile.ipynb
 def profile_pipeline(loader,                         # Any iterable of batches: shardkit's, a WebLoader, a DataLoader
                      step: Callable | None = None,   # The training step, run on each batch (on `device`)
                      batches: int | None = None,     # Stop after this many batches (None: the whole epoch)
@@ -172,4 +190,6 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
     if retries:  # the faults its reads met while profiling, and the time they cost
         p.retries = {c: n - before[0].get(c, 0) for c, n in retries.counts().items() if n > before[0].get(c, 0)}
         p.retry_wait = retries.waited - before[1]
+    p.gpu, p.files = torch.cuda.is_available(), kind == "map-style" and _over_files(loader)
+    for f in fields(p): setattr(p, f.name, getattr(p, f.name) if f.name == "timeline" else _plain(getattr(p, f.name)))
     return p

@@ -4,59 +4,64 @@
 
 # %% ../nbs/42a_profile_verdicts.ipynb 3
 from __future__ import annotations
+from fastcore.basics import patch
 from .bench.core import format_bench
 from .profile_measure import Profile
 
 # %% auto 0
-__all__ = ['MAIN_PARTS', 'COLORS', 'verdicts', 'report', 'compare', 'plot_stages', 'plot_timeline']
+__all__ = ['MAIN_PARTS', 'profile_report', 'COLORS', 'verdicts', 'report', 'compare', 'plot_stages', 'plot_timeline']
 
 # %% ../nbs/42a_profile_verdicts.ipynb
 def _without(p: Profile, ms: float) -> float:
     "The loader's capacity if `ms` of worker time per sample went away."
     return p.capacity * p.worker_ms / max(p.worker_ms - ms, 1e-9)
 
-_ADVICE = {
-    "parse": "tar parsing is per member: fewer, larger members (a sample's fields together) or a faster store",
-    "shuffle": ("the shuffle buffer holds decoded samples: shuffle shards and compressed samples before decoding "
-                "(create_dataset)"),
-    "header": "the GPU loader's workers only check JPEG headers: more workers, or larger shards",
-    "collate": ("keep images uint8 (a quarter of float32's bytes) and let the workers stack batches into shared memory "
-                "(create_dataloader)"),
-    "other": "a stage the profiler does not know: look at the pipeline's own functions",
+_ADVICE = {  # a sentence each; the GPU loader's stages (header) have their own, and so have read, decode, augment
+    "parse": "Tar parsing is per member: fewer, larger members (a sample's fields together), or a faster store.",
+    "shuffle": ("The shuffle buffer holds decoded samples: shuffle shards and compressed samples before decoding "
+                "(create_dataset)."),
+    "collate": ("Keep images uint8 (a quarter of float32's bytes) and let the workers stack batches into shared memory "
+                "(create_dataloader)."),
+    "other": "It is a stage the profiler does not know: look at the pipeline's own functions.",
 }
 
 # %% ../nbs/42a_profile_verdicts.ipynb
-def _stage_advice(p: Profile, b: str, idle: float) -> list[str]:
-    "What would make worker stage `b` cheaper, each with its measured size."
+def _stage_advice(p: Profile,  # The profile
+                  b: str,      # Its bottleneck stage
+                  idle: float, # Cores idle (neither this job's nor other jobs')
+                 ) -> list[str]: # Sentences, each with its measured size; the GPU's only where `p` had one
+    "What would make worker stage `b` cheaper: more workers, or less work in it."
     v, todo = p.stages[b], []
     if b == "read":
-        todo.append("more readers: more workers, which can outnumber the cores while they wait on I/O; larger shards; "
-                    "a store closer to the GPUs")
+        todo.append("More readers: more workers (they can outnumber the cores while they wait on I/O), larger shards, "
+                    "or a store closer to the training machine.")
     elif b == "decode":
-        if p.windows.startswith("unavailable"): todo.append(f"window decoding is {p.windows}")
+        if p.windows.startswith("unavailable"): todo.append(f"Window decoding is {p.windows.rstrip('.')}.")
         if p.windows == "available but off":
-            todo.append("decode only the crop's window (train_transform(window=True), the default)")
+            todo.append("Decode only the crop's window (train_transform(window=True), the default).")
         if p.kind == "webdataset":
-            todo.append("decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
-                        "and only the crop's window of each JPEG")
-        todo.append(f"decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): "
-                    f"{v['wall']:.2f} ms/sample off the workers, up to {_without(p, v['wall']):,.0f} samples/s")
+            todo.append("Decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
+                        "and only the crop's window of each JPEG.")
+        todo.append(f"Decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): "
+                    f"{v['wall']:.2f} ms/sample off the workers, up to {_without(p, v['wall']):,.0f} samples/s."
+                    if p.gpu else f"Decode smaller JPEGs: resize them once, next to the data (run_etl, the ETL "
+                    f"tutorial), and each decode costs less than the {v['wall']:.2f} ms/sample it takes now.")
     elif p.kind == "gpu":
-        todo.append(f"the GPU loader's workers only parse, check JPEG headers and pack bytes: "
-                    f"of {v['wall']:.2f} ms/sample here, {v['cpu']:.2f} ms is work on a core; "
-                    "the rest waits (for reads, or for a core)")
+        todo.append(f"The GPU loader's workers only parse, check JPEG headers and pack bytes: of {v['wall']:.2f} "
+                    f"ms/sample here, {v['cpu']:.2f} ms is work on a core; the rest waits (for reads, or for a core).")
     elif b == "augment":
-        todo.append(f"keep images uint8 and normalise on the device (normalize_batch); offload the resize to the store "
-                    f"(the ETL tutorial): up to {_without(p, v['wall']):,.0f} samples/s without this stage")
-    else: todo.append(_ADVICE[b])
+        todo.append(f"Keep images uint8 and normalise {'on the GPU' if p.gpu else 'whole batches in the step'} "
+                    f"(normalize_batch); offload the resize to the store (the ETL tutorial): up to "
+                    f"{_without(p, v['wall']):,.0f} samples/s without this stage.")
+    else: todo.append(_ADVICE.get(b, _ADVICE["other"]))
     if idle >= 0.5 and p.workers == 0:
-        todo.insert(0, f"run the pipeline in worker processes ({idle:.1f} of {p.cores} cores idle): it then runs "
-                       "beside the step instead of before it (num_workers >= 1)")
+        todo.insert(0, f"Run the pipeline in worker processes (num_workers >= 1; {idle:.1f} of {p.cores} cores are "
+                       "idle): it then runs beside the step instead of before it.")
     elif idle >= 0.5 and p.workers < p.cores * (2 if b == "read" else 1):
-        todo.insert(0, f"add workers ({idle:.1f} of {p.cores} cores idle): "
-                       f"about {p.capacity * (p.workers + idle) / p.workers:,.0f} samples/s")
+        todo.insert(0, f"Add workers ({idle:.1f} of {p.cores} cores are idle): "
+                       f"about {p.capacity * (p.workers + idle) / p.workers:,.0f} samples/s.")
     elif idle < 0.5 and b != "read":
-        todo.append(f"(more workers would not help: cores idle {idle:.1f} of {p.cores})")
+        todo.append(f"More workers would not help: {idle:.1f} of {p.cores} cores are idle.")
     return todo
 
 
@@ -81,7 +86,7 @@ def _device_verdict(p: Profile) -> str:
     if p.workers and p.worker_ms > 0 and 1000 / max(dev, 1e-9) < p.workers * 1000 / p.worker_ms:
         line += (f", fewer than its workers could deliver ({p.workers * 1000 / p.worker_ms:,.0f}/s): "
                  f"{max(p.device_stages, key=p.device_stages.get)} on the device limits the loader")
-    return line
+    return line + "."
 
 # %% ../nbs/42a_profile_verdicts.ipynb
 def _bottleneck_verdict(p: Profile, b: str, idle: float) -> str:
@@ -91,52 +96,66 @@ def _bottleneck_verdict(p: Profile, b: str, idle: float) -> str:
     share = p.costs[b] / sum(p.costs.values())
     head = f"{b} is {share:.0%} of {whose} work at {v['wall']:.2f} ms/sample ({v['cpu']:.2f} ms CPU)"
     if b == "read" and v["wall"] > 0:
-        head += (f"; reads wait {1 - v['cpu'] / v['wall']:.0%} of it"
+        head += (f"; reads wait {max(1 - v['cpu'] / v['wall'], 0):.0%} of it"
                  + (f", at {p.read_mb_s:.1f} MB/s" if p.read_mb_s else ""))
-    return f"{head}: " + "; or ".join(_stage_advice(p, b, idle))
+    return " ".join([head + "."] + _stage_advice(p, b, idle))
+
+
+# %% ../nbs/42a_profile_verdicts.ipynb
+def _files_verdict(p: Profile) -> str:
+    "A DataLoader over files (an ImageFolder): what shards would change, with the time its `loader` took a sample."
+    v = p.stages["decode"]  # ImageFolder's `loader` opens, reads and decodes a file: timed as decode
+    return (f"the DataLoader opens one file per sample ({v['wall']:.2f} ms/sample to open, read and decode each): "
+            "convert the folder to shards once (convert_folder, or `shardkit convert folder`) and load them with "
+            "create_dataloader, which reads each shard in one sequence, decodes only the fields the step uses, "
+            "to uint8, and only the crop's window of each JPEG where it can.")
 
 # %% ../nbs/42a_profile_verdicts.ipynb
 def verdicts(p: Profile) -> list[str]:
     "What limits the pipeline profiled in `p` and what to do about it, one line each, every figure measured."
+    count = lambda k, noun: f"{k:,} {noun}" + ("s" if k != 1 else "")
     out, idle = [], max(p.cores - max(p.cores_busy, p.load), 0.0)  # cores neither this job nor others keep busy
     who = "the workers" if p.workers and not p.device_stages else "the loader"
     cap = f"{who} could deliver {p.capacity:,.0f} samples/s (capacity)"
     if p.step_rate is None:
-        out.append(f"no step given: the loader delivered {p.rate:,.0f} samples/s with {p.workers} workers, "
-                   f"{p.cores_busy:.1f} of {p.cores} cores busy; {cap}")
+        out.append(f"no step given: the loader delivered {p.rate:,.0f} samples/s with {count(p.workers, 'worker')}, "
+                   f"{p.cores_busy:.1f} of {p.cores} cores busy; {cap}.")
     elif p.wait_share > 0.1:
         out.append(f"input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch ({_in_next(p)}); "
-                   f"{cap}, the step takes {p.step_rate:,.0f}/s")
+                   f"{cap}, the step takes {p.step_rate:,.0f}/s.")
     else:
         out.append(f"not input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch; the step "
-                   f"({p.step_rate:,.0f} samples/s) limits; {cap}")
-    if p.main["device"] * p.rate / 1000 > 0.01:
+                   f"({p.step_rate:,.0f} samples/s) limits; {cap}.")
+    if p.gpu and p.main["device"] * p.rate / 1000 > 0.01:
         out.append(f"copying each batch to the device takes {p.main['device'] * p.rate / 10:.0f}% of the loop "
-                   f"({p.main['device']:.3f} ms/sample): pinned memory and a copy ahead on a side stream hide it")
+                   f"({p.main['device']:.3f} ms/sample): pinned memory and a copy ahead on a side stream hide it.")
     if p.device_stages: out.append(_device_verdict(p))
     if (b := p.bottleneck) is not None: out.append(_bottleneck_verdict(p, b, idle))
     wall, cpu = (sum(v[k] for s, v in p.stages.items() if s not in ("read", "rebatch")) for k in ("wall", "cpu"))
     if p.workers and wall > 0 and 1 - cpu / wall > 0.25:
         out.append(f"the workers waited for a core {1 - cpu / wall:.0%} of the time their stages took "
                    f"({wall:.2f} ms/sample, {cpu:.2f} on a core): more runnable processes than cores "
-                   f"(load average {p.load:.1f} on {p.cores}); fewer workers, or no other jobs beside the training")
+                   f"(load average {p.load:.1f} on {p.cores}); fewer workers, or no other jobs beside the training.")
     m = p.main
     if p.workers and m["rebatch"] * p.rate / 1000 > 0.1:
         out.append(f"the main process spends {m['rebatch']:.2f} ms/sample "
                    f"({m['rebatch'] * p.rate / 10:.0f}% of its time) taking the workers' batches apart and stacking "
-                   "new ones: let the workers make the training batches (create_dataloader, shuffle_across=0)")
+                   "new ones: let the workers make the training batches (create_dataloader, shuffle_across=0).")
     elif p.workers and m["receive"] * p.rate / 1000 > 0.3:
         out.append(f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample "
                    f"({m['receive'] * p.rate / 10:.0f}% of its time), CPU the step may need: send less "
-                   "(uint8 images, only the fields the step uses)")
+                   "(uint8 images, only the fields the step uses).")
     if p.retries:
         causes = ", ".join(f"{n} {c}" for c, n in p.retries.items())
-        out.append(f"{sum(p.retries.values())} reads were retried ({causes}), {p.retry_wait:.1f} s spent on them: "
+        tried = sum(p.retries.values())
+        out.append(f"{count(tried, 'read')} {'was' if tried == 1 else 'were'} retried ({causes}), "
+                   f"{p.retry_wait:.1f} s spent on {'it' if tried == 1 else 'them'}: "
                    "the store or the network faulted, and nothing was lost; if it happens often, look at the store "
-                   "(its load, its logs) or the network")
+                   "(its load, its logs) or the network.")
     if p.kind == "opaque":
         out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a map-style "
-                   "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured")
+                   "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured.")
+    if p.files: out.append(_files_verdict(p))
     return out
 
 
@@ -156,11 +175,23 @@ def report(p: Profile) -> str:
     "A text report of `p`: per stage and per loop part, ms per sample and shares; the rates; the verdicts."
     rows = [dict(stage=n, wall=w, cpu=c) for n, w, c in _rows(p)]
     steady = "" if p.steady_rate is None else f", then {p.steady_rate:,.0f} samples/s"
-    title = (f"{p.label}: {p.samples} samples in {p.batches} batches, {p.workers} workers, {p.cores} cores; "
+    workers = f"{p.workers} worker" + ("s" if p.workers != 1 else "")
+    title = (f"{p.label}: {p.samples} samples in {p.batches} batches, {workers}, {p.cores} cores; "
              f"{p.rate:,.0f} samples/s overall; the first batch after {p.first_batch:.2f} s{steady}; "
              f"CPU {p.cpu_ms:.2f} ms/sample (all processes); windows: {p.windows}")
     cols = {"stage": ("stage", "{}"), "wall": ("ms/sample", "{:.3f}"), "cpu": ("CPU ms/sample", "{:.3f}")}
     return format_bench(rows, cols, title, ["verdict: " + v for v in verdicts(p)])
+
+# %% ../nbs/42a_profile_verdicts.ipynb
+profile_report = report  # the name `shardkit` offers it by
+
+@patch
+def __repr__(self: Profile) -> str: return report(self)
+
+@patch
+def _repr_markdown_(self: Profile) -> str:
+    "The report in a code block: Jupyter shows the table as `print` does."
+    return f"```\n{report(self)}\n```"
 
 # %% ../nbs/42a_profile_verdicts.ipynb
 def compare(profiles: list[Profile]) -> str:

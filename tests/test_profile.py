@@ -1,7 +1,7 @@
 """The pipeline profiler (nbs/41_stage_timing, nbs/42_profile): stage times that add up, verdicts that name the stage a pipeline was built
 to be limited by (decoding, reading over a slow HTTP source), the same samples in the same order, and a bounded
 overhead. Everything is real: webdataset, torch, a local HTTP server on 127.0.0.1, shards written here."""
-import functools, http.server, shutil, threading, time
+import functools, http.server, json, re, shutil, threading, time
 from pathlib import Path
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from shardkit.loading.transforms import train_transform
 from dataclasses import replace
 from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
 from shardkit.loading.jpeg import why_no_window_decode
-from shardkit.profile import build_loader, profile_overhead, profile_pipeline, report, suggested_change, verdicts
+from shardkit.profile import Profile, build_loader, profile_overhead, profile_pipeline, report, suggested_change, verdicts
 from shardkit.stage_timing import SLOTS
 from conftest import main_cli, write_pet_shards
 
@@ -90,6 +90,7 @@ def test_profiling_keeps_a_plain_webdataset_pipeline_and_a_dataloader(shards):
     got = []
     p = profile_pipeline(DataLoader(ds, batch_size=8, num_workers=2), step=lambda b: got.extend(b[0]))
     assert got == plain and p.kind == "map-style" and p.stages["decode"]["wall"] > 0 and p.stages["augment"]["wall"] > 0
+    assert not p.files  # its items are bytes in memory, not files
 
 
 class _Files(Dataset):
@@ -275,3 +276,80 @@ def test_the_gpu_loaders_device_stages_inside_next_are_accounted(shards):
     assert p.device_stages["decode"] > 0 and p.device_stages["augment"] > 0, report(p)
     untimed = p.main["untimed"] * p.samples / 1000
     assert -1e-6 < untimed < 0.05 * p.wall + 0.02, (untimed, p.wall, report(p))
+
+
+PROFILES = sorted((Path(__file__).parent / "profiles").glob("*.json"))  # recorded by tests/profiles/record.py
+_TEMPLATES = {  # every sentence a verdict can say, by a fragment only it has
+    "no step": r"^no step given: the loader delivered", "input-bound": r"^input-bound: \d+% of the loop",
+    "not input-bound": r"^not input-bound: \d+% of the loop", "copy": r"^copying each batch to the device takes",
+    "device stages": r"^the loader's device stages take", "device limits": r"fewer than its workers could deliver",
+    "device fast": r"samples/s from them alone\.$", "bottleneck": r"^[a-z]+ is \d+% of the (workers'|pipeline's) work",
+    "reads wait": r"; reads wait \d+% of it", "no workers in next": r"\(no workers: the pipeline itself runs inside",
+    "nothing timed": r"\(nothing timed\)", "readers": r"^More readers: more workers",
+    "windows unavailable": r"^Window decoding is unavailable", "windows off": r"^Decode only the crop's window",
+    "webdataset decode": r"^Decode only the fields the step uses", "gpu decode": r"^Decode on the GPU \(nvJPEG",
+    "smaller jpegs": r"^Decode smaller JPEGs", "gpu loader workers": r"^The GPU loader's workers only parse",
+    "augment gpu": r"^Keep images uint8 and normalise on the GPU",
+    "augment no gpu": r"^Keep images uint8 and normalise whole batches in the step", "parse": r"^Tar parsing is per",
+    "shuffle": r"^The shuffle buffer holds", "collate": r"^Keep images uint8 \(a quarter",
+    "other": r"^It is a stage the profiler does not know", "to workers": r"^Run the pipeline in worker processes",
+    "add workers": r"^Add workers \(\d+\.\d of \d+ cores are idle\)", "no more workers": r"^More workers would not help",
+    "core waits": r"^the workers waited for a core", "rebatch": r"^the main process spends",
+    "receive": r"^receiving the workers' batches", "one retry": r"^1 read was retried .* spent on it:",
+    "retries": r"^\d+ reads were retried .* spent on them:", "opaque": r"^the loader's stages are not visible",
+    "files": r"^the DataLoader opens one file per sample",
+}
+_STARTS = ("no", "input-bound", "not", "copying", "receiving", "the", *SLOTS)  # lower-case first words a verdict may begin with
+
+
+def _sentences(verdict: str) -> list[str]:
+    "A verdict's sentences: it breaks after a period followed by a capital."
+    return re.split(r"(?<=\.) (?=[A-Z])", verdict)
+
+
+def _grammar(s: str) -> list[str]:
+    "What is wrong with sentence `s`, if anything."
+    bad = [] if s[:1].isupper() or s.split()[0].rstrip(":") in _STARTS or s[:1].isdigit() else ["first word"]
+    bad += [] if s.endswith(".") and not s.endswith("..") else ["no period at the end"]
+    bad += [w for w in ("; or (", "None", "nan", "inf ", "np.", "()", "( ", " )", ", ,", ",.", ":.", ";.", " ,")
+            if w in s.replace("next()", "next")]  # next() is a call, not an empty list
+    bad += [f"doubled {m.group(0)!r}" for m in re.finditer(r"\b(\w+) \1\b", s, re.I)]
+    bad += [] if s.count("(") == s.count(")") and s.count("`") % 2 == 0 else ["unbalanced ( or `"]
+    bad += [f"unformatted {m.group(0)}" for m in re.finditer(r"\d\.\d{4,}|\b\d{4,}\b|-\d+%", s)]
+    bad += [] if re.search(r"\b1 (workers|reads|cores are)\b", s) is None else ["1 with a plural"]
+    return bad
+
+
+def test_every_verdict_sentence_reads_well_and_every_template_is_reached():
+    """The verdicts of recorded profiles (real runs on this machine, and copies with numbers edited to reach each
+    branch: tests/profiles/record.py), sentence by sentence: grammar, numbers formatted, each sentence one of the
+    known templates, every template reached; GPU advice only where the profile had a GPU, shards for files."""
+    assert len(PROFILES) >= 20, PROFILES
+    reached, wrong = set(), []
+    for path in PROFILES:
+        p = Profile(**json.loads(path.read_text()))
+        vs = verdicts(p)
+        for s in (s for v in vs for s in _sentences(v)):
+            hits = {name for name, rx in _TEMPLATES.items() if re.search(rx, s)}
+            reached |= hits
+            wrong += [(path.name, why, s) for why in _grammar(s) + ["no template"] * (not hits)]
+        text = " ".join(vs)
+        assert ("on the GPU" in text or "nvJPEG" in text or "side stream" in text) <= p.gpu, (path.name, text)
+        assert ("convert the folder to shards" in text) == p.files, (path.name, text)
+        assert repr(p) == report(p) and "np." not in repr(p) and p._repr_markdown_().startswith("```\n"), path.name
+    assert not wrong, "\n".join(map(str, wrong))
+    assert reached == set(_TEMPLATES), f"templates no recorded profile reaches: {set(_TEMPLATES) - reached}"
+    assert Profile(**json.loads(PROFILES[0].read_text())).to_dict() == json.loads(PROFILES[0].read_text())
+
+
+def test_a_dataloader_over_files_is_known_and_advised_shards(tmp_path):
+    "A torchvision ImageFolder in a DataLoader: the profile knows it reads files and says what shards would change."
+    from torchvision import datasets, transforms as T
+    from shardkit.folder import synthesize_folder
+    synthesize_folder(tmp_path, classes=2, per_class=2, val_per_class=0, progress=False)
+    dl = DataLoader(datasets.ImageFolder(tmp_path / "train", transform=T.Compose([T.Resize((32, 32)), T.ToTensor()])),
+                    batch_size=2)
+    p = profile_pipeline(dl, device=None)
+    assert p.kind == "map-style" and p.files and type(p.rate) is float and p.gpu == torch.cuda.is_available(), p
+    assert any(v.startswith("the DataLoader opens one file per sample") for v in verdicts(p)), report(p)
+    assert repr(p) == report(p) and "np.float64" not in repr(p.to_dict()), repr(p)
