@@ -16,6 +16,7 @@ from torchvision.datasets import ImageFolder
 from shardkit.train_loop import (
     CHECKPOINT_FORMAT,
     OPTIMIZERS,
+    latest_checkpoint,
     load_checkpoint,
     log_rank0,
     rank_checkpoint,
@@ -79,18 +80,22 @@ def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, class
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
-    if len(urls) < world:
+    random = pipeline == "shardkit" and decode == "cpu" and not any(u.startswith("pipe:") for u in urls)
+    if not random and len(urls) < world:
         raise TrainError(f"{len(urls)} shards cannot feed {world} ranks: split_by_node gives each rank whole shards; "
                          "write more, smaller shards (a smaller --maxsize) or use fewer ranks")
-    if classes is None or (world > 1 and samples is None):
+    if classes is None or (not random and world > 1 and samples is None):
         n, c = count_samples_and_classes(urls)
         samples, classes = samples or n, classes or c
         log_rank0(rank, f"counted {n} samples of {c} classes in {len(urls)} shards "
                    "(pass --samples and --classes to skip this pass)")
-    if world > 1 and samples < world * batch_size:
+    if not random and world > 1 and samples < world * batch_size:
         raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); "
                          "lower --batch-size")
-    nbatches = samples // (world * batch_size) if world > 1 else None
+    nbatches = samples // (world * batch_size) if world > 1 and not random else None
+    val_loader = _val_loader(val_urls, size, batch_size, workers, rank, world, dev) if val_urls else None
+    if random: return _random_train_loader(urls, size, batch_size, workers, seed, dev, rank, world), val_loader, \
+        classes, None
     if pipeline == "example":
         tf, val_tf = make_transform(size, True), make_transform(size, False)
         make_train = lambda epoch: example_loader(urls, tf, batch_size, workers, nbatches, seed=seed + epoch)
@@ -98,9 +103,7 @@ def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, class
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world)  # this rank's shards, as split_by_node deals them: the ranks share no sample
     make = _gpu_train_loader if decode == "gpu" else _cpu_train_loader
-    make_train = make(mine, size, batch_size, min(workers, len(mine)), nbatches, seed, dev)
-    val_loader = _val_loader(val_urls, size, batch_size, workers, rank, world, dev) if val_urls else None
-    return make_train, val_loader, classes, nbatches
+    return make(mine, size, batch_size, min(workers, len(mine)), nbatches, seed, dev), val_loader, classes, nbatches
 
 # %% ../nbs/30b_train_script.ipynb
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
@@ -114,6 +117,15 @@ def _cpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader = loader
+    return at
+
+def _random_train_loader(urls, size, batch_size, workers, seed, dev, rank, world):
+    "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps per rank."
+    ds = create_dataset(urls, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
+                        seed=seed, rank=rank, world_size=world, access="random")
+    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size, device=dev if dev.type == "cuda" else None)
+    def at(epoch): loader.set_epoch(epoch); return loader
+    at.loader, at.any_rank = loader, True  # its state is a place in the epoch's order: any rank's resumes any shape
     return at
 
 # %% ../nbs/30b_train_script.ipynb
@@ -207,12 +219,12 @@ def _check_options(pipeline: str, decode: str, checkpoint, dev: torch.device) ->
     return decode
 
 # %% ../nbs/30b_train_script.ipynb
-def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck) -> tuple:
+def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck, any_rank=False) -> tuple:
     "(model, the module to train: DDP's wrapper with several ranks, SGD, the checkpoint or None): weights as saved."
     torch.manual_seed(seed)
     fmt = torch.channels_last if dev.type == "cuda" else torch.preserve_format  # what tensor-core convolutions want
     model = make_model(arch, classes).to(dev, memory_format=fmt)
-    saved = load_checkpoint(ck, model, dev, world)
+    saved = load_checkpoint(ck, model, dev, 1 if any_rank else world)  # any rank's: no check that all ranks agree
     ids = [dev.index] if dev.type == "cuda" else None
     net = nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
     return model, net, OPTIMIZERS["sgd"](net.parameters(), lr), saved
@@ -238,8 +250,10 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, wor
             dev)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
             folder, make_transform(size, True), make_transform(size, False), batch_size, workers, classes)
-    ck = rank_checkpoint(checkpoint, rank, world) if checkpoint else None
-    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world, ck)
+    ck = rank_checkpoint(checkpoint, rank, world) if checkpoint else None  # where this rank saves
+    any_rank = getattr(make_train, "any_rank", False)  # then every rank goes on from the latest, whatever its shape
+    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world,
+                                                  latest_checkpoint(checkpoint) if ck and any_rank else ck, any_rank)
     step = training_step(net, opt, dev, precision)
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world} rank{'s' * (world != 1)}, "

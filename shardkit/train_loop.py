@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
+from .errors import LoaderError
 from .store import shown_path
 from .train_step import TrainError, count_correct, images_and_labels, training_step
 
 # %% auto 0
-__all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'rank_checkpoint', 'load_checkpoint', 'run_epochs', 'train_epochs']
+__all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'rank_checkpoint', 'latest_checkpoint', 'load_checkpoint',
+           'run_epochs', 'train_epochs']
 
 # %% ../nbs/30a_train_loop.ipynb
 def log_rank0(rank: int, *args):
@@ -90,6 +92,15 @@ def rank_checkpoint(path, rank: int, world: int) -> Path:
     return p if world == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
 
 # %% ../nbs/30a_train_loop.ipynb
+def latest_checkpoint(path) -> Path | None:
+    "The checkpoint a run at `path` goes on from whatever its shape: the saved run's rank 0's (`ck.pt`, `ck-rank0.pt`)."
+    p = Path(path)
+    found = [c for c in (p, p.with_name(f"{p.stem}-rank0{p.suffix}")) if c.exists()]
+    if len(found) < 2: return found[0] if found else None
+    steps = lambda c: torch.load(c, map_location="cpu", weights_only=True).get("steps", -1)
+    return max(found, key=lambda c: (steps(c), c.stat().st_mtime))  # both: runs on 1 and on more ranks; the later
+
+# %% ../nbs/30a_train_loop.ipynb
 def _flushed(f) -> int:
     "Bytes written to `f` so far, flushed to the file."
     f.flush()
@@ -100,6 +111,7 @@ def load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict 
     "The training state saved at `ck` (weights loaded into `model`), or None for a fresh start; all ranks at one step."
     # tensors and plain data only (weights_only): nothing in the file runs
     saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None
+    if saved is not None: saved["from"] = ck
     if saved is not None and "steps" not in saved:
         raise TrainError(f"checkpoint {shown_path(ck)} was written by an older train_epochs (format 1: no step count), "
                          "which cannot say where in the epoch it stopped; delete it to start afresh, or give another "
@@ -122,25 +134,33 @@ def load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict 
     return saved
 
 # %% ../nbs/30a_train_loop.ipynb
-def _resume(saved: dict | None, opt, make_train, rank: int, ck) -> tuple:
+def _resume(saved: dict | None, opt, make_train, rank: int, ck, world: int = 1) -> tuple:
     "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
     if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
     opt.load_state_dict(saved["opt"])
     loader = getattr(make_train, "loader", None)
-    if saved["loader"] is not None and loader is not None: loader.load_state_dict(saved["loader"])
-    log_rank0(rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, after {saved['done']} of its steps "
-               f"({saved['steps']} steps in all)")
+    if saved["loader"] is not None and loader is not None:
+        try: loader.load_state_dict(saved["loader"])
+        except LoaderError as e:
+            raise TrainError(f"checkpoint {shown_path(saved.get('from', ck))} cannot place this run's loader: {e}. A "
+                             "checkpoint of `shardkit train` before 2026-11-27 (streaming epochs) resumes only with "
+                             "that version; delete it to start afresh") from None
+    log_rank0(rank, f"resumed from {shown_path(saved.get('from', ck))}: epoch {saved['epoch'] + 1}, "
+               f"after {saved['done']} of its steps ({saved['steps']} steps in all)")
     stats = saved["stats"].cpu()  # torch.load put it on the device
+    shape = saved.get("rank", 0), saved.get("world", 1)
+    if shape != (rank, world): stats = stats * shape[1] / world  # a rank's counts of its epoch: its share of the job's
     return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
 
 # %% ../nbs/30a_train_loop.ipynb
-def _keys_file(keys_out, rank: int, saved: dict | None):
-    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to a checkpoint's."
+def _keys_file(keys_out, rank: int, saved: dict | None, world: int = 1):
+    "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to its own checkpoint's."
     if not keys_out: return open(os.devnull, "w")
     Path(keys_out).mkdir(parents=True, exist_ok=True)
     path = Path(keys_out) / f"keys-rank{rank}.txt"
-    if saved: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
-    return open(path, "a" if saved else "w")
+    own = saved and (saved.get("rank", 0), saved.get("world", 1)) == (rank, world) and path.exists()
+    if own: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
+    return open(path, "a" if saved else "w")  # another shape's checkpoint: this rank's keys go on after its own
 
 # %% ../nbs/30a_train_loop.ipynb
 def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: int, dev, saved: dict | None,
@@ -148,15 +168,15 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
                 keys_out=None, val_loader=None, log: bool = True, progress: bool = True, record: bool = False,
                ) -> tuple[list[dict], list[float]]:
     "The epochs of a run, from a checkpoint or afresh: (a row per epoch, each step's loss when `record`)."
-    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck)
+    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck, world)
     losses = list(saved.get("losses") or []) if saved and record else []
-    with _keys_file(keys_out, rank, saved) as keys_file:
+    with _keys_file(keys_out, rank, saved, world) as keys_file:
         for epoch in range(start, epochs):
             net.train()
             t0, loader, new = time.time(), make_train(epoch), []
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
-                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history,
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank, world=world,
                 keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
             save = None if not (ck and hasattr(loader, "state_dict")) else \
                 lambda s, st, last: (last or s % every == 0) and at(s, st)
@@ -170,7 +190,8 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
             if log: log_rank0(rank, _epoch_line(row, epochs))
             if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
-            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
+            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history, rank=rank,
+                                    world=world,
                                     stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file),
                                     losses=losses)
     return history, losses
