@@ -122,7 +122,7 @@ def verdicts(p: Profile) -> list[str]:
                    f"{p.cores_busy:.1f} of {p.cores} cores busy; {cap}.")
     elif p.wait_share > 0.1:
         out.append(f"input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch ({_in_next(p)}); "
-                   f"{cap}, the step takes {p.step_rate:,.0f}/s.")
+                   f"{cap}; the step alone runs at {p.step_rate:,.0f} samples/s.")
     else:
         out.append(f"not input-bound: {p.wait_share:.0%} of the loop is spent getting the next batch; the step "
                    f"({p.step_rate:,.0f} samples/s) limits; {cap}.")
