@@ -123,7 +123,7 @@ def test_a_setting_that_changes_the_order_is_named(shards):
     with pytest.raises(LoaderError, match=r"shards is"):
         _loader(shards[:-1], 2, seed=3).load_state_dict(state)
     with pytest.raises(LoaderError, match="shuffle_across=0"):
-        _loader(shards, 2, shuffle=16).state_dict()
+        _loader(shards, 2, shuffle_across=16).state_dict()
 
 
 class CountingTransform:
