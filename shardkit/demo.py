@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 import numpy as np
 import torch
 from fastcore.script import store_true
 from PIL import Image
 from .bench.core import format_bench
-from .bench.loader import bench_loader, bench_ratios, fastest_peer, loader_table, plot_bench
+from .bench.loader import bench_loader, bench_ratios, cheapest_peer, fastest_peer, loader_table, plot_bench
 from .bench.peers import LOADER_ROWS
 from .display import display_loader_images
 from .errors import StoreError, UsageError
@@ -165,7 +168,10 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
     if (r := state.done("train", settings)) and (out / "samples.png").exists() and (out / "loss.png").exists():
         _say(f"train: reusing the trained model (test accuracy {r['accuracy']:.1%})", quiet); return r
     shards, shuffled = open_store(shards_spec), open_store(shuffled_spec)
-    with Sidecar(shrink_pets, source=shuffled) as train_etl, Sidecar(shrink_pets, source=shards) as test_etl:
+    with ExitStack() as stack:
+        train_etl, test_etl = etls = [Sidecar(shrink_pets, source=s) for s in (shuffled, shards)]
+        for etl in etls: stack.callback(etl.stop)
+        with ThreadPoolExecutor(2) as pool: list(pool.map(Sidecar.start, etls))  # both start up at once: a few s saved
         train, test = _loaders(shuffled.urls(shuffled.list("train-*.tar"), etl=train_etl),
                                shards.urls(shards.list("test-*.tar"), etl=test_etl), workers)
         fig = display_loader_images(train, objects=8, class_names=CLASS_NAMES)
@@ -189,11 +195,12 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
 # %% ../nbs/39_demo.ipynb
 def _ratio_notes(res: dict) -> list[str]:
     "What the benchmark's figures mean, in words, for someone who has just installed shardkit."
-    g, fast = bench_ratios(res), fastest_peer(res)
+    g, fast, cheap = bench_ratios(res), fastest_peer(res), cheapest_peer(res)
     cores, workers, notes = res["cores"], res["ceiling_workers"], []
     if g["peer"][0] is not None:
         notes.append(f"shardkit's default read {g['peer'][0]:.2f}x the samples/s of the fastest other loader here "
-                     f"({fast}), at {g['cpu'][0]:.2f}x the CPU per sample of the most frugal one")
+                     f"({fast}), at {g['cpu'][0]:.2f}x the CPU per sample of the most frugal one "
+                     f"({'the same' if cheap == fast else cheap})")
     if g["ceiling"][0] is not None:
         notes.append(f"ceiling and floor are yardsticks, not loaders: {_n(workers, 'core')} doing nothing but decode "
                      f"and augment (ceiling) or only the work a sample needs (floor), in CPU time. The default reached "
@@ -210,11 +217,12 @@ def demo_table(res: dict) -> str:
     cols = {"loader": ("loader", "{}"), "rate": ("samples/s", "{:.0f}"), "x": ("x shardkit", "{:.2f}x"),
             "cpu": ("CPU ms/sample", "{:.2f}"), "once": ("every sample once", "{}")}
     title = (f"loader benchmark: {_n(res['samples'], 'sample')} in {_n(res['shards'], 'shard')}, "
-             f"{_n(res['num_workers'], 'worker')}, {_n(res['repeats'], 'run')} of each loader (a fresh process)")
+             f"{_n(res['num_workers'], 'worker')}, "
+             + ("one run" if res["repeats"] == 1 else f"{res['repeats']} runs") + " of each loader (a fresh process)")
     notes = _ratio_notes(res) + ([f"not measured: {', '.join(failed)}"] if failed else []) + [
-        "a short run on a shared machine compares the loaders; to measure with care: "
-        "shardkit bench loader SHARDS --repeats 3 (bench-loader.txt: this run's full table)"]
-    return format_bench(out, cols, title, notes)
+        "one short run on a shared machine compares the loaders, no more; to measure with care: "
+        "shardkit bench loader SHARDS --repeats 3 (bench-loader.txt has this run's full table)"]
+    return format_bench(out, cols, title, [textwrap.fill(n, 116, subsequent_indent="  ") for n in notes])
 
 def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, samples: int,
                quiet: bool) -> dict:
@@ -236,9 +244,9 @@ def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, wor
 
 # %% ../nbs/39_demo.ipynb
 NEXT_STEPS = ("Next:",
-              '  the tutorials, in JupyterLab:  pip install -e ".[lab]" && shardkit lab   (in the shardkit checkout)',
-              '  your own data:                 the README\'s section "Your own data": shardkit convert folder MYDIR SHARDS,',
-              "                                 create_dataset(SHARDS) in your training loop, shardkit profile SHARDS")
+              '  the tutorials in JupyterLab:  pip install -e ".[lab]" && shardkit lab   (from the shardkit checkout)',
+              '  your own data:                README, section "Your own data": shardkit convert folder MYDIR SHARDS,',
+              "                                create_dataset(SHARDS) in your training loop, shardkit profile SHARDS")
 
 def format_summary(r: dict) -> str:
     "The one-screen summary of a demo run."

@@ -34,7 +34,7 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     # what a new user reads: one table, every line labelled, counts in good English, no goal verdicts, a next step
     assert r.stdout.count("loader benchmark:") == 1 and r.stdout.count("samples/s  x shardkit") == 1, r.stdout
     for line in (f"shards: train (trainval split): {N // 2} samples in 2 shards",
-                 f"shards: test (test split): {N // 2} samples in 2 shards", "1 run of each loader",
+                 f"shards: test (test split): {N // 2} samples in 2 shards", "one run of each loader",
                  "Next:", 'pip install -e ".[lab]" && shardkit lab', '"Your own data"', "shardkit convert folder"):
         assert line in r.stdout, (line, r.stdout)
     assert summary.rstrip().endswith("shardkit profile SHARDS"), summary[-300:]
