@@ -7,13 +7,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 import numpy as np
 import torch
 from fastcore.script import store_true
 from PIL import Image
-from .bench.loader import bench_loader, bench_ratios, loader_table, plot_bench
+from .bench.core import format_bench
+from .bench.loader import bench_loader, bench_ratios, cheapest_peer, fastest_peer, loader_table, plot_bench
+from .bench.peers import LOADER_ROWS
 from .display import display_loader_images
 from .errors import StoreError, UsageError
 from .etl.sidecar import Sidecar
@@ -25,8 +30,8 @@ from .store import open_store, shown_path
 from .train import evaluate, small_cnn, train_epochs
 
 # %% auto 0
-__all__ = ['SIZE', 'BATCH', 'shrink_pets', 'demo_stores', 'DemoState', 'step_data', 'step_shards', 'step_shuffle', 'step_train',
-           'step_bench', 'format_summary', 'run_demo', 'demo_cli']
+__all__ = ['SIZE', 'BATCH', 'NEXT_STEPS', 'shrink_pets', 'demo_stores', 'DemoState', 'step_data', 'step_shards', 'step_shuffle',
+           'step_train', 'demo_table', 'step_bench', 'format_summary', 'run_demo', 'demo_cli']
 
 # %% ../nbs/39_demo.ipynb
 def shrink_pets(sample: dict, side: int = 112) -> dict:
@@ -69,6 +74,10 @@ class DemoState:
 def _say(msg: str, quiet: bool):
     if not quiet: print(msg, flush=True)
 
+def _n(count: int, noun: str) -> str:
+    "`count noun`, plural when count is not 1: '1 shard', '4 shards'."
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
 def step_data(state: DemoState, out: Path, pets: str | None, n: int, quiet: bool) -> dict:
     "The Pet folder: the real one at `pets`, or a synthetic one of `n` images under `out`."
     if pets:
@@ -97,20 +106,22 @@ def step_shards(state: DemoState, data: dict, shards_spec: str, quiet: bool, fre
     "Convert the trainval and test splits into `train-` and `test-` shards (a no-op when already complete)."
     shards = open_store(shards_spec, create=True)
     res = {}
-    for split, prefix in (("trainval", "train-"), ("test", "test-")):
+    for split, prefix, label in (("trainval", "train-", "train"), ("test", "test-", "test")):
         if fresh: _clear(shards, prefix)
-        try: m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=not quiet)
+        try: m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=False)
         except StoreError as e:
             if "already holds a conversion" not in str(e): raise
             # the demo's own store holds an earlier demo's shards of other data (another --n or --pets): replace them
             _say(f"shards: replacing {_clear(shards, prefix)} objects {prefix}* of an earlier demo run "
                  f"in {shown_path(shards.spec)}", quiet)
-            m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=not quiet)
+            m = convert_pets(data["root"], shards, split=split, prefix=prefix, maxcount=100, progress=False)
         res[split] = dict(shards=len(m["shards"]), samples=m["samples"], bytes=m["bytes"])
-    _say(f"shards: {res['trainval']['samples']} train samples in {res['trainval']['shards']} shards, "
-         f"{res['test']['samples']} test samples in {res['test']['shards']} shards, "
-         f"in {shown_path(shards.spec)}", quiet)
+        skipped = sum(((m.get("source") or {}).get("skipped") or {}).values())
+        _say(f"shards: {label} ({split} split): {_n(m['samples'], 'sample')} in {_n(len(m['shards']), 'shard')}, "
+             f"{m['bytes'] / 1e6:.1f} MB, {shown_path(shards.spec)}/{prefix}*.tar"
+             + (f" ({_n(skipped, 'image')} skipped: unreadable)" if skipped else ""), quiet)
     return res
+
 
 # %% ../nbs/39_demo.ipynb
 def step_shuffle(state: DemoState, shards_spec: str, shuffled_spec: str, fingerprint, quiet: bool) -> dict:
@@ -121,8 +132,8 @@ def step_shuffle(state: DemoState, shards_spec: str, shuffled_spec: str, fingerp
         _say(f"shuffle: reusing {r['shards']} shuffled shards in {shown_path(shuffled.spec)}", quiet); return r
     res = shuffle_shards(shards_spec, shuffled, shard_size="2MB", seed=0, input_template="train-*.tar",
                          output_prefix="train-", overwrite=True, progress=not quiet)
-    _say(f"shuffle: {len(res.names)} shards in {shown_path(shuffled.spec)} by {res.backend} in {res.seconds:.1f} s",
-         quiet)
+    _say(f"shuffle: {_n(len(res.names), 'training shard')} in {shown_path(shuffled.spec)} by {res.backend} "
+         f"in {res.seconds:.1f} s", quiet)
     return state.finish("shuffle", settings,
                         dict(shards=len(res.names), backend=res.backend, seconds=round(res.seconds, 1)))
 
@@ -133,7 +144,7 @@ def _loaders(train_urls, test_urls, workers: int):
     train = create_dataloader(create_dataset(train_urls, transform=train_transform(SIZE, scale=(0.25, 1)), seed=0),
                               num_workers=workers, batch_size=BATCH)
     test = create_dataloader(create_dataset(test_urls, transform=eval_transform(SIZE), shuffle=0, seed=0),
-                             num_workers=workers, batch_size=64, shuffle=0)
+                             num_workers=workers, batch_size=64)
     return train, test
 
 # %% ../nbs/39_demo.ipynb
@@ -157,7 +168,10 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
     if (r := state.done("train", settings)) and (out / "samples.png").exists() and (out / "loss.png").exists():
         _say(f"train: reusing the trained model (test accuracy {r['accuracy']:.1%})", quiet); return r
     shards, shuffled = open_store(shards_spec), open_store(shuffled_spec)
-    with Sidecar(shrink_pets, source=shuffled) as train_etl, Sidecar(shrink_pets, source=shards) as test_etl:
+    with ExitStack() as stack:
+        train_etl, test_etl = etls = [Sidecar(shrink_pets, source=s) for s in (shuffled, shards)]
+        for etl in etls: stack.callback(etl.stop)
+        with ThreadPoolExecutor(2) as pool: list(pool.map(Sidecar.start, etls))  # both start up at once: a few s saved
         train, test = _loaders(shuffled.urls(shuffled.list("train-*.tar"), etl=train_etl),
                                shards.urls(shards.list("test-*.tar"), etl=test_etl), workers)
         fig = display_loader_images(train, objects=8, class_names=CLASS_NAMES)
@@ -173,30 +187,67 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
         etl_name = f"{shrink_pets.__module__}:{shrink_pets.__name__}"
     _plot_losses(losses, acc, epochs, out / "loss.png")
     torch.save(model.state_dict(), out / "model.pt")
-    _say(f"train: {epochs} epochs in {seconds:.0f} s, test accuracy {acc:.1%} ({acc * 37:.1f}x chance)", quiet)
+    _say(f"train: {_n(epochs, 'epoch')} in {seconds:.0f} s, test accuracy {acc:.1%} ({acc * 37:.1f}x chance)", quiet)
     return state.finish("train", settings, dict(accuracy=acc, seconds=round(seconds, 1), steps=len(losses),
                                                 final_loss=round(sum(losses[-5:]) / max(len(losses[-5:]), 1), 3),
                                               etl=etl_name))
 
 # %% ../nbs/39_demo.ipynb
+def _ratio_notes(res: dict) -> list[str]:
+    "What the benchmark's figures mean, in words, for someone who has just installed shardkit."
+    g, fast, cheap = bench_ratios(res), fastest_peer(res), cheapest_peer(res)
+    cores, workers, notes = res["cores"], res["ceiling_workers"], []
+    if g["peer"][0] is not None:
+        notes.append(f"shardkit's default read {g['peer'][0]:.2f}x the samples/s of the fastest other loader here "
+                     f"({fast}), at {g['cpu'][0]:.2f}x the CPU per sample of the most frugal one "
+                     f"({'the same' if cheap == fast else cheap})")
+    if g["ceiling"][0] is not None:
+        notes.append(f"ceiling and floor are yardsticks, not loaders: {_n(workers, 'core')} doing nothing but decode "
+                     f"and augment (ceiling) or only the work a sample needs (floor), in CPU time. The default reached "
+                     f"{g['ceiling'][0]:.2f}x the ceiling: a loader also waits, passes batches between processes and "
+                     f"shares the cores (load average {res['load_end']:.1f} on {_n(cores, 'core')} here)")
+    return notes
+
+def demo_table(res: dict) -> str:
+    "`bench_loader`'s result for the demo: samples/s, x shardkit, CPU per sample, exactly once; the ratios in words."
+    rows, rates, ref = res["rows"], res["rates"], res["rates"].get(LOADER_ROWS["default"])
+    out = [dict(loader=k, rate=v, x=v / ref if ref else None, cpu=res["cpu_ms"][k],
+                once=("yes" if rows[k]["exact"] else "no") if k in rows else "") for k, v in rates.items()]
+    failed = [f"{k}: {r['status']}" for k, r in rows.items() if r["status"] != "ok"]
+    cols = {"loader": ("loader", "{}"), "rate": ("samples/s", "{:.0f}"), "x": ("x shardkit", "{:.2f}x"),
+            "cpu": ("CPU ms/sample", "{:.2f}"), "once": ("every sample once", "{}")}
+    title = (f"loader benchmark: {_n(res['samples'], 'sample')} in {_n(res['shards'], 'shard')}, "
+             f"{_n(res['num_workers'], 'worker')}, "
+             + ("one run" if res["repeats"] == 1 else f"{res['repeats']} runs") + " of each loader (a fresh process)")
+    notes = _ratio_notes(res) + ([f"not measured: {', '.join(failed)}"] if failed else []) + [
+        "one short run on a shared machine compares the loaders, no more; to measure with care: "
+        "shardkit bench loader SHARDS --repeats 3 (bench-loader.txt has this run's full table)"]
+    return format_bench(out, cols, title, [textwrap.fill(n, 116, subsequent_indent="  ") for n in notes])
+
 def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, samples: int,
                quiet: bool) -> dict:
-    "The loader benchmark on the shuffled shards: table and plot."
+    "The loader benchmark on the shuffled shards: the demo's table, the full one (`bench-loader.txt`) and the plot."
     import matplotlib.pyplot as plt
-    settings = dict(workers=workers, samples=samples, input=fingerprint)
+    settings = dict(workers=workers, samples=samples, input=fingerprint, table="demo")
     out = Path(out)
     if (r := state.done("bench", settings)) and (out / "bench-loader.png").exists():
         _say("bench: reusing the loader benchmark", quiet); return r
+    t0 = time.time()
     res = bench_loader(open_store(shuffled_spec), num_workers=workers, samples=samples, repeats=1, progress=not quiet,
                        cache=out / "bench-cache")
-    table = loader_table(res)
-    (out / "bench-loader.txt").write_text(table + "\n")
+    (out / "bench-loader.txt").write_text(loader_table(res) + "\n")
     fig = plot_bench(res, out / "bench-loader.png"); plt.close(fig)
-    _say(table, quiet)
-    return state.finish("bench", settings, dict(table=table, rates=res["rates"],
+    _say(f"bench: {_n(len(res['rows']), 'loader')} measured in {time.time() - t0:.0f} s (the table is in the summary)",
+         quiet)
+    return state.finish("bench", settings, dict(table=demo_table(res), rates=res["rates"],
                                                 goals={k: v[2] for k, v in bench_ratios(res).items()}))
 
 # %% ../nbs/39_demo.ipynb
+NEXT_STEPS = ("Next:",
+              '  the tutorials in JupyterLab:  pip install -e ".[lab]" && shardkit lab   (from the shardkit checkout)',
+              '  your own data:                README, section "Your own data": shardkit convert folder MYDIR SHARDS,',
+              "                                create_dataset(SHARDS) in your training loop, shardkit profile SHARDS")
+
 def format_summary(r: dict) -> str:
     "The one-screen summary of a demo run."
     d, sh, shuf, tr = r["data"], r["shards"], r["shuffle"], r["train"]
@@ -205,22 +256,22 @@ def format_summary(r: dict) -> str:
              + (f" ({os.environ.get('AIS_ENDPOINT')})" if r["stores"]["backend"] == "AIStore" else ""),
              f"data      {d['images']} {'synthetic' if d['synthetic'] else 'real'} Oxford-IIIT Pet images, 37 breeds "
              f"({shown_path(d['root'])})",
-             f"shards    {sh['trainval']['samples']} train samples in {sh['trainval']['shards']} shards, "
-             f"{sh['test']['samples']} test samples "
-             f"in {sh['test']['shards']} shards, {mb:.1f} MB ({shown_path(r['stores']['shards'])})",
-             f"shuffle   {shuf['shards']} shuffled training shards by {shuf['backend']} "
+             f"shards    train: {_n(sh['trainval']['samples'], 'sample')} in {_n(sh['trainval']['shards'], 'shard')}; "
+             f"test: {_n(sh['test']['samples'], 'sample')} in {_n(sh['test']['shards'], 'shard')}; "
+             f"{mb:.1f} MB ({shown_path(r['stores']['shards'])})",
+             f"shuffle   {_n(shuf['shards'], 'shuffled training shard')} by {shuf['backend']} "
              f"({shown_path(r['stores']['shuffled'])})",
              f"ETL       sidecar running {tr['etl']}: images and trimaps shrunk to 112 px before they reach the loader",
-             f"loader    create_dataset + create_dataloader, {r['workers']} workers, {SIZE}-px crops, "
+             f"loader    create_dataset + create_dataloader, {_n(r['workers'], 'worker')}, {SIZE}-px crops, "
              f"batches of {BATCH}, every sample once per epoch",
-             f"training  small CNN, {r['epochs']} epochs in {tr['seconds']:.0f} s: "
+             f"training  small CNN, {_n(r['epochs'], 'epoch')} in {tr['seconds']:.0f} s: "
              f"test accuracy {tr['accuracy']:.1%} = {tr['accuracy'] * 37:.1f}x chance "
              f"(learning check >= 3x: {'met' if tr['accuracy'] * 37 >= 3 else 'not met'})"]
     if r.get("bench"): lines += ["", r["bench"]["table"]]
     files = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt")
     lines += ["", f"files in {shown_path(r['out'])}: "
               + ", ".join(f for f in files if f == "summary.txt" or (Path(r["out"]) / f).exists())]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *NEXT_STEPS])
 
 # %% ../nbs/39_demo.ipynb
 def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, on the embedded default, the data)

@@ -1,6 +1,6 @@
 """`shardkit demo` end to end on a tiny data set, on the embedded default: files, summary, reuse on re-run, bad input.
 The demo's run on AIStore is nbs/39_demo's (the test suite runs that notebook against its cluster): one run per backend."""
-import json, time
+import json, re, time
 import pytest
 
 FILES = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "summary.txt", "demo-state.json")
@@ -26,11 +26,21 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
     for f in FILES:
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     summary = (out / "summary.txt").read_text()
-    for line in ("shardkit demo: done", f"{N} synthetic Oxford-IIIT Pet images", f"{N // 2} train samples",
-                 f"{N // 2} test samples", "by local", "sidecar running shardkit.demo:shrink_pets", "test accuracy",
-                 "AIStore post's pipeline", "webdataset, done well"):
+    for line in ("shardkit demo: done", f"{N} synthetic Oxford-IIIT Pet images", f"train: {N // 2} samples in 2 shards",
+                 f"test: {N // 2} samples in 2 shards", "by local", "sidecar running shardkit.demo:shrink_pets",
+                 "test accuracy", "AIStore post's pipeline", "webdataset, done well", "x the ceiling"):
         assert line in summary, (line, summary)
     assert summary.strip() in r.stdout
+    # what a new user reads: one table, every line labelled, counts in good English, no goal verdicts, a next step
+    assert r.stdout.count("loader benchmark:") == 1 and r.stdout.count("samples/s  x shardkit") == 1, r.stdout
+    for line in (f"shards: train (trainval split): {N // 2} samples in 2 shards",
+                 f"shards: test (test split): {N // 2} samples in 2 shards", "one run of each loader",
+                 "Next:", 'pip install -e ".[lab]" && shardkit lab', '"Your own data"', "shardkit convert folder"):
+        assert line in r.stdout, (line, r.stdout)
+    assert summary.rstrip().endswith("shardkit profile SHARDS"), summary[-300:]
+    singular = re.findall(r"(?<![\d.])1 (?:run|shard|sample|epoch|worker|core|image|loader)s\b", r.stdout)
+    assert not singular and "MISSED" not in r.stdout, (singular, r.stdout)
+    assert "1 runs" not in (out / "bench-loader.txt").read_text()  # the full table, goals and all, stays in the file
     state = json.loads((out / "demo-state.json").read_text())
     assert set(state) == {"data", "shuffle", "train", "bench"}
     accuracy = state["train"]["result"]["accuracy"]

@@ -60,6 +60,14 @@ def _errors(nb: dict) -> list[str]:
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
 
+def _deprecations(nb: dict) -> list[str]:
+    """DeprecationWarnings in an executed notebook's outputs, as `cell N: line`. Stock Jupyter shows those that the
+    notebook's own calls trigger (shardkit warns with stacklevel=2, so a tutorial's `create_dataloader(shuffle=N)`
+    is one): a tutorial must teach the current API, not print a warning at its reader."""
+    return [f"cell {i}: {line.strip()[:200]}" for i, c in enumerate(nb["cells"]) for o in c.get("outputs", [])
+            for line in "".join(o.get("text", "")).splitlines() if "DeprecationWarning" in line]
+
+
 def _run_in_stock_jupyter(nb: Path, kernels: Path, tmp_path: Path, ais_endpoint: str | None = None):
     "Execute a copy of `nb` with nbconvert in a folder of its own; check it ran every cell without an error output."
     work = tmp_path / "work"  # a copy in a folder of its own: its data/ goes there, never shared with another run
@@ -82,6 +90,7 @@ def _run_in_stock_jupyter(nb: Path, kernels: Path, tmp_path: Path, ais_endpoint:
     assert out.is_file(), f"nbconvert wrote no {out}: {r.stderr[-2000:]}"
     executed = json.loads(out.read_text(encoding="utf-8"))
     assert not _errors(executed), f"{nb.name}: error outputs: {_errors(executed)}"
+    assert not _deprecations(executed), f"{nb.name}: deprecated calls: {_deprecations(executed)}"
     code = [c for c in executed["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
     assert code and all(c.get("execution_count") for c in code), f"{nb.name}: cells left unexecuted"
 

@@ -325,7 +325,9 @@ def loader_table(result: dict) -> str:
             "cold": ("cold first batch s", "{:.2f}"), "once": ("exactly once", "{}")}
     title = (f"loader benchmark: {result['samples']} samples in {result['shards']} shards, "
              f"read {result['passes']}x per epoch; {result['num_workers']} workers, {result['cores']} cores; "
-             f"median of {result['repeats']} runs, each a fresh process, epoch 2 of 2; {result['cache_note']}; "
+             + ("one run, a fresh process" if result["repeats"] == 1
+                else f"median of {result['repeats']} runs, each a fresh process")
+             + f", epoch 2 of 2; {result['cache_note']}; "
              f"load average {result['load_start']:.1f} at start, {result['load_end']:.1f} at end")
     return format_bench(out, cols, title, _table_notes(result) + row_notes)
 
