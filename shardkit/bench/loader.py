@@ -324,7 +324,8 @@ def loader_table(result: dict) -> str:
             "cpu": ("CPU ms/sample", "{:.2f}"), "floor": ("x floor", "{:.2f}x"), "first": ("first batch s", "{:.2f}"),
             "cold": ("cold first batch s", "{:.2f}"), "once": ("exactly once", "{}")}
     title = (f"loader benchmark: {result['samples']} samples in {result['shards']} shards, "
-             f"read {result['passes']}x per epoch; {result['num_workers']} workers, {result['cores']} cores; "
+             f"read {result['passes']}x per epoch; {result['num_workers']} worker{'s' * (result['num_workers'] != 1)}, "
+             f"{result['cores']} cores; "
              + ("one run, a fresh process" if result["repeats"] == 1
                 else f"median of {result['repeats']} runs, each a fresh process")
              + f", epoch 2 of 2; {result['cache_note']}; "
