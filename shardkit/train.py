@@ -120,10 +120,11 @@ def _cpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
     return at
 
 def _random_train_loader(urls, size, batch_size, workers, seed, dev, rank, world):
-    "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps per rank."
+    "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=rank, world_size=world, access="random")
-    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size, device=dev if dev.type == "cuda" else None)
+    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size,
+                               device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader, at.any_rank = loader, True  # its state is a place in the epoch's order: any rank's resumes any shape
     return at

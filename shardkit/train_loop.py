@@ -176,7 +176,8 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             t0, loader, new = time.time(), make_train(epoch), []
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
-                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank, world=world,
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank,
+                world=world,
                 keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
             save = None if not (ck and hasattr(loader, "state_dict")) else \
                 lambda s, st, last: (last or s % every == 0) and at(s, st)
@@ -190,8 +191,8 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
             if log: log_rank0(rank, _epoch_line(row, epochs))
             if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
-            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history, rank=rank,
-                                    world=world,
+            if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
+                                    rank=rank, world=world,
                                     stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file),
                                     losses=losses)
     return history, losses
