@@ -6,8 +6,6 @@
 from __future__ import annotations
 import io
 from typing import Callable, Sequence
-import webdataset as wds
-from webdataset.tariterators import base_plus_ext
 from ..errors import ShardkitError, UsageError
 
 # %% auto 0
@@ -28,6 +26,7 @@ class SkipSample(ShardkitError):
 # %% ../../nbs/03_fields.ipynb
 def split_key(member: str) -> tuple[str | None, str | None]:
     "WebDataset's split of a tar member name into (key, field): the key ends at the first dot of the file name."
+    from webdataset.tariterators import base_plus_ext  # here, not at the top: webdataset imports torch
     return base_plus_ext(member)
 
 # %% ../../nbs/03_fields.ipynb
@@ -70,10 +69,12 @@ def refuse_pickle(keys: str | Sequence[str], allow_pickle: bool = False):
 def decode_field(key: str, data: bytes, allow_pickle: bool = False):
     "Field `key` decoded by WebDataset's basic decoders (None: a type they don't know); pickles only if `allow_pickle`."
     refuse_pickle(key, allow_pickle)
+    import webdataset as wds  # here, not at the top: webdataset imports torch
     return wds.autodecode.basichandlers(key, data)
 
 def field_decoder(spec: str | None = "pil", allow_pickle: bool = False) -> Callable[[dict], dict]:
     "A sample decoder like webdataset's `.decode(spec)` (images as `spec`, others by type); pickles if `allow_pickle`."
+    import webdataset as wds
     image = wds.autodecode.imagehandler(spec) if spec else None
     def decode(sample: dict) -> dict:
         out = {}

@@ -11,8 +11,6 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
-import webdataset as wds
-from webdataset.tariterators import group_by_keys
 from ..errors import ShardkitError
 from ..remote import RemoteError, Retries, open_remote
 from ..store import LocalStore, open_store, shown_path
@@ -179,6 +177,7 @@ def tar_members(stream, name: str = "shard") -> Iterator[dict]:
 
 def read_samples(stream, name: str = "shard") -> Iterator[dict]:
     "The raw samples (bytes per field) of tar `stream`, grouped as webdataset does; ShardError if unreadable or unsafe."
+    from webdataset.tariterators import group_by_keys  # here, not at the top: webdataset imports torch
     try:
         yield from group_by_keys(tar_members(stream, name))
     except (tarfile.TarError, ValueError, OSError, EOFError, AssertionError) as e:
@@ -191,7 +190,8 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
 def open_shard(url: str, retries: Retries | None = None):
     "A stream of shard `url`: http(s) by `open_remote` (faults retried, cuts resumed); files, `pipe:` by `gopen`."
     if url.startswith(("http://", "https://")): return open_remote(url, retries, name=f"shard {url}")
-    return wds.gopen(url)
+    from webdataset import gopen  # here, not at the top: webdataset imports torch
+    return gopen(url)
 
 def open_shards(src: Iterable[dict], handler: Callable, retries: Retries | None = None):
     "Each shard of `src` ({url: ...} dicts) opened as a stream (`stream` added); a shard that fails goes to `handler`."
@@ -208,8 +208,13 @@ def open_shards(src: Iterable[dict], handler: Callable, retries: Retries | None 
                 err = ShardError(f"cannot read shard {d['url']} ({e})")
                 if not handler(err): raise err from None
 
-def url_samples(src: Iterable[dict], handler: Callable = wds.reraise_exception, retries: Retries | None = None):
+def _reraise(exn: Exception):
+    "webdataset's default handler (`reraise_exception`): every error stops the read."
+    raise exn
+
+def url_samples(src: Iterable[dict], handler: Callable = _reraise, retries: Retries | None = None):
     "Samples (dicts of raw bytes) from a stream of `dict(url=...)`, each shard closed as soon as it is read."
+    from webdataset.tariterators import group_by_keys
     for d in open_shards(src, handler, retries):
         try: yield from group_by_keys(tar_members(d["stream"], d["url"]), handler=handler)
         except (ShardError, RemoteError) as e:  # broken, unsafe, or unreadable through faults: the handler decides

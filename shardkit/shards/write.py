@@ -23,7 +23,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sized
 import numpy as np
-import webdataset as wds
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 from ..errors import StoreError, UsageError
@@ -146,11 +145,12 @@ def _store_shard(self: _ShardSink, sh: dict):
 @patch
 def _open_shard(self: _ShardSink):
     "Start the next numbered shard in the staging folder."
+    from webdataset import TarWriter  # here, not at the top: webdataset imports torch
     name = f"{self.prefix}{self.index:0{self.digits}d}.tar"
     self.index += 1
     f = open(self.tmpdir / name, "wb")
     self.cur = dict(name=name, path=self.tmpdir / name, file=f, count=0, size=0, first=None, last=None, fields={},
-                    tar=wds.TarWriter(f, encoder=False, mtime=self.mtime))
+                    tar=TarWriter(f, encoder=False, mtime=self.mtime))
 
 @patch
 def _close_shard(self: _ShardSink):
