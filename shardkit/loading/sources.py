@@ -31,6 +31,9 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
         return sources.urls(names)
     if isinstance(sources, (str, os.PathLike)):
         s = str(sources)
+        if "{" in s and s.startswith("ais://"):  # a template of a bucket's shards: their URLs in it
+            spec, names = s.rsplit("/", 1)
+            return shard_urls(open_store(spec), names)
         if "{" in s: return list(braceexpand(s))
         if s.startswith("ais://") or Path(s).is_dir(): return shard_urls(open_store(s), pattern)
         return [s]
