@@ -224,6 +224,7 @@ def demo_table(res: dict) -> str:
         "shardkit bench loader SHARDS --repeats 3 (bench-loader.txt has this run's full table)"]
     return format_bench(out, cols, title, [textwrap.fill(n, 116, subsequent_indent="  ") for n in notes])
 
+# %% ../nbs/39_demo.ipynb
 def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, samples: int,
                quiet: bool) -> dict:
     "The loader benchmark on the shuffled shards: the demo's table, the full one (`bench-loader.txt`) and the plot."

@@ -111,6 +111,20 @@ def _files_verdict(p: Profile) -> str:
             "to uint8, and only the crop's window of each JPEG where it can.")
 
 # %% ../nbs/42a_profile_verdicts.ipynb
+def _main_verdict(p: Profile) -> str | None:
+    "What handing the workers' batches over costs the main process, when it is much; else None."
+    m = p.main
+    if p.workers and m["rebatch"] * p.rate / 1000 > 0.1:
+        return (f"the main process spends {m['rebatch']:.2f} ms/sample "
+                f"({m['rebatch'] * p.rate / 10:.0f}% of its time) taking the workers' batches apart and stacking "
+                "new ones: let the workers make the training batches (create_dataloader, shuffle_across=0).")
+    if p.workers and m["receive"] * p.rate / 1000 > 0.3:
+        return (f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample "
+                f"({m['receive'] * p.rate / 10:.0f}% of its time), CPU the step may need: send less "
+                "(uint8 images, only the fields the step uses).")
+    return None
+
+# %% ../nbs/42a_profile_verdicts.ipynb
 def verdicts(p: Profile) -> list[str]:
     "What limits the pipeline profiled in `p` and what to do about it, one line each, every figure measured."
     count = lambda k, noun: f"{k:,} {noun}" + ("s" if k != 1 else "")
@@ -136,15 +150,7 @@ def verdicts(p: Profile) -> list[str]:
         out.append(f"the workers waited for a core {1 - cpu / wall:.0%} of the time their stages took "
                    f"({wall:.2f} ms/sample, {cpu:.2f} on a core): more runnable processes than cores "
                    f"(load average {p.load:.1f} on {p.cores}); fewer workers, or no other jobs beside the training.")
-    m = p.main
-    if p.workers and m["rebatch"] * p.rate / 1000 > 0.1:
-        out.append(f"the main process spends {m['rebatch']:.2f} ms/sample "
-                   f"({m['rebatch'] * p.rate / 10:.0f}% of its time) taking the workers' batches apart and stacking "
-                   "new ones: let the workers make the training batches (create_dataloader, shuffle_across=0).")
-    elif p.workers and m["receive"] * p.rate / 1000 > 0.3:
-        out.append(f"receiving the workers' batches costs the main process {m['receive']:.2f} ms/sample "
-                   f"({m['receive'] * p.rate / 10:.0f}% of its time), CPU the step may need: send less "
-                   "(uint8 images, only the fields the step uses).")
+    if (v := _main_verdict(p)): out.append(v)
     if p.retries:
         causes = ", ".join(f"{n} {c}" for c, n in p.retries.items())
         tried = sum(p.retries.values())

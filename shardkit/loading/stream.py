@@ -207,6 +207,7 @@ def state_dict(self: ShardLoader) -> dict:
                 shuffle=ds.shuffle, epoch_samples=ds.epoch_samples, shard_shuffle=sh.shuffle, plan=plan,
                 mix=getattr(ds, "mix", None))
 
+# %% ../../nbs/25_stream.ipynb
 @patch
 def load_state_dict(self: ShardLoader, state: dict | Sequence[dict]):
     "Go on from `state` (`state_dict`'s, any process's); on another shape, from every rank's (a list): the rest, once."

@@ -199,6 +199,13 @@ def auto_maxcount(total: int | None,  # Samples to write; None: unknown
     if not total: return 1000
     return min(max(-(-total // shards), 1), most)
 
+def _chosen_maxcount(maxcount: int | None, total: int | None, progress: bool) -> int:
+    "`maxcount`, or (None) `auto_maxcount(total)`, said in one line when `progress`."
+    if maxcount is not None: return maxcount
+    maxcount = auto_maxcount(total)
+    if progress: print(f"maxcount {maxcount}: {auto_maxcount_why(total, maxcount)}; set maxcount to choose")
+    return maxcount
+
 def auto_maxcount_why(total: int | None, maxcount: int) -> str:
     "One line on how `auto_maxcount` chose `maxcount` for `total` samples."
     if not total: return "the number of samples is unknown (pass total=)"
@@ -240,9 +247,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
                  digits: int = 5):           # Digits of the shard number: 5 for pets-00000.tar, 6 for x-000000.tar
     "Write `samples` as WebDataset shards into `dest`, each handed to the store when finished; the manifest."
     if total is None and isinstance(samples, Sized): total = len(samples)
-    if maxcount is None:
-        maxcount = auto_maxcount(total)
-        if progress: print(f"maxcount {maxcount}: {auto_maxcount_why(total, maxcount)}; set maxcount to choose")
+    maxcount = _chosen_maxcount(maxcount, total, progress)
     if maxcount < 1: raise UsageError(f"maxcount must be >= 1, got {maxcount}")
     maxsize = parse_size(maxsize)
     if maxsize is not None and maxsize < 10240:
