@@ -152,16 +152,19 @@ def test_a_read_bound_pipeline_is_named_reading(slow_http):
 @pytest.mark.slow
 @pytest.mark.timed
 def test_overhead_is_bounded(tmp_path):
-    """Plain and profiled runs interleaved: the profiler costs little CPU per sample and little throughput (the goal is
+    """Plain and profiled runs interleaved: the profiler costs little throughput and little CPU per sample (the goal is
     5%; the bounds allow this machine's noise). The suite runs in two workers, so another test may load the cores
-    during any run: throughput and CPU per sample are compared best run against best run, the runs least disturbed
-    by the other worker."""
+    during any run: runs are compared best against best, the runs least disturbed by the other worker. Throughput is
+    measured as used, with 2 loader workers. CPU per sample is measured with the stages in the main process: the
+    profiler adds the same clock readings per stage there as in a worker, while a worker's CPU also counts its start
+    and hand-over, whose noise on 2 shared cores (up to 15% between identical runs) would hide what is measured."""
     urls = _write(tmp_path / "ov", 8, 25, (500, 375))
     o = profile_overhead(lambda: _loader(urls, workers=2, batch_size=16, keys=("cls", "image.jpg")), repeats=5)
-    print(o)
+    c = profile_overhead(lambda: _loader(urls, workers=0, batch_size=16, keys=("cls", "image.jpg")), repeats=5)
+    print("overhead", o["overhead"], "cpu", c["cpu_overhead"], c["cpu_runs"])
     best = 1 - max(o["runs"]["profiled"]) / max(o["runs"]["plain"])
-    cpu = min(o["cpu_runs"]["profiled"]) / min(o["cpu_runs"]["plain"]) - 1  # CPU too: the least disturbed runs
-    assert best < 0.15 and cpu < 0.10, (best, cpu, o)
+    cpu = min(c["cpu_runs"]["profiled"]) / min(c["cpu_runs"]["plain"]) - 1
+    assert best < 0.15 and cpu < 0.10, (best, cpu, o, c)
 
 
 def test_cli_profiles_and_tries_a_change(shards, tmp_path):
