@@ -248,7 +248,7 @@ def _instrument_random(ds, clocks: ProfileClocks, swap) -> str:
         made[0] += 1
         return out
     swap(ds, "__class__", type(f"Timed{type(ds).__name__}", (type(ds),), {"__getitem__": getitem}))
-    swap(ds, "reader", _TimedReader(ds.reader, clocks))
+    for part in getattr(ds, "parts", [ds]): swap(part, "reader", _TimedReader(part.reader, clocks))  # a mix: each
     swap(ds, "transform", _timed_transform(ds.transform, clocks))
     swap(random_access, "collate", timed_call(random_access.collate, "collate", clocks))
     return "shardkit"

@@ -179,11 +179,11 @@ def elastic_shards(tmp_path_factory):
     return folder
 
 
-def _job(src, shape, state=None):
-    "One loader per rank of `shape`, each resumed from `state` if given."
+def _job(src, shape, state=None, weights=None):
+    "One loader per rank of `shape` (of a mix, given `weights`), each resumed from `state` if given."
     ranks, workers, bs = shape
     dls = [create_random_loader(src, keys=("__key__",), transform=None, batch_size=bs, num_workers=workers, seed=11,
-                                rank=r, world_size=ranks) for r in range(ranks)]
+                                rank=r, world_size=ranks, weights=weights) for r in range(ranks)]
     for dl in dls:
         if state is not None: dl.load_state_dict(state)
     return dls
@@ -200,13 +200,13 @@ def _steps(dls, n=None):
     return out, state
 
 
-def _elastic_check(src, pairs, points=(1, 50, 99)):
-    whole, _ = _steps(_job(src, (1, 0, 12)))
-    assert sorted(k for s in whole for k in s) == [f"k{i:04d}" for i in range(1200)]
+def _elastic_check(src, pairs, points=(1, 50, 99), weights=None):
+    whole, _ = _steps(_job(src, (1, 0, 12), weights=weights))
+    assert sorted(k for s in whole for k in s if k[0] == "k") == [f"k{i:04d}" for i in range(1200)]
     for a, b in pairs:
         for p in points:
-            head, state = _steps(_job(src, a), p)
-            tail, _ = _steps(_job(src, b, state))
+            head, state = _steps(_job(src, a, weights=weights), p)
+            tail, _ = _steps(_job(src, b, state, weights=weights))
             assert head + tail == whole, f"{a} -> {b} after {p} steps: not the uninterrupted run's batches"
 
 
@@ -225,13 +225,26 @@ def test_resume_on_another_step_size_reads_the_rest_once(elastic_shards, capsys)
     assert "resumed at sample 600 of epoch 0's order on steps of 7 samples, not 12" in capsys.readouterr().err
 
 
-def test_resume_on_another_shape_on_aistore(elastic_shards, ais_endpoint):
-    "The same, reading a bucket (the shard cache, ais://'s default)."
+def _mixed_check(sources, pairs):
+    "A 2:1 mix: each epoch-source sample once, the other source's count exact, every prefix within 1; elastic resume."
+    whole, _ = _steps(_job(sources, (1, 0, 12), weights=dict(zip(sources, (2, 1)))))
+    other = np.cumsum([k[0] == "m" for s in whole for k in s])
+    assert other[-1] == 600 and np.abs(other - np.arange(1, len(other) + 1) / 3).max() <= 1, other[-1]
+    _elastic_check(sources, pairs, (1, 50, 140), weights=dict(zip(sources, (2, 1))))  # 150 steps of 12
+
+
+def test_resume_on_another_shape_on_aistore(elastic_shards, ais_endpoint, tmp_path):
+    """The same, reading a bucket (the shard cache, ais://'s default); then the bucket mixed 2:1 with a folder of
+    fewer samples (read about 7 times each), resumed on other shapes: the uninterrupted run's batches again."""
+    from shardkit.shards.write import write_shards
+    small = tmp_path / "small"
+    write_shards(({"__key__": f"m{i:03d}", "cls": 0} for i in range(90)), small, maxcount=20, progress=False)
     name = f"shardkit-elastic-{uuid.uuid4().hex[:8]}"
     store = open_store(f"ais://{name}", create=True)
     try:
         for p in sorted(elastic_shards.glob("*")): store.put_file(p)
         _elastic_check(f"ais://{name}", [PAIRS[1], PAIRS[4]])
+        _mixed_check({"bucket": f"ais://{name}", "folder": small}, [PAIRS[1], PAIRS[4]])
     finally:
         for n in store.list(): store.delete(n)
 

@@ -6,13 +6,15 @@
 from __future__ import annotations
 from itertools import chain
 from typing import Callable, Iterable, Iterator, Sequence
+import numpy as np
 from ..errors import UsageError
 from ..remote import Retries
 from ..shards.read import url_samples
+from .order import EpochOrder
 from .sources import EpochShards, LoaderError, epoch_shard_order, seed_for
 
 # %% auto 0
-__all__ = ['weighted_turns', 'mixed_sources', 'cycled_samples', 'mix_samples']
+__all__ = ['weighted_turns', 'mixed_sources', 'cycled_samples', 'mix_samples', 'mix_turns', 'MixedOrder']
 
 # %% ../../nbs/26c_mix.ipynb
 def weighted_turns(weights: Sequence[float]) -> Iterator[int]:
@@ -28,7 +30,6 @@ def weighted_turns(weights: Sequence[float]) -> Iterator[int]:
 # %% ../../nbs/26c_mix.ipynb
 def mixed_sources(sources,                          # One source, or a dict {name: source}, the epoch source first
                   weights: dict[str, float] | None,  # Each source's share (None: equal shares)
-                  access: str = "stream",            # create_dataset's `access`
                  ) -> tuple:
     "(the epoch source, {names, weights, sources: the others}) of a dict of sources; one source as it is, None."
     if not isinstance(sources, dict):
@@ -39,7 +40,6 @@ def mixed_sources(sources,                          # One source, or a dict {nam
     weights = dict.fromkeys(names, 1) if weights is None else dict(weights)
     if set(weights) != set(names):
         raise UsageError(f"weights= names {sorted(weights)}, the sources are {names}: give one weight per source")
-    if access != "stream": raise UsageError("a mix of sources is read as streams: use access='stream'")
     return sources[names[0]], dict(names=names, weights=[float(weights[n]) for n in names],
                                    sources=[sources[n] for n in names[1:]])
 
@@ -72,3 +72,59 @@ def mix_samples(src: Iterable[dict],             # The epoch source's samples (t
         if s is None: return  # the epoch source is read to its end (the others never end)
         s["__source__"] = names[i]
         yield s
+
+# %% ../../nbs/26c_mix.ipynb
+def mix_turns(weights: Sequence[float],  # Each source's weight, the epoch source first
+              n: int,                    # Samples of the epoch source: each of them once makes an epoch
+             ) -> tuple[np.ndarray, np.ndarray]:  # Each position's source, and which of that source's samples it is
+    "A mixed epoch's turns: source i's k-th sample at time (k + 1/2) / weight, until the epoch source's last one."
+    if not weights or min(weights) <= 0: raise UsageError(f"weights must be positive, got {list(weights)}")
+    if len(weights) > 255: raise UsageError(f"at most 255 sources can be mixed, got {len(weights)}")
+    if n < 1: raise UsageError("the epoch source (the first) has no samples to make an epoch of")
+    w = np.asarray(weights, np.float64)
+    counts = [n, *(int(np.ceil((n - 0.5) / w[0] * x)) + 1 for x in w[1:])]  # enough of each: cut at the end below
+    src = np.repeat(np.arange(len(w), dtype=np.uint8), counts)
+    k = np.concatenate([np.arange(c, dtype=np.uint32) for c in counts])
+    order = np.lexsort((src, (k + 0.5) / w[src]))  # by time; at a tie, the source named first
+    src, k = src[order], k[order]
+    end = int(np.flatnonzero(src == 0)[-1]) + 1  # the epoch source's last sample ends the epoch
+    return src[:end], k[:end]
+
+# %% ../../nbs/26c_mix.ipynb
+class MixedOrder:
+    "A mixed epoch's order as a function, positions -> sample numbers: each source's own seeded order, by its turns."
+    def __init__(self, starts: Sequence[np.ndarray],  # Each source's `shard_starts`, the epoch source first
+                 turns: tuple[np.ndarray, np.ndarray],  # `mix_turns` of the sources' weights
+                 names: Sequence[str],                 # The sources' names: each seeds its passes' orders
+                 seed: int,                            # Seed of the run
+                 epoch: int,                           # Epoch: each draws its own orders
+                 window: int | None = None,            # Shards per window of each source's order (`EpochOrder`)
+                ):
+        self.starts, (self.src, self.k), self.names = list(starts), turns, list(names)
+        self.seed, self.epoch, self.window, self.n = seed, epoch, window, len(turns[0])
+        self.sizes = [int(s[-1]) for s in self.starts]
+        self.offsets = np.cumsum([0, *self.sizes[:-1]])  # where each source's numbers start in the whole index
+        self.kept = {(0, 0): EpochOrder(self.starts[0], seed, epoch, window)}  # the epoch source alone's order
+    def __len__(self): return self.n
+
+    def _order(self, i: int, p: int) -> EpochOrder:
+        "Source `i`'s order in its pass `p` of this epoch (the epoch source makes one pass)."
+        if (i, p) not in self.kept:
+            if len(self.kept) > 8: del self.kept[next(k for k in self.kept if k != (0, 0))]
+            self.kept[i, p] = EpochOrder(self.starts[i], seed_for(self.seed, "mix", self.names[i], self.epoch), p,
+                                         self.window)
+        return self.kept[i, p]
+
+    def __call__(self, positions) -> np.ndarray:
+        "The sample numbers (into the sources' indexes, one after another) at `positions` of the epoch's order."
+        p = np.asarray(positions, np.int64).ravel()
+        if p.size and (p.min() < 0 or p.max() >= self.n):
+            raise UsageError(f"positions must lie in range({self.n}), got {p.min()} to {p.max()}")
+        src, k, out = self.src[p], self.k[p].astype(np.int64), np.empty(len(p), np.int64)
+        for i in np.unique(src).tolist():
+            m = src == i
+            passes, within = np.divmod(k[m], self.sizes[i])
+            got = np.empty(len(within), np.int64)
+            for q in np.unique(passes).tolist(): got[passes == q] = self._order(i, q)(within[passes == q])
+            out[m] = self.offsets[i] + got
+        return out

@@ -67,7 +67,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
 
 # %% ../../nbs/27a_pipeline.ipynb
 def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
-                   allow_pickle, retry_wait):
+                   allow_pickle, retry_wait, weights):
     "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
     if resampled or epoch_samples:
         raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
@@ -76,7 +76,7 @@ def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_
         transform = train_transform(normalize=normalize)
     return create_random_loader(sources, keys=keys, transform=transform, batch_size=batch_size or 64, num_workers=0,
                                 seed=0 if seed is None else seed, rank=rank, world_size=world_size,
-                                allow_pickle=allow_pickle, retry_wait=retry_wait)
+                                allow_pickle=allow_pickle, retry_wait=retry_wait, weights=weights)
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataset(sources,                      # Shards: a store, a directory, ais://bucket, a brace template or URLs
@@ -103,13 +103,13 @@ def create_dataset(sources,                      # Shards: a store, a directory,
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
     if access == "stream" and epoch_samples and not resampled:
         raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
-    sources, mix = mixed_sources(sources, weights, access)
+    given, (sources, mix) = sources, mixed_sources(sources, weights)
     urls, retries = shard_urls(sources), as_retries(retry_wait)
     keys = data_keys(sources, urls, keys, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
     for other in (mix or {}).get("sources", ()): data_keys(other, shard_urls(other), keys, check=handler == "raise")
     if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
-    if access == "random": return _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples,
-                                                 rank, world_size, normalize, allow_pickle, retry_wait)
+    if access == "random": return _random_loader(given, keys, transform, batch_size, seed, resampled, epoch_samples,
+                                                 rank, world_size, normalize, allow_pickle, retry_wait, weights)
     handler = error_handler(handler)
     if transform is None and any(map(is_image_key, keys)):
         transform = train_transform(normalize=normalize)

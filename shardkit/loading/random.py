@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 from typing import Sequence
+import numpy as np
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..errors import UsageError
@@ -16,6 +17,7 @@ from ..remote import Retries, as_retries
 from ..shards.fields import IMAGE_EXTS, refuse_pickle
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
 from .index import SampleIndex, sample_index
+from .mix import MixedOrder, mix_turns, mixed_sources
 from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
@@ -23,7 +25,7 @@ from .sources import LoaderError, rank_and_world, shard_urls
 from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
 
 # %% auto 0
-__all__ = ['RandomAccessDataset', 'RandomAccessLoader', 'create_random_loader', 'loader_memory']
+__all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'create_random_loader', 'loader_memory']
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -32,6 +34,7 @@ def _seed_context(seed: int, epoch: int):
 
 class RandomAccessDataset(Dataset):
     "Batches by number: `ds[(epoch, ids)]` reads, decodes, augments samples `ids` as streaming would in `epoch`."
+    mix = None  # one source: no mix of several (`MixedDataset`)
     def __init__(self, index: SampleIndex, keys: Sequence[str], transform=None, seed: int = 0,
                  allow_pickle: bool = False, reader=None):
         refuse_pickle(keys, allow_pickle)
@@ -40,8 +43,12 @@ class RandomAccessDataset(Dataset):
         self.reader = reader or (AISReader(index) if index.source.startswith("ais://") else LocalReader())
         self.retries = getattr(self.reader, "retries", None)  # its faults, counted by all workers (local: None)
         self._field = {k: index.fields.index(k.lower()) for k in self.keys if not k.startswith("__")}
+        self.starts = shard_starts(index.shard, len(index.shards))  # per shard: all the epoch's order needs
 
     def __len__(self): return len(self.index)
+    def epoch_order(self, epoch: int, window: int | None = None) -> EpochOrder:
+        "Epoch `epoch`'s order of this data set's samples (`EpochOrder`)."
+        return EpochOrder(self.starts, self.seed, epoch, window)
 
     def samples(self, ids) -> list[dict]:
         "Raw samples `ids` (bytes per field, `__key__`, `__url__`), as WebDataset would yield them."
@@ -57,6 +64,37 @@ class RandomAccessDataset(Dataset):
                         for s in self.samples(list(ids))])
 
 # %% ../../nbs/27_random.ipynb
+class MixedDataset(Dataset):
+    "Sources' `RandomAccessDataset`s read as one by number, weighted in its epoch order; `__source__` names each's."
+    def __init__(self, parts: dict[str, RandomAccessDataset],  # {name: its data set}, the epoch source first
+                 weights: Sequence[float]):                    # Each one's weight, in that order
+        self.names, self.parts, self.weights = list(parts), list(parts.values()), [float(w) for w in weights]
+        first = self.parts[0]
+        self.keys, self.transform, self.seed, self.allow_pickle = first.keys, first.transform, first.seed, \
+            first.allow_pickle
+        self.retries = first.retries  # one count for all: create_random_loader gives every reader the same
+        self.turns = mix_turns(self.weights, len(first))
+        self.offsets = np.cumsum([0, *(len(p) for p in self.parts)])
+        self.mix = dict(zip(self.names, self.weights))
+
+    def __len__(self): return len(self.turns[0])
+    def epoch_order(self, epoch: int, window: int | None = None) -> MixedOrder:
+        "Epoch `epoch`'s order: each source's own, in weighted turns (`MixedOrder`)."
+        return MixedOrder([p.starts for p in self.parts], self.turns, self.names, self.seed, epoch, window)
+
+    def samples(self, ids) -> list[dict]:
+        "Raw samples `ids` (numbers into the sources, one after another), each with `__source__`."
+        ids = np.asarray(ids, np.int64)
+        part, out = np.searchsorted(self.offsets, ids, side="right") - 1, [None] * len(ids)
+        for i in np.unique(part).tolist():
+            at = np.flatnonzero(part == i)
+            for j, s in zip(at.tolist(), self.parts[i].samples((ids[at] - self.offsets[i]).tolist())):
+                s["__source__"], out[j] = self.names[i], s
+        return out
+
+    __getitem__ = RandomAccessDataset.__getitem__  # decodes and augments as one source's
+
+# %% ../../nbs/27_random.ipynb
 class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable (`state_dict`), equal per rank."
     def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2,
@@ -68,7 +106,6 @@ class RandomAccessLoader:
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)
         self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
         self.start = 0  # where this epoch's batches start in its order: not 0 after a resume on another step size
-        self.starts = shard_starts(dataset.index.shard, len(dataset.index.shards))  # per shard: all the order needs
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property
@@ -79,7 +116,7 @@ class RandomAccessLoader:
         key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window,
                start)
         if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
-            order = EpochOrder(self.starts, self.seed, epoch, self.window)
+            order = self.dataset.epoch_order(epoch, self.window)
             self._cut = (key, EpochBatches(order, self.batch_size, self.rank, self.world_size, self.pad,
                                            self.drop_last, start))
         return self._cut[1]
@@ -118,7 +155,7 @@ def __iter__(self: RandomAccessLoader):
         print(report, file=sys.stderr, flush=True)
 
 # %% ../../nbs/27_random.ipynb
-_MUST_MATCH = ("seed", "samples", "window")  # what the epoch's order depends on; the shape may change
+_MUST_MATCH = ("seed", "samples", "window", "mix")  # what the epoch's order depends on; the shape may change
 
 def _step(s: dict) -> int:
     "Samples a step of the whole job takes from the order, for a state's (or loader's) shape."
@@ -131,7 +168,7 @@ def state_dict(self: RandomAccessLoader) -> dict:
                 drop_last=self.drop_last)
     position = min(self.start + self.batch * _step(mine), len(self.dataset))  # samples every rank took, together
     return dict(epoch=self.epoch, batch=self.batch, position=position, seed=self.seed, samples=len(self.dataset),
-                window=self.window, **mine)
+                window=self.window, mix=self.dataset.mix, **mine)
 
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
@@ -150,28 +187,45 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # saved at the epoch's end
 
 # %% ../../nbs/27_random.ipynb
+def _source_dataset(source, keys, transform, seed, allow_pickle, cache, read, shard_cache, retries) -> tuple:
+    "(`RandomAccessDataset` of one source, the shards a window may span: None for any)."
+    index = sample_index(source, keys, cache, retries=retries)
+    reader, fits = shard_reader(index, read, shard_cache, retries)
+    return RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader), fits
+
+def _window(window, fits: int | None, shards: int) -> int | None:
+    "The window asked for (`auto`: what the shard cache holds), refused if it spans more shards than the cache holds."
+    if window == "auto": return fits
+    if fits is not None and fits < shards and (window is None or window > fits):
+        raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
+                         f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
+    return window
+
+# %% ../../nbs/27_random.ipynb
 def create_random_loader(source, keys: Sequence[str] | None = None, transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
                          cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
                          window: int | None | str = "auto", retry_wait: float | Retries = 120,
+                         weights: dict[str, float] | None = None,
                          **kw) -> RandomAccessLoader:
     "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
+    first, mix = mixed_sources(source, weights)  # a dict of sources: mixed by `weights`, the first makes the epoch
     retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
     if keys is not None: refuse_pickle(keys, allow_pickle)  # before any shard is opened
-    keys = data_keys(source, shard_urls(source), keys, retries=retries, allow_pickle=allow_pickle)  # None: all fields
+    keys = data_keys(first, shard_urls(first), keys, retries=retries, allow_pickle=allow_pickle)  # None: all fields
     refuse_pickle(keys, allow_pickle)
     if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
         transform = train_transform()
     # builds the window decoder here, not in every worker
     if isinstance(transform, TrainTransform): transform.takes_encoded()
-    index = sample_index(source, keys, cache, retries=retries)
-    reader, fits = shard_reader(index, read, shard_cache, retries)  # fits: the shards a window may span (None: any)
-    if window == "auto": window = fits
-    elif fits is not None and fits < len(index.shards) and (window is None or window > fits):
-        raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
-                         f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
-    ds = RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader)
+    sources = dict(zip(mix["names"], [first, *mix["sources"]])) if mix else {"": first}
+    for other in list(sources.values())[1:]: data_keys(other, shard_urls(other), keys)  # each has the fields
+    made = {name: _source_dataset(src, keys, transform, seed, allow_pickle, cache, read, shard_cache, retries)
+            for name, src in sources.items()}
+    windows = {_window(window, fits, len(ds.index.shards)) for ds, fits in made.values()}
+    window = min(windows, key=lambda w: float("inf") if w is None else w)  # the smallest a cache allows
+    ds = MixedDataset({n: d for n, (d, _) in made.items()}, mix["weights"]) if mix else made[""][0]
     return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, window, **kw)
 
 # %% ../../nbs/27_random.ipynb
