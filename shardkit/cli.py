@@ -59,6 +59,8 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "Benchmark the Dask ETL engine against the local one"),
     ("bench", "random"):   ("shardkit.bench.random:bench_random_cli",
                             "Benchmark the random-access loader (local or ais://; --shard-index)"),
+    ("bench", "mix"):      ("shardkit.bench.mix:bench_mix_cli",
+                            "Benchmark a mix of two sources against the same shards as one (stream, random)"),
     ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",
                             "Benchmark shardkit's loaders against their peers on the same work"),
     ("bench", "train"):    ("shardkit.bench.train:bench_train_cli",

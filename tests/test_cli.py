@@ -14,8 +14,8 @@ SHARDKIT_COMMANDS = {
     ("demo",), ("ais", "up"), ("ais", "down"), ("ais", "status"), ("ais", "build"), ("ais", "put"),
     ("pets", "synth"), ("pets", "download"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
     ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
-    ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "loader"),
-    ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),
+    ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "mix"),
+    ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),
 }
 
 

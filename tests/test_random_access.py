@@ -305,6 +305,17 @@ def test_bench_cli_is_a_thin_layer(shards, capsys):
     assert "--shard-index is for ais:// buckets" in capsys.readouterr().err
 
 
+def test_bench_mix_cli_prints_the_ratios(elastic_shards, capsys):
+    "`shardkit bench mix`: the four contenders, each mix against one source, and the verdict line."
+    from shardkit.bench.mix import bench_mix_cli
+    bench_mix_cli(str(elastic_shards), repeats=1, batch_size=50, workers=1, no_decode=True)
+    out = capsys.readouterr().out
+    for row in ("stream, one source", "stream, mix of 2", "random access, one source", "random access, mix of 2"):
+        assert row in out, out
+    assert "label and key only" in out and "CPU per sample at most (goal: within +5%)" in out, out
+    assert out.count("x ") >= 2 and " 1200 " in out, out
+
+
 def test_missing_field_is_named(shards):
     with pytest.raises(RandomAccessError, match=r"has no \['depth.png'\]"):
         sample_index(shards, ("cls", "depth.png"))
