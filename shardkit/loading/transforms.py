@@ -255,6 +255,7 @@ def data_keys(sources,                        # What create_dataset was given: a
               allow_pickle: bool = False,     # Include pickled fields when choosing
              ) -> tuple[str, ...]:
     "`keys`, checked against the shards' manifest; or, given None, every sample's fields, said in one printed line."
+    if keys is not None and not check: return tuple(keys)  # nothing to check: no manifest read
     store = _store_of(sources)
     known = manifest_fields(store, store.list("*.tar")) if store is not None else None
     if keys is not None:
