@@ -13,7 +13,9 @@ cells. Its light run is a subset of that, so when both are selected (the whole s
 
 The tutorials run in full twice, because each runs all of its steps on one backend or the other: on AIStore here,
 and on the embedded default in stock Jupyter (tests/test_jupyter.py). Each runs from a copy in a temporary folder,
-so the two never share a `data/` folder.
+so the two never share a `data/` folder. A tutorial cell flagged `#| no_store` reads no store (it trains from the
+ImageFolder tree, or times local files): it does the same on either backend, so the AIStore run skips it and the
+stock-Jupyter run proves it. `test_no_store_cells_read_no_store` holds them to that.
 
 Every run is test-sized with `SHARDKIT_QUICK=1`: the notebooks that do heavy work read it in their first cells and
 use fewer images, epochs or rounds (a reader gets the full size); every step and every check still runs."""
@@ -44,10 +46,10 @@ FLAGS = {p: cell_flags(p) for p in NBS}
 FULL = [p for p in LIBRARY if FLAGS[p]]
 
 
-def run_notebook(nb: Path, env: dict, force: tuple[str, ...] = ()) -> None:
+def run_notebook(nb: Path, env: dict, force: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
     """Run `nb` the nbdev way in a fresh process (forked warm: tests/notebook_runner.py), test-sized: flagged cells
-    skipped unless their flag is in `force`."""
-    rc, out = run_notebook_process(nb, {**env, "SHARDKIT_QUICK": "1"}, force=force)
+    skipped unless their flag is in `force`; cells flagged with one in `skip` skipped too."""
+    rc, out = run_notebook_process(nb, {**env, "SHARDKIT_QUICK": "1"}, skip=("slow", "ais", *skip), force=force)
     assert rc == 0, f"{nb.name} failed (exit status {rc}):\n{out[-12000:]}"
 
 
@@ -95,7 +97,31 @@ def test_tutorial_on_aistore(nb, ais_endpoint, tmp_path):
     """The tutorial's every step on AIStore, from a copy in a folder of its own (its data/ goes there too). Its local
     run, and the one run of a tutorial with only a few `#| ais` cells, are tests/test_jupyter.py's (stock Jupyter)."""
     shutil.copy(nb, tmp_path / nb.name)
-    run_notebook(tmp_path / nb.name, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"))
+    run_notebook(tmp_path / nb.name, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"), ("no_store",))
+
+
+STORE_NAMES = re.compile(r"\b(AIS|ON_AIS|DEST|SOURCE|store|shards|open_store|BUCKET|SHARDS)\b|ais://")
+
+
+def test_no_store_cells_read_no_store():
+    """A `#| no_store` cell (skipped on AIStore) names none of the variables a tutorial keeps its store in, and nothing
+    a later cell needs comes only from it unless that cell is `no_store` too: the AIStore run would fail or, worse,
+    skip a step that reads the store."""
+    flagged = {}
+    for nb in TUTORIALS:
+        cells = ["".join(c["source"]) for c in json.loads(nb.read_text(encoding="utf-8"))["cells"]
+                 if c["cell_type"] == "code"]
+        for i, s in enumerate(cells):
+            if not re.search(r"^#\|\s*no_store\s*$", s, re.M): continue
+            flagged.setdefault(_id(nb), []).append(i)
+            code = re.sub(r"(?s)\"[^\"\n]*\"|'[^'\n]*'", "", s)  # names, not words in strings ("--shards")
+            assert not STORE_NAMES.search(code), f"{_id(nb)} code cell {i} is `no_store` but names a store: {s[:300]}"
+            made = set(re.findall(r"^(\w+)\s*=", s, re.M)) | set(re.findall(r"^def (\w+)", s, re.M))
+            for j, later in enumerate(cells[i + 1:], i + 1):
+                if re.search(r"^#\|\s*no_store\s*$", later, re.M): continue
+                used = {m for m in made if re.search(rf"\b{m}\b", later)}
+                assert not used, f"{_id(nb)} code cell {j} uses {used} from `no_store` cell {i}: flag it too"
+    assert flagged.get("tutorials/05_imagenet_training.ipynb"), flagged
 
 
 def test_flags_are_explicit():
