@@ -75,64 +75,66 @@ def _explain(e: Exception) -> str:
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
 
 # %% ../nbs/30b_train_script.ipynb
-def _shard_loaders(shards, base, val_shards, batch_size, workers, samples, classes, seed, rank, world, size=64,
+def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size=64,
                    pipeline="shardkit", decode="cpu", dev=None):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
     random = pipeline == "shardkit" and decode == "cpu" and not any(u.startswith("pipe:") for u in urls)
-    if not random and len(urls) < world:
-        raise TrainError(f"{len(urls)} shards cannot feed {world} ranks: split_by_node gives each rank whole shards; "
-                         "write more, smaller shards (a smaller --maxsize) or use fewer ranks")
-    if classes is None or (not random and world > 1 and samples is None):
+    if not random and len(urls) < world_size:
+        raise TrainError(f"{len(urls)} shards cannot feed {world_size} ranks: split_by_node gives each rank whole "
+                         "shards; write more, smaller shards (a smaller --maxsize) or use fewer ranks")
+    if classes is None or (not random and world_size > 1 and samples is None):
         n, c = count_samples_and_classes(urls)
         samples, classes = samples or n, classes or c
         log_rank0(rank, f"counted {n} samples of {c} classes in {len(urls)} shards "
                    "(pass --samples and --classes to skip this pass)")
-    if not random and world > 1 and samples < world * batch_size:
-        raise TrainError(f"{samples} samples are fewer than one batch per rank ({world} x {batch_size}); "
+    if not random and world_size > 1 and samples < world_size * batch_size:
+        raise TrainError(f"{samples} samples are fewer than one batch per rank ({world_size} x {batch_size}); "
                          "lower --batch-size")
-    nbatches = samples // (world * batch_size) if world > 1 and not random else None
-    val_loader = _val_loader(val_urls, size, batch_size, workers, rank, world, dev) if val_urls else None
-    if random: return _random_train_loader(urls, size, batch_size, workers, seed, dev, rank, world), val_loader, \
-        classes, None
+    nbatches = samples // (world_size * batch_size) if world_size > 1 and not random else None
+    val_loader = _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev) if val_urls else None
+    if random:
+        return _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size), val_loader, \
+            classes, None
     if pipeline == "example":
         tf, val_tf = make_transform(size, True), make_transform(size, False)
-        make_train = lambda epoch: example_loader(urls, tf, batch_size, workers, nbatches, seed=seed + epoch)
-        val_loader = example_loader(val_urls, val_tf, batch_size, workers, shuffle=0) if val_urls else None
+        make_train = lambda epoch: example_loader(urls, tf, batch_size, num_workers, nbatches, seed=seed + epoch)
+        val_loader = example_loader(val_urls, val_tf, batch_size, num_workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
-    mine = rank_shards(urls, rank, world)  # this rank's shards, as split_by_node deals them: the ranks share no sample
+    mine = rank_shards(urls, rank, world_size)  # this rank's shards, as split_by_node deals them: no sample shared
     make = _gpu_train_loader if decode == "gpu" else _cpu_train_loader
-    return make(mine, size, batch_size, min(workers, len(mine)), nbatches, seed, dev), val_loader, classes, nbatches
+    return make(mine, size, batch_size, min(num_workers, len(mine)), nbatches, seed, dev), val_loader, classes, nbatches
 
 # %% ../nbs/30b_train_script.ipynb
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
 
-def _cpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
+def _cpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
     "(epoch -> shardkit's loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
     ds = create_dataset(mine, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=0, world_size=1,  # `mine` is this rank's share already
                         resampled=nbatches is not None, epoch_samples=nbatches * batch_size if nbatches else None)
-    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size,
+    loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader = loader
     return at
 
-def _random_train_loader(urls, size, batch_size, workers, seed, dev, rank, world):
+def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=rank, world_size=world, access="random")
-    loader = create_dataloader(ds, num_workers=workers, batch_size=batch_size,
+                        seed=seed, rank=rank, world_size=world_size, access="random")
+    loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader, at.any_rank = loader, True  # its state is a place in the epoch's order: any rank's resumes any shape
     return at
 
 # %% ../nbs/30b_train_script.ipynb
-def _gpu_train_loader(mine, size, batch_size, workers, nbatches, seed, dev):
+def _gpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
     "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP `nbatches` an epoch."
-    loader = create_gpu_loader(mine, keys=_FIELDS, batch_size=batch_size, num_workers=workers, seed=seed, device=dev,
+    loader = create_gpu_loader(mine, keys=_FIELDS, batch_size=batch_size, num_workers=num_workers, seed=seed,
+                               device=dev,
                                size=size, scale=(0.5, 1.0), rank=0, world_size=1)
     if nbatches:  # equal steps on every rank: a rank whose shards run out first starts them again
         stream = _passes(loader)
@@ -150,24 +152,25 @@ def _passes(loader):
         if n == 0: raise TrainError("this rank's shards gave no batch: check that they hold the fields jpg and cls")
 
 # %% ../nbs/30b_train_script.ipynb
-def _val_loader(val_urls, size, batch_size, workers, rank, world, dev):
+def _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
     ds = create_dataset(val_urls, keys=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
-                        batch_size=batch_size, seed=0, rank=rank, world_size=world)
+                        batch_size=batch_size, seed=0, rank=rank, world_size=world_size)
     with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
         warnings.filterwarnings("ignore", message=".*get no shard and stay idle")
-        return create_dataloader(ds, num_workers=min(workers, max(len(rank_shards(val_urls, rank, world)), 1)),
+        return create_dataloader(ds, num_workers=min(num_workers, max(len(rank_shards(val_urls, rank, world_size)), 1)),
                                  batch_size=batch_size, device=dev if dev.type == "cuda" else None)
 
 # %% ../nbs/30b_train_script.ipynb
-def _folder_loaders(folder, train_tf, val_tf, batch_size, workers, classes):
+def _folder_loaders(folder, train_tf, val_tf, batch_size, num_workers, classes):
     "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
     root = Path(folder)
     if not (root / "train").is_dir():
         raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
     classes = classes or len(ImageFolder(str(root / "train")).classes)
-    make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, workers, True, epoch)
-    val_loader = folder_loader(root / "val", val_tf, batch_size, workers, False) if (root / "val").is_dir() else None
+    make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, num_workers, True, epoch)
+    val = root / "val"
+    val_loader = folder_loader(val, val_tf, batch_size, num_workers, False) if val.is_dir() else None
     return make_train, val_loader, classes, None
 
 # %% ../nbs/30b_train_script.ipynb
@@ -179,7 +182,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
           arch: str = "small",           # `small` CNN or a torchvision model name (resnet18, resnet50, ...)
           size: int = 64,                # image size the model sees
           batch_size: int = 32,          # per rank
-          workers: int = 2,              # DataLoader workers per rank
+          num_workers: int = 2,              # DataLoader workers per rank
           lr: float = 0.05,
           max_steps: int | None = None,  # stop after this many steps per rank
           samples: int | None = None,    # training samples (default: counted from the shards)
@@ -197,7 +200,7 @@ def train(shards: str | list[str] | None = None, # training shards: brace templa
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
     if (shards is None) == (folder is None): raise TrainError("give either shards or folder (exactly one)")
     dev = _pick_device(device)
-    rank, world = setup_distributed(dev)
+    rank, world_size = setup_distributed(dev)
     try: return _train(**locals())  # every argument, and the device, rank and world size just set up
     except (OSError, tarfile.TarError, ShardError) as e: raise TrainError(_explain(e)) from None
     finally:
@@ -220,14 +223,15 @@ def _check_options(pipeline: str, decode: str, checkpoint, dev: torch.device) ->
     return decode
 
 # %% ../nbs/30b_train_script.ipynb
-def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world: int, ck, any_rank=False) -> tuple:
+def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world_size: int, ck,
+                         any_rank=False) -> tuple:
     "(model, the module to train: DDP's wrapper with several ranks, SGD, the checkpoint or None): weights as saved."
     torch.manual_seed(seed)
     fmt = torch.channels_last if dev.type == "cuda" else torch.preserve_format  # what tensor-core convolutions want
     model = make_model(arch, classes).to(dev, memory_format=fmt)
-    saved = load_checkpoint(ck, model, dev, 1 if any_rank else world)  # any rank's: no check that all ranks agree
+    saved = load_checkpoint(ck, model, dev, 1 if any_rank else world_size)  # any rank's: no check that all ranks agree
     ids = [dev.index] if dev.type == "cuda" else None
-    net = nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
+    net = nn.parallel.DistributedDataParallel(model, device_ids=ids) if world_size > 1 else model
     return model, net, OPTIMIZERS["sgd"](net.parameters(), lr), saved
 
 # %% ../nbs/30b_train_script.ipynb
@@ -238,30 +242,31 @@ def _reading(shards, pipeline: str, decode: str, dev) -> str:
     return how + (f" ({n} thread{'s' * (n != 1)} per rank)" if dev.type == "cpu" else "")
 
 # %% ../nbs/30b_train_script.ipynb
-def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps, samples, classes,
-           keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision,
-           dev, rank, world) -> list[dict]:
+def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
+           classes, keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision,
+           dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
-    if dev.type == "cpu": torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world * (1 + workers))))
+    if dev.type == "cpu":
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world_size * (1 + num_workers))))
     else: torch.backends.cudnn.benchmark = True  # the input size is fixed: let cuDNN pick its fastest convolutions once
     decode, precision = _check_options(pipeline, decode, checkpoint, dev), pick_precision(precision, dev)
     if shards is not None:
         make_train, val_loader, classes, nbatches = _shard_loaders(
-            shards, base, val_shards, batch_size, workers, samples, classes, seed, rank, world, size, pipeline, decode,
-            dev)
+            shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size, pipeline,
+            decode, dev)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
-            folder, make_transform(size, True), make_transform(size, False), batch_size, workers, classes)
-    ck = rank_checkpoint(checkpoint, rank, world) if checkpoint else None  # where this rank saves
+            folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers, classes)
+    ck = rank_checkpoint(checkpoint, rank, world_size) if checkpoint else None  # where this rank saves
     any_rank = getattr(make_train, "any_rank", False)  # then every rank goes on from the latest, whatever its shape
-    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world,
+    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world_size,
                                                   latest_checkpoint(checkpoint) if ck and any_rank else ck, any_rank)
     step = training_step(net, opt, dev, precision)
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
-               f"{world} rank{'s' * (world != 1)}, "
-               f"batch {batch_size} per rank, {workers} workers per rank, device {dev}, {precision}"
+               f"{world_size} rank{'s' * (world_size != 1)}, "
+               f"batch {batch_size} per rank, {num_workers} workers per rank, device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
     return run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
-                       world, keys_out, val_loader)[0]
+                       world_size, keys_out, val_loader)[0]
 
 # %% ../nbs/30b_train_script.ipynb
 def train_cli(shards: str = None,     # Training shards: a directory, ais://bucket, a brace template or URLs

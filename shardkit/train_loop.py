@@ -31,7 +31,7 @@ def _keys_of(batch) -> list | None:
     return next((x for x in batch if isinstance(x, (list, tuple)) and x and isinstance(x[0], str)), None)
 
 # %% ../nbs/30a_train_loop.ipynb
-def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, max_steps=None,
+def _train_epoch(step, loader, dev, rank, world_size, desc, keys_file=None, steps=0, max_steps=None,
                  limit=None, after_step=None, stats=None, losses: list | None = None, progress: bool = True
                 ) -> tuple[torch.Tensor, int, float]:
     "One pass of the loop: (samples, loss sum, batches, over the ranks; steps so far; seconds in next(loader))."
@@ -56,9 +56,9 @@ def _train_epoch(step, loader, dev, rank, world, desc, keys_file=None, steps=0, 
         if max_steps and steps >= max_steps: break
     bar.close()
     total = torch.cat([with_loss(), torch.tensor([waited], dtype=torch.float64)])
-    if world > 1:  # on the device: nccl reduces CUDA tensors only
+    if world_size > 1:  # on the device: nccl reduces CUDA tensors only
         total = total.to(dev); dist.all_reduce(total); total = total.cpu()
-    return total[:3], steps, float(total[3]) / world
+    return total[:3], steps, float(total[3]) / world_size
 
 # %% ../nbs/30a_train_loop.ipynb
 def _epoch_row(epoch, stats, secs, waited, correct, total, steps) -> dict:
@@ -86,10 +86,10 @@ def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
     os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
 
 # %% ../nbs/30a_train_loop.ipynb
-def rank_checkpoint(path, rank: int, world: int) -> Path:
+def rank_checkpoint(path, rank: int, world_size: int) -> Path:
     "This rank's checkpoint: `path` with one rank; under DDP each rank's own (`ck-rank1.pt`), for its loader position."
     p = Path(path)
-    return p if world == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
+    return p if world_size == 1 else p.with_name(f"{p.stem}-rank{rank}{p.suffix}")
 
 # %% ../nbs/30a_train_loop.ipynb
 def latest_checkpoint(path) -> Path | None:
@@ -107,7 +107,7 @@ def _flushed(f) -> int:
     return f.tell()
 
 # %% ../nbs/30a_train_loop.ipynb
-def load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict | None:
+def load_checkpoint(ck: Path | None, model: nn.Module, dev, world_size: int) -> dict | None:
     "The training state saved at `ck` (weights loaded into `model`), or None for a fresh start; all ranks at one step."
     # tensors and plain data only (weights_only): nothing in the file runs
     saved = torch.load(ck, map_location=dev, weights_only=True) if ck and ck.exists() else None
@@ -116,7 +116,7 @@ def load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict 
         raise TrainError(f"checkpoint {shown_path(ck)} was written by an older train_epochs (format 1: no step count), "
                          "which cannot say where in the epoch it stopped; delete it to start afresh, or give another "
                          "checkpoint path")
-    if world > 1:  # a kill between two ranks' saves leaves them at different steps: the gradients would mismatch
+    if world_size > 1:  # a kill between two ranks' saves leaves them at different steps: the gradients would mismatch
         at = (torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])).to(dev)
         dist.all_reduce(at, op=dist.ReduceOp.MAX)  # on the device: nccl reduces CUDA tensors only
         at = at.cpu()
@@ -134,7 +134,7 @@ def load_checkpoint(ck: Path | None, model: nn.Module, dev, world: int) -> dict 
     return saved
 
 # %% ../nbs/30a_train_loop.ipynb
-def _resume(saved: dict | None, opt, make_train, rank: int, ck, world: int = 1) -> tuple:
+def _resume(saved: dict | None, opt, make_train, rank: int, ck, world_size: int = 1) -> tuple:
     "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
     if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
     opt.load_state_dict(saved["opt"])
@@ -149,39 +149,40 @@ def _resume(saved: dict | None, opt, make_train, rank: int, ck, world: int = 1) 
                f"after {saved['done']} of its steps ({saved['steps']} steps in all)")
     stats = saved["stats"].cpu()  # torch.load put it on the device
     shape = saved.get("rank", 0), saved.get("world", 1)
-    if shape != (rank, world): stats = stats * shape[1] / world  # a rank's counts of its epoch: its share of the job's
+    if shape != (rank, world_size): stats = stats * shape[1] / world_size  # a rank's counts: its share of the job's
     return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
 
 # %% ../nbs/30a_train_loop.ipynb
-def _keys_file(keys_out, rank: int, saved: dict | None, world: int = 1):
+def _keys_file(keys_out, rank: int, saved: dict | None, world_size: int = 1):
     "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to its own checkpoint's."
     if not keys_out: return open(os.devnull, "w")
     Path(keys_out).mkdir(parents=True, exist_ok=True)
     path = Path(keys_out) / f"keys-rank{rank}.txt"
-    own = saved and (saved.get("rank", 0), saved.get("world", 1)) == (rank, world) and path.exists()
+    own = saved and (saved.get("rank", 0), saved.get("world", 1)) == (rank, world_size) and path.exists()
     if own: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
     return open(path, "a" if saved else "w")  # another shape's checkpoint: this rank's keys go on after its own
 
 # %% ../nbs/30a_train_loop.ipynb
 def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: int, dev, saved: dict | None,
-                ck: Path | None = None, every: int = 50, max_steps=None, nbatches=None, rank: int = 0, world: int = 1,
-                keys_out=None, val_loader=None, log: bool = True, progress: bool = True, record: bool = False,
+                ck: Path | None = None, every: int = 50, max_steps=None, nbatches=None, rank: int = 0,
+                world_size: int = 1, keys_out=None, val_loader=None, log: bool = True, progress: bool = True,
+                record: bool = False,
                ) -> tuple[list[dict], list[float]]:
     "The epochs of a run, from a checkpoint or afresh: (a row per epoch, each step's loss when `record`)."
-    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck, world)
+    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck, world_size)
     losses = list(saved.get("losses") or []) if saved and record else []
-    with _keys_file(keys_out, rank, saved, world) as keys_file:
+    with _keys_file(keys_out, rank, saved, world_size) as keys_file:
         for epoch in range(start, epochs):
             net.train()
             t0, loader, new = time.time(), make_train(epoch), []
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
                 ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank,
-                world=world,
+                world=world_size,  # the checkpoint's key, as written before (read back by _resume, _keys_file)
                 keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
             save = None if not (ck and hasattr(loader, "state_dict")) else \
                 lambda s, st, last: (last or s % every == 0) and at(s, st)
-            stats, steps, waited = _train_epoch(step, loader, dev, rank, world, f"epoch {epoch + 1}",
+            stats, steps, waited = _train_epoch(step, loader, dev, rank, world_size, f"epoch {epoch + 1}",
                                                 keys_file if keys_out else None, steps, max_steps,
                                                 nbatches - done if nbatches else None, save, so_far,
                                                 new if record else None, progress)
@@ -192,7 +193,7 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             if log: log_rank0(rank, _epoch_line(row, epochs))
             if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
             if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
-                                    rank=rank, world=world,
+                                    rank=rank, world=world_size,
                                     stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file),
                                     losses=losses)
     return history, losses

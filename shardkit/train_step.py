@@ -63,31 +63,31 @@ def make_transform(size: int, train: bool):
     return transforms.Compose(ops + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 # %% ../nbs/30_train.ipynb
-def rank_shards(urls: list[str], rank: int = 0, world: int = 1) -> list[str]:
+def rank_shards(urls: list[str], rank: int = 0, world_size: int = 1) -> list[str]:
     "The shards `wds.split_by_node` gives to `rank` of `world`: every world-th shard, starting at `rank`."
-    return list(islice(urls, rank, None, world))
+    return list(islice(urls, rank, None, world_size))
 
 # %% ../nbs/30_train.ipynb
 def example_loader(urls: list[str],             # Shard URLs (all of them: the loader picks this rank's share)
                    transform,                   # PIL image -> tensor
                    batch_size: int = 32,        # Samples per batch
-                   workers: int = 2,            # DataLoader workers (lowered to the number of shards this rank owns)
+                   num_workers: int = 2,        # DataLoader workers (lowered to the number of shards this rank owns)
                    nbatches: int | None = None, # Batches per epoch (needed with several ranks); None: one pass
                    shuffle: int = 1000,         # Sample shuffle buffer; 0 keeps shard order (validation)
                    seed: int = 0,               # Shard-shuffle seed (pass a new one each epoch)
                   ) -> wds.WebLoader:           # (images, labels, keys) batches
     "The WebDataset example's loader (`--pipeline example`): PIL decoding, float32 images made in the workers."
-    rank, world = rank_and_world()
-    mine = len(rank_shards(urls, rank, world))
+    rank, world_size = rank_and_world()
+    mine = len(rank_shards(urls, rank, world_size))
     if mine == 0 and nbatches:
-        raise TrainError(f"rank {rank} of {world} gets no shard: {len(urls)} shards cannot feed {world} ranks; "
-                         "write more, smaller shards (a smaller --maxsize) or use fewer ranks")
+        raise TrainError(f"rank {rank} of {world_size} gets no shard: {len(urls)} shards cannot feed {world_size} "
+                         "ranks; write more, smaller shards (a smaller --maxsize) or use fewer ranks")
     ds = (wds.WebDataset(urls, nodesplitter=wds.split_by_node, shardshuffle=len(urls) if shuffle else False,
                          seed=seed, empty_check=False)
           .shuffle(shuffle).map(field_decoder("pil")).to_tuple("jpg;jpeg;png", "cls", "__key__")
           .map_tuple(transform, int, str)
           .batched(batch_size, partial=True))
-    loader = wds.WebLoader(ds, batch_size=None, num_workers=min(workers, mine))
+    loader = wds.WebLoader(ds, batch_size=None, num_workers=min(num_workers, mine))
     loader = loader.unbatched().shuffle(shuffle).batched(batch_size)
     return loader.with_epoch(nbatches) if nbatches else loader
 
@@ -103,17 +103,18 @@ class KeyedImageFolder(ImageFolder):
         x, y = super().__getitem__(i)
         return x, y, str(Path(self.samples[i][0]).relative_to(self.root).with_suffix(""))
 
-def folder_loader(root: str | Path, transform, batch_size: int = 32, workers: int = 2, train: bool = True,
+def folder_loader(root: str | Path, transform, batch_size: int = 32, num_workers: int = 2, train: bool = True,
                   epoch: int = 0):
     "A DataLoader yielding (images, labels, keys) from an ImageFolder tree, split across ranks."
     ds = KeyedImageFolder(str(root), transform=transform)
-    rank, world = rank_and_world()
+    rank, world_size = rank_and_world()
     if train:
-        sampler = torch.utils.data.DistributedSampler(ds, world, rank, shuffle=True, seed=0, drop_last=True)
+        sampler = torch.utils.data.DistributedSampler(ds, world_size, rank, shuffle=True, seed=0, drop_last=True)
         sampler.set_epoch(epoch)
-        return torch.utils.data.DataLoader(ds, batch_size, sampler=sampler, num_workers=workers, drop_last=world > 1)
-    mine = torch.utils.data.Subset(ds, range(rank, len(ds), world))
-    return torch.utils.data.DataLoader(mine, batch_size, num_workers=workers)
+        return torch.utils.data.DataLoader(ds, batch_size, sampler=sampler, num_workers=num_workers,
+                                           drop_last=world_size > 1)
+    mine = torch.utils.data.Subset(ds, range(rank, len(ds), world_size))
+    return torch.utils.data.DataLoader(mine, batch_size, num_workers=num_workers)
 
 # %% ../nbs/30_train.ipynb
 def small_cnn(num_classes: int = 37, width: int = 32) -> nn.Module:

@@ -175,7 +175,7 @@ def test_train_from_aistore(tmp_path, ais_endpoint):
     try:
         urls = store.urls("t-{00..01}.tar")
         assert all(u.startswith("http") for u in urls)
-        hist = train(urls, val_shards=urls[:1], size=32, batch_size=5, workers=1)
+        hist = train(urls, val_shards=urls[:1], size=32, batch_size=5, num_workers=1)
         assert (hist[0]["samples"], hist[0]["val_samples"]) == (20, 10)
     finally:
         for n in store.list(): store.delete(n)
@@ -194,7 +194,7 @@ def test_train_on_cuda(tmp_path, how):
     from shardkit.train import train
     shards = write_shards(tmp_path / "shards", [12, 12])
     val = write_shards(tmp_path / "shards", [6], prefix="v-")
-    hist = train(shards, val_shards=val, size=32, batch_size=8, workers=1, device="cuda", epochs=2, **how)
+    hist = train(shards, val_shards=val, size=32, batch_size=8, num_workers=1, device="cuda", epochs=2, **how)
     assert [h["samples"] for h in hist] == [24, 24] and hist[-1]["val_samples"] == 6, hist
     assert all(0 <= h["wait_share"] <= 1 and h["loss"] == h["loss"] for h in hist), hist  # no NaN loss
 

@@ -41,7 +41,7 @@ def _script(spec: dict) -> dict:
     "One epoch of `train` (shardkit train) with `spec['pipeline']`, its own report's samples/s and wait share."
     from shardkit.train import train
     c0 = cpu_seconds(descendants=True)
-    row = train(spec["urls"], size=spec["size"], batch_size=spec["batch_size"], workers=spec["workers"],
+    row = train(spec["urls"], size=spec["size"], batch_size=spec["batch_size"], num_workers=spec["workers"],
                 arch=spec["arch"], classes=spec["classes"], device="cpu", pipeline=spec["pipeline"])[0]
     cpu = cpu_seconds(descendants=True) - c0
     return dict(samples=row["samples"], rate=row["samples_per_s"], cpu_ms=1000 * cpu / row["samples"],

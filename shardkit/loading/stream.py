@@ -169,16 +169,16 @@ def skip_resumed(src, shards: EpochShards):
     yield from it
 
 # %% ../../nbs/25_stream.ipynb
-def check_position(state: dict, workers: int) -> tuple[int, list[int], int]:
-    "A saved state's (epoch, batches handed out per worker, next worker), checked for a loader of `workers` workers."
+def check_position(state: dict, num_workers: int) -> tuple[int, list[int], int]:
+    "A saved state's (epoch, batches handed out per worker, next worker), checked for a loader of `num_workers`."
     batches = state.get("batches")
-    if not isinstance(batches, (list, tuple)) or len(batches) != workers:
+    if not isinstance(batches, (list, tuple)) or len(batches) != num_workers:
         got = f"{len(batches)} entries" if isinstance(batches, (list, tuple)) else repr(batches)[:60]
-        raise LoaderError(f"cannot resume: batches has {got} in the saved state; it should be a list of {workers} "
+        raise LoaderError(f"cannot resume: batches has {got} in the saved state; it should be a list of {num_workers} "
                           "counts, one per worker. The state is corrupted: use an earlier checkpoint, "
                           "or start without one")
     counts = [saved_count(n, f"batches[{w}]") for w, n in enumerate(batches)]
-    nxt = saved_count(state.get("next_worker", 0), "next_worker", 0, workers - 1)
+    nxt = saved_count(state.get("next_worker", 0), "next_worker", 0, num_workers - 1)
     return saved_count(state.get("epoch"), "epoch"), counts, nxt
 
 # %% ../../nbs/25_stream.ipynb
