@@ -202,11 +202,14 @@ def open_shards(src: Iterable[dict], handler: Callable, retries: Retries | None 
             if handler(e): continue
             raise
         try: yield dict(d, stream=stream)
-        finally:
+        except BaseException:  # left early (GeneratorExit) or failing: that is the reason, not how the stream ends
             try: stream.close()
-            except OSError as e:  # a `pipe:` command that failed says so as it is closed (curl's exit status)
-                err = ShardError(f"cannot read shard {d['url']} ({e})")
-                if not handler(err): raise err from None
+            except OSError: pass  # a `pipe:` command cut short exits non-zero
+            raise
+        try: stream.close()
+        except OSError as e:  # a `pipe:` command that failed says so as it is closed (curl's exit status)
+            err = ShardError(f"cannot read shard {d['url']} ({e})")
+            if not handler(err): raise err from None
 
 def _reraise(exn: Exception):
     "webdataset's default handler (`reraise_exception`): every error stops the read."
