@@ -1468,6 +1468,5 @@ d = { 'settings': { 'branch': 'main',
                                      'shardkit.train_step.pick_precision': ('train.html#pick_precision', 'shardkit/train_step.py'),
                                      'shardkit.train_step.rank_shards': ('train.html#rank_shards', 'shardkit/train_step.py'),
                                      'shardkit.train_step.setup_distributed': ('train.html#setup_distributed', 'shardkit/train_step.py'),
-                                     'shardkit.train_step.shard_loader': ('train.html#shard_loader', 'shardkit/train_step.py'),
                                      'shardkit.train_step.small_cnn': ('train.html#small_cnn', 'shardkit/train_step.py'),
                                      'shardkit.train_step.training_step': ('train.html#training_step', 'shardkit/train_step.py')}}}

@@ -38,7 +38,6 @@ from shardkit.train_step import (
     pick_precision,
     rank_shards,
     setup_distributed,
-    shard_loader,
     small_cnn,
     training_step,
 )
@@ -50,12 +49,12 @@ from .shards.fields import ShardError
 # %% auto 0
 __all__ = ['train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError', 'expand_urls',
            'count_samples_and_classes', 'setup_distributed', 'make_transform', 'rank_shards', 'example_loader',
-           'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model', 'count_correct', 'evaluate',
+           'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model', 'count_correct', 'evaluate',
            'pick_precision', 'training_step', 'train_epochs']
 
 # %% ../nbs/30b_train_script.ipynb
 _all_ = ["PRECISIONS", "CHECKPOINT_FORMAT", "OPTIMIZERS", "TrainError", "expand_urls", "count_samples_and_classes",
-         "setup_distributed", "make_transform", "rank_shards", "example_loader", "shard_loader", "KeyedImageFolder",
+         "setup_distributed", "make_transform", "rank_shards", "example_loader", "KeyedImageFolder",
          "folder_loader", "small_cnn", "make_model", "count_correct", "evaluate", "pick_precision",
          "training_step", "train_epochs"]
 

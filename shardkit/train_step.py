@@ -6,7 +6,6 @@
 from __future__ import annotations
 import contextlib
 import os
-import warnings
 from itertools import islice
 from pathlib import Path
 from typing import Callable
@@ -26,8 +25,8 @@ from .store import expand_names
 
 # %% auto 0
 __all__ = ['PRECISIONS', 'TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform',
-           'rank_shards', 'example_loader', 'shard_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn',
-           'make_model', 'images_and_labels', 'count_correct', 'evaluate', 'pick_precision', 'training_step']
+           'rank_shards', 'example_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model',
+           'images_and_labels', 'count_correct', 'evaluate', 'pick_precision', 'training_step']
 
 # %% ../nbs/30_train.ipynb
 class TrainError(ShardkitError, ValueError):
@@ -90,11 +89,6 @@ def example_loader(urls: list[str],             # Shard URLs (all of them: the l
     loader = wds.WebLoader(ds, batch_size=None, num_workers=min(num_workers, mine))
     loader = loader.unbatched().shuffle(shuffle).batched(batch_size)
     return loader.with_epoch(nbatches) if nbatches else loader
-
-def shard_loader(*args, **kw):
-    "The old name of `example_loader` (it returns a plain `WebLoader`, not a `ShardLoader`)."
-    warnings.warn("shard_loader is now example_loader", DeprecationWarning, stacklevel=2)
-    return example_loader(*args, **kw)
 
 # %% ../nbs/30_train.ipynb
 class KeyedImageFolder(ImageFolder):
