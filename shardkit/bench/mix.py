@@ -46,7 +46,7 @@ def _epoch(make) -> tuple[int, float, float]:
     c0, t0, n = cpu_seconds(descendants=True), time.perf_counter(), 0
     for b in loader: n += len(b[0])
     wall, cpu = time.perf_counter() - t0, cpu_seconds(descendants=True) - c0
-    restart_workers(loader if hasattr(loader, "_iterator") else None)  # a streaming loader's persistent workers
+    restart_workers(getattr(loader, "pipeline", [None])[0])  # a streaming loader's DataLoader: its workers stop
     del loader; gc.collect()
     return n, wall, cpu
 

@@ -72,7 +72,8 @@ class MixedDataset(Dataset):
         first = self.parts[0]
         self.keys, self.transform, self.seed, self.allow_pickle = first.keys, first.transform, first.seed, \
             first.allow_pickle
-        self.retries = first.retries  # one count for all: create_random_loader gives every reader the same
+        # the faults met, one count for all sources (create_random_loader gives their readers the same; local: None)
+        self.retries = next((p.retries for p in self.parts if p.retries is not None), None)
         self.turns = mix_turns(self.weights, len(first))
         self.offsets = np.cumsum([0, *(len(p) for p in self.parts)])
         self.mix = dict(zip(self.names, self.weights))
