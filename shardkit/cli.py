@@ -9,6 +9,7 @@ import difflib
 import importlib
 import sys
 from fastcore.script import anno_parser
+from .command import command_parser as build_parser
 from .errors import ShardkitError
 
 # %% auto 0
@@ -104,8 +105,10 @@ def load_command(cmd: tuple[str, ...]):
 
 # %% ../nbs/99_cli.ipynb
 def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
-    "An argparse parser for `cmd`, built from its function's signature and docments."
-    p = anno_parser(load_command(cmd), prog="shardkit " + " ".join(cmd))
+    "An argparse parser for `cmd`: its function's parameters and docments are the options (`shardkit.command`)."
+    run = load_command(cmd)
+    if hasattr(run, "options"): return build_parser(run, "shardkit " + " ".join(cmd), COMMANDS[cmd][1])
+    p = anno_parser(run, prog="shardkit " + " ".join(cmd))
     p.description = COMMANDS[cmd][1]
     for a in p._actions:  # options read `--shard-size`, the way command lines are written
         for s in list(a.option_strings):

@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 import numpy as np
-from fastcore.script import store_true
 from PIL import Image
 from tqdm.auto import tqdm
+from .command import command
 from .errors import ShardkitError, UsageError
 from .shards.fields import SkipSample, check_image, image_size
 from .shards.write import write_shards
@@ -148,8 +148,8 @@ def folder_prefix(src: str | Path) -> str:
 # %% ../nbs/10_folder.ipynb
 def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROOT/train
                    dest,                            # Store for the shards: a local directory or ais://bucket[/prefix]
-                   prefix: str | None = None,       # Shard names: PREFIX000000.tar, ...; None: `folder_prefix(src)`
-                   maxcount: int | None = None,     # At most this many samples per shard; None: `auto_maxcount`
+                   prefix: str | None = None,       # Shard names: PREFIX000000.tar, ...; default: the tree's name (`folder_prefix`)
+                   maxcount: int | None = None,     # Samples per shard; default: 16 shards or more (`auto_maxcount`)
                    maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (int, or e.g. 100MB)
                    shuffle: bool = True,            # Shuffle the samples once before writing
                    seed: int = 0,                   # Seed of that shuffle
@@ -169,26 +169,16 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
                 classes=len(classes), bytes=m["bytes"], skipped=dict(skipped))
 
 # %% ../nbs/10_folder.ipynb
-def synth_folder_cli(root: str,               # Folder to write train/ and val/ into
-                     classes: int = 10,        # Number of classes
-                     per_class: int = 20,      # Training images per class
-                     val_per_class: int = 6,   # Validation images per class
-                     seed: int = 0):           # Seed (the same seed gives the same files)
+@command(synthesize_folder, hide=("progress",))
+def synth_folder_cli(res, args):
     "Write a synthetic ImageNet-style ImageFolder tree (train/ and val/) of learnable animals."
-    synthesize_folder(root, classes, per_class, val_per_class, seed)
-    print(f"wrote {classes} classes x ({per_class} train + {val_per_class} val) images "
-          f"to {shown_path(root)}/train and {shown_path(root)}/val")
+    print(f"wrote {args.classes} classes x ({args.per_class} train + {args.val_per_class} val) images "
+          f"to {shown_path(args.root)}/train and {shown_path(args.root)}/val")
 
 # %% ../nbs/10_folder.ipynb
-def convert_folder_cli(src: str,                         # ImageFolder tree, e.g. ROOT/train
-                       dest: str,                        # Destination store: a directory or ais://bucket[/prefix]
-                       prefix: str = None,               # Shard names: PREFIX000000.tar, ...; default: SRC's name
-                       maxcount: int = None,             # Samples per shard; default: about 1/16 of them
-                       maxsize: str = "1GB",             # Close a shard once it holds this many bytes, e.g. 100MB
-                       seed: int = 0,                    # Seed of the one-time shuffle
-                       no_shuffle: store_true = False):  # Keep ImageFolder order (one class after another)
+@command(convert_folder, hide=("progress",))
+def convert_folder_cli(s, args):
     "Convert an ImageFolder tree into WebDataset shards of NAME.jpg + NAME.cls, classes numbered like ImageFolder."
-    s = convert_folder(src, dest, prefix, maxcount, maxsize, not no_shuffle, seed)
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     print(f"{s['classes']} classes, numbered as ImageFolder does; shards {s['shards'][0]} .. {s['shards'][-1]}; "
           f"skipped: {skipped}")
