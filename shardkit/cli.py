@@ -8,7 +8,6 @@ import argparse
 import difflib
 import importlib
 import sys
-from fastcore.script import anno_parser
 from .command import command_parser as build_parser
 from .errors import ShardkitError
 
@@ -106,17 +105,7 @@ def load_command(cmd: tuple[str, ...]):
 # %% ../nbs/99_cli.ipynb
 def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
     "An argparse parser for `cmd`: its function's parameters and docments are the options (`shardkit.command`)."
-    run = load_command(cmd)
-    if hasattr(run, "options"): return build_parser(run, "shardkit " + " ".join(cmd), COMMANDS[cmd][1])
-    p = anno_parser(run, prog="shardkit " + " ".join(cmd))
-    p.description = COMMANDS[cmd][1]
-    for a in p._actions:  # options read `--shard-size`, the way command lines are written
-        for s in list(a.option_strings):
-            if s.startswith("--") and "_" in s:  # `try_` (a keyword) reads `--try`
-                a.option_strings[a.option_strings.index(s)] = h = s.replace("_", "-").rstrip("-")
-                p._option_string_actions[h] = p._option_string_actions.pop(s)
-        if a.dest.endswith("_") and a.nargs != 0: a.metavar = a.dest.rstrip("_").upper()  # TRY, not TRY_
-    return p
+    return build_parser(load_command(cmd), "shardkit " + " ".join(cmd), COMMANDS[cmd][1])
 
 # %% ../nbs/99_cli.ipynb
 def _hyphenate(arg: str) -> str:
@@ -156,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if asked else 2
     func = load_command(cmd)
     args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))
-    for extra in ("pdb", "xtra"): args.pop(extra, None)  # anno_parser's debugging options, not the function's
     try:
         result = func(**args)
     except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 import psutil
 import requests
-from fastcore.script import store_true
+from .command import command
 from .config import private_dir, shardkit_home, why_untrusted
 from .errors import ShardkitError, StoreError
 from .remote import Retries, as_retries
@@ -22,9 +22,9 @@ from .store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'write_node_configs', 'free_base_port', 'cluster_ready',
-           'ais_status', 'ais_up', 'ais_down', 'ais_put', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli',
-           'ais_build_cli', 'ais_put_cli']
+           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'build_aistore', 'write_node_configs', 'free_base_port',
+           'cluster_ready', 'ais_status', 'ais_up', 'ais_down', 'format_status', 'ais_put', 'ais_up_cli',
+           'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
 
 # %% ../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -105,6 +105,13 @@ def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path |
         return None
     os.replace(bindir / "cli", bindir / "ais")
     return _runnable(bindir / "ais")
+
+# %% ../nbs/07_cluster.ipynb
+def build_aistore(force: bool = False,  # Rebuild aisnode even if a build of this version exists
+                  quiet: bool = False,  # Print nothing
+                 ) -> dict:             # {"aisnode": its path, "ais": the ais CLI's path, or None if that failed}
+    "Build `aisnode` and try to install the `ais` CLI beside it: what `ais_up` needs, without starting anything."
+    return dict(aisnode=build_aisnode(force=force, quiet=quiet), ais=build_ais_cli(quiet=quiet))
 
 # %% ../nbs/07_cluster.ipynb
 def _node_ports(port: int, i: int) -> tuple[int, int, int]: return port + i, port + 1000 + i, port + 2000 + i
@@ -193,7 +200,8 @@ def _log_tail(node: dict, n: int = 8) -> str:
     return "\n".join(lines[-n:])
 
 # %% ../nbs/07_cluster.ipynb
-def ais_status(root: str | Path | None = None) -> dict:
+def ais_status(root: str | Path | None = None,  # The cluster's folder (default: ~/.shardkit/ais)
+              ) -> dict:
     "The local cluster's state: endpoint, each node alive or not and where it listens, readiness, buckets, capacity."
     root = Path(root or default_root())
     sf = _state_file(root)
@@ -228,7 +236,7 @@ def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, tim
 
 # %% ../nbs/07_cluster.ipynb
 def ais_up(targets: int = 2,                 # number of storage targets
-           root: str | Path | None = None,   # folder for configs, logs and mountpaths (default `default_root()`)
+           root: str | Path | None = None,   # folder for configs, logs and mountpaths (default: ~/.shardkit/ais)
            port: int = 8080,                 # public port of the proxy; targets use the next ones
            timeout: float = 180,             # seconds to wait for the cluster to be ready
            quiet: bool = False,              # print nothing
@@ -268,9 +276,9 @@ def ais_up(targets: int = 2,                 # number of storage targets
     return endpoint
 
 # %% ../nbs/07_cluster.ipynb
-def ais_down(root: str | Path | None = None,  # the cluster's folder (default `default_root()`)
+def ais_down(root: str | Path | None = None,  # the cluster's folder (default: ~/.shardkit/ais)
              timeout: float = 30,              # seconds to wait for the nodes to exit before killing them
-             wipe: bool = False,               # also delete the cluster's data
+             wipe: bool = False,               # also delete the cluster's data (configs, logs, objects)
              quiet: bool = False,              # print nothing
             ) -> int:                          # the number of nodes stopped
     "Stop the nodes that `ais_up` started under `root` (and only those); with `wipe`, delete the cluster's data."
@@ -296,10 +304,25 @@ def ais_down(root: str | Path | None = None,  # the cluster's folder (default `d
     return len(live)
 
 # %% ../nbs/07_cluster.ipynb
+def format_status(st: dict,  # What `ais_status` returns
+                 ) -> str:
+    "`ais_status`'s dict as lines to read: the endpoint, each node and where it listens, the capacity, the buckets."
+    if not st["nodes"]: return f"no cluster under {st['root']}; start one with `shardkit ais up`"
+    lines = [f"endpoint: {st['endpoint']}   ready: {'yes' if st['ready'] else 'no'}   AIStore {st.get('version', '?')}"]
+    for n in st["nodes"]:
+        state, where = "running" if n["alive"] else "STOPPED", ", ".join(n["listens"]) or f"port {n['port']}"
+        lines.append(f"  {n['name']:<8} pid {n['pid']:<8} {state:<8} listens on {where}")
+    c = st["capacity"]
+    lines.append(f"capacity: {c['free'] / 2**30:.1f} GiB free of {c['total'] / 2**30:.1f} GiB; "
+                 f"objects use {c['used_by_mountpaths'] / 2**20:.1f} MiB")
+    if st.get("buckets") is not None: lines.append(f"buckets: {', '.join(st['buckets']) or '(none)'}")
+    return "\n".join(lines)
+
+# %% ../nbs/07_cluster.ipynb
 def ais_put(src: str | Path,                    # A local folder of shards
             dest: str,                          # The bucket, `ais://BUCKET[/PREFIX]` (made if missing)
             pattern: str = "*.tar",             # Which files of `src`: a glob, a brace template or a prefix
-            retry_wait: float | Retries = 120,  # Seconds an upload may retry faults before an error; or a Retries
+            retry_wait: float | Retries = 120,  # Seconds an upload may retry faults (a target restarting, a 503)
             endpoint: str | None = None,        # AIStore's endpoint (default: AIS_ENDPOINT)
             quiet: bool = False,                # Print nothing
            ) -> list[str]:                      # The names uploaded
@@ -318,42 +341,25 @@ def ais_put(src: str | Path,                    # A local folder of shards
     return names
 
 # %% ../nbs/07_cluster.ipynb
-def ais_up_cli(targets: int = 2,      # Number of storage targets
-               root: str = None,      # Folder for configs, logs and mountpaths (default ~/.shardkit/ais)
-               port: int = 8080,      # Public port of the proxy; targets use the next ones
-               timeout: float = 180): # Seconds to wait for the cluster to be ready
-    "Build AIStore and start a local cluster on 127.0.0.1."
-    ais_up(targets, root, port, timeout)
+@command(ais_up, hide=("quiet",))
+def ais_up_cli(endpoint, args):
+    "Build AIStore and start a local cluster on 127.0.0.1 (`ais_up` prints its endpoint)."
 
-def ais_down_cli(root: str = None,            # The cluster's folder (default ~/.shardkit/ais)
-                 wipe: store_true = False):   # Also delete its data (configs, logs, objects)
-    "Stop the local cluster that `ais up` started."
-    ais_down(root, wipe=wipe)
+@command(ais_down, hide=("quiet",))
+def ais_down_cli(stopped, args):
+    "Stop the local cluster that `ais up` started (`ais_down` prints what it stopped)."
 
-def ais_status_cli(root: str = None):  # The cluster's folder (default ~/.shardkit/ais)
-    "Show the local cluster's nodes, capacity and endpoint."
-    st = ais_status(root)
-    if not st["nodes"]:
-        print(f"no cluster under {st['root']}; start one with `shardkit ais up`")
-        return 1
-    print(f"endpoint: {st['endpoint']}   ready: {'yes' if st['ready'] else 'no'}   AIStore {st.get('version', '?')}")
-    for n in st["nodes"]:
-        where = ", ".join(n["listens"]) or f"port {n['port']}"
-        print(f"  {n['name']:<8} pid {n['pid']:<8} {'running' if n['alive'] else 'STOPPED':<8} listens on {where}")
-    c = st["capacity"]
-    print(f"capacity: {c['free'] / 2**30:.1f} GiB free of {c['total'] / 2**30:.1f} GiB; "
-          f"objects use {c['used_by_mountpaths'] / 2**20:.1f} MiB")
-    if st.get("buckets") is not None: print(f"buckets: {', '.join(st['buckets']) or '(none)'}")
+@command(ais_status)
+def ais_status_cli(st, args):
+    "Show the local cluster's nodes, capacity and endpoint; exit status 1 when it is not running."
+    print(format_status(st))
     return 0 if st["running"] else 1
 
-def ais_build_cli(force: store_true = False):  # Rebuild even if a build exists
+@command(build_aistore, hide=("quiet",))
+def ais_build_cli(built, args):
     "Build the aisnode binary (and the ais CLI) without starting anything."
-    print(build_aisnode(force=force))
-    build_ais_cli()
+    print(built["aisnode"])
 
-def ais_put_cli(src: str,                 # A local folder of shards
-                dest: str,                # The bucket: ais://BUCKET[/PREFIX] (made if missing)
-                pattern: str = "*.tar",   # Which files of SRC: a glob, a brace template or a prefix
-                retry_wait: float = 120): # Seconds an upload may retry faults (a target restarting, a 503)
-    "Upload local shards into an AIStore bucket; faults are retried and counted."
-    ais_put(src, dest, pattern, retry_wait)
+@command(ais_put, hide=("quiet",))
+def ais_put_cli(names, args):
+    "Upload local shards into an AIStore bucket; faults are retried and counted (`ais_put` prints the summary)."

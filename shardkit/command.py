@@ -54,6 +54,7 @@ def cli_type(anno, default) -> tuple[type | None, str]:
         if str in args or Path in args: return str, ""  # a size such as 1GB, a path: the function parses it
         if len(args) == 1: return cli_type(args[0], default)
         if set(args) == {int, float}: return float, ""
+        if len(numbers := [a for a in args if a in (int, float)]) == 1: return numbers[0], ""  # `float | Retries`
     if anno in (int, float, str): return anno, ""
     if anno is Path: return str, ""
     if anno is inspect.Parameter.empty and type(default) in (int, float, str): return type(default), ""
@@ -97,8 +98,8 @@ def _help(o: Option) -> str:
 def command_parser(run, prog: str, description: str = "") -> argparse.ArgumentParser:
     "An argparse parser for the command `run` (made by `command`), named `prog`."
     width = min(120, shutil.get_terminal_size((120, 30)).columns)
-    p = argparse.ArgumentParser(prog=prog, description=description or run.__doc__,
-                                formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=36, width=width))
+    fmt = lambda prog: argparse.HelpFormatter(prog, max_help_position=36, width=width)
+    p = argparse.ArgumentParser(prog=prog, description=description or run.__doc__, formatter_class=fmt)
     for o in sorted(run.options, key=lambda o: not o.positional):
         if o.flag: p.add_argument(*o.spellings(), dest=o.name, action="store_" + str(o.flag == "on").lower(),
                                   help=_help(o))

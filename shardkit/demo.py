@@ -14,11 +14,11 @@ from contextlib import ExitStack
 from pathlib import Path
 import numpy as np
 import torch
-from fastcore.script import store_true
 from PIL import Image
 from .bench.core import format_bench
 from .bench.loader import bench_loader, bench_ratios, cheapest_peer, fastest_peer, loader_table, plot_bench
 from .bench.peers import LOADER_ROWS
+from .command import command
 from .display import display_loader_images
 from .errors import StoreError, UsageError
 from .etl.sidecar import Sidecar
@@ -275,11 +275,20 @@ def format_summary(r: dict) -> str:
     return "\n".join(lines + ["", *NEXT_STEPS])
 
 # %% ../nbs/39_demo.ipynb
+def _check_demo(pets: str | None, n: int, epochs: int, workers: int):
+    "Refuse, before anything runs, what `run_demo` cannot use; the message says what to give instead."
+    for name, v, lo in (("--n", n, 37), ("--epochs", epochs, 1), ("--workers", workers, 0)):
+        if v < lo: raise UsageError(f"{name} must be >= {lo}, got {v}")
+    if pets and not (Path(pets) / "annotations" / "list.txt").is_file():
+        raise UsageError(f"--pets {pets} holds no annotations/list.txt; give the Oxford-IIIT Pet folder "
+                         "(with images/ and annotations/), or leave --pets out to synthesize the data")
+
+# %% ../nbs/39_demo.ipynb
 def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, on the embedded default, the data)
-             pets: str | None = None,         # The real Oxford-IIIT Pet folder to use (None: synthesize one)
-             n: int = 740,                    # Synthetic images to draw (ignored with `pets`)
+             pets: str | None = None,         # Use the real Oxford-IIIT Pet folder at PETS (default: synthesize one)
+             n: int = 740,                    # Synthetic images to draw (not used with a real Pet folder)
              epochs: int = 3,                 # Training epochs of the small CNN
-             workers: int = 2,                # DataLoader workers
+             workers: int = 2,                # DataLoader workers (at most the CPU cores help)
              bench: bool = True,              # Run the loader benchmark
              bench_samples: int = 2000,       # Samples per loader in the benchmark
              fresh: bool = False,             # Redo every step instead of reusing finished ones
@@ -287,6 +296,7 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
             ) -> dict:
     "Run the whole pipeline end to end, reusing finished steps; what each step did (also in `out/summary.txt`)."
     from tqdm.auto import tqdm
+    _check_demo(pets, n, epochs, workers)
     t0, out = time.time(), Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     state, stores = DemoState(out, fresh), demo_stores(out)
@@ -315,22 +325,8 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
     return r
 
 # %% ../nbs/39_demo.ipynb
-def demo_cli(out: str = "shardkit-demo",   # Folder for the results (and, on the embedded default, the data)
-             pets: str = None,             # Use the real Oxford-IIIT Pet folder at PETS instead of synthesizing one
-             n: int = 740,                 # Synthetic images to draw (ignored with --pets)
-             epochs: int = 3,              # Training epochs of the small CNN
-             workers: int = 2,             # DataLoader workers (at most the CPU cores help)
-             no_bench: store_true = False,  # Skip the loader benchmark
-             bench_samples: int = 2000,    # Samples per loader in the benchmark
-             fresh: store_true = False,    # Redo every step instead of reusing finished ones
-             quiet: store_true = False):   # Print only the summary
+@command(run_demo)
+def demo_cli(res, args):
     "Run the whole pipeline end to end on the embedded default (or the AIStore cluster at AIS_ENDPOINT)."
-    for name, v, lo in (("--n", n, 37), ("--epochs", epochs, 1), ("--workers", workers, 0)):
-        if v < lo: raise UsageError(f"{name} must be >= {lo}, got {v}")
-    if pets and not (Path(pets) / "annotations" / "list.txt").is_file():
-        raise UsageError(f"--pets {pets} holds no annotations/list.txt; give the Oxford-IIIT Pet folder "
-                        "(with images/ and annotations/), or leave --pets out to synthesize the data")
-    res = run_demo(out, pets=pets, n=n, epochs=epochs, workers=workers, bench=not no_bench, bench_samples=bench_samples,
-                   fresh=fresh, quiet=quiet)
     print()
     print(res["summary"])

@@ -11,11 +11,10 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
-from fastcore.script import store_true
 from PIL import Image
+from .command import command
 from .errors import StoreError, UsageError
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
@@ -25,7 +24,8 @@ from .store import open_store, shown_path
 # %% auto 0
 __all__ = ['TRIMAP_COLORS', 'class_name', 'manifest_class_names', 'shard_listing', 'format_listing', 'trimap_overlay',
            'first_samples', 'display_shard_images', 'to_hwc', 'show_image_tensor', 'batch_parts',
-           'display_loader_images', 'describe_batch', 'view_data', 'ls_cli', 'show_cli']
+           'display_loader_images', 'describe_batch', 'view_data', 'list_store', 'save_shard_images', 'ls_cli',
+           'show_cli']
 
 # %% ../nbs/12_display.ipynb
 def class_name(cls, class_names=None) -> str:
@@ -246,29 +246,43 @@ def _split_shard_spec(shard: str) -> tuple[str, str]:
         raise StoreError(f"no shard file {shown_path(p)}; give a path to a .tar or ais://BUCKET/NAME.tar")
     return str(p.resolve().parent), p.name
 
-def ls_cli(dest: str,              # Store (a directory, ais://bucket), or shards in one: DIR/x-{000..015}.tar
-           pattern: str = "*.tar"):  # Which shards: glob, brace template or prefix
-    "List the shards in a store with their samples and sizes."
+def list_store(dest: str,               # Store (a directory, ais://bucket), or shards in one: DIR/x-{000..015}.tar
+               pattern: str = "*.tar",  # Which shards: glob, brace template or prefix
+              ) -> dict:                # {"spec": the store as named, "rows": `list_shards` rows, "warnings": [...]}
+    "The shards of a store with their samples and sizes, and warnings of jobs that did not finish; an error if none."
     if pattern == "*.tar" and "/" in dest and any(c in dest.rsplit("/", 1)[1] for c in "{*?") or dest.endswith(".tar"):
         dest, pattern = dest.rsplit("/", 1)  # shards named as every command takes them: their store, them as pattern
     store = open_store(dest)
     rows = list_shards(store, pattern)
     if not rows:
         raise StoreError(f"no shards matching {pattern!r} in {shown_path(store.spec)}; "
-                         "check the store, or pass --pattern")
-    print(format_listing(rows, dest))  # the store as the user named it (format_listing shows it with shown_path)
-    for w in incomplete_jobs(store): print(f"warning: {w}", file=sys.stderr)
+                         "check the store, or pass another pattern (--pattern)")
+    return dict(spec=dest, rows=rows, warnings=incomplete_jobs(store))
 
-def show_cli(shard: str,                  # Shard: a .tar path or ais://bucket/name.tar
-             out: str = "shard.png",      # PNG file to write
-             objects: int = 4,            # Number of samples to draw
-             listing: store_true = False): # Also print the tar -tvf style listing
-    "Draw the first samples of a shard into a PNG."
-    matplotlib.use("Agg")
+# %% ../nbs/12_display.ipynb
+def save_shard_images(shard: str,              # Shard: a .tar path or ais://bucket/name.tar
+                      out: str = "shard.png",  # PNG file to write
+                      objects: int = 4,        # Number of samples to draw
+                      listing: bool = False,   # Also give the tar -tvf style listing
+                     ) -> dict:                # {"out": the PNG file, "listing": the listing, or None}
+    "Draw the first `objects` samples of a shard (its picture and trimap, key and class) into the PNG file `out`."
     spec, name = _split_shard_spec(shard)
     store = open_store(spec)
-    if listing: print(shard_listing(store, name))
+    lst = shard_listing(store, name) if listing else None
     fig = display_shard_images(store, name, objects)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    print(f"wrote {shown_path(out)}")
+    try: fig.savefig(out, dpi=110, bbox_inches="tight")
+    finally: plt.close(fig)
+    return dict(out=str(out), listing=lst)
+
+# %% ../nbs/12_display.ipynb
+@command(list_store)
+def ls_cli(res, args):
+    "List the shards in a store with their samples and sizes."
+    print(format_listing(res["rows"], res["spec"]))  # the store as the user named it, shown with shown_path
+    for w in res["warnings"]: print(f"warning: {w}", file=sys.stderr)
+
+@command(save_shard_images)
+def show_cli(res, args):
+    "Draw the first samples of a shard into a PNG."
+    if res["listing"]: print(res["listing"])
+    print(f"wrote {shown_path(res['out'])}")

@@ -8,7 +8,6 @@ import shutil
 import sys
 from importlib.util import find_spec
 from pathlib import Path
-from fastcore.script import store_true
 from shardkit.docs_pages import (
     PACKAGES,
     DocsError,
@@ -32,10 +31,12 @@ from shardkit.docs_render import (
     shrink_notebook,
     shrink_outputs,
 )
+from .command import command
 from .docs_checks import broken_links, external_refs, out_problem, strip_external
+from .errors import UsageError
 
 # %% auto 0
-__all__ = ['DOCS_MODULES', 'OFFLINE_MODULES', 'docs_missing', 'docs_deps_problem', 'docs_cli', 'pipeline_diagram',
+__all__ = ['DOCS_MODULES', 'OFFLINE_MODULES', 'docs_missing', 'docs_deps_problem', 'build_docs', 'docs_cli', 'pipeline_diagram',
            'save_pipeline_diagram', 'PACKAGES', 'find_notebooks', 'notebook_title', 'page_path', 'site_nav',
            'clean_notebook', 'DocsError', 'project_root', 'process_notebook', 'mkdocs_config', 'external_refs',
            'strip_external', 'broken_links', 'out_problem', 'render_offline', 'process_notebooks', 'render_quarto',
@@ -70,39 +71,36 @@ def docs_deps_problem(offline: bool = True,        # Include the offline rendere
             'or pip install "shardkit[docs]"')
 
 # %% ../nbs/98_docs.ipynb
-def docs_cli(out: str = "_site",                 # Folder to write the site into
-             nbs: str = None,                    # Notebooks folder (default: the project's nbs/)
-             offline: store_true = False,        # Use the offline renderer even when Quarto is installed
-             execute: store_true = False):       # First execute in place the tutorials and notebooks saved with outputs
+def build_docs(out: str = "_site",        # Folder to write the site into
+               nbs: str | None = None,    # Notebooks folder (default: the project's nbs/)
+               offline: bool = False,     # Use the offline renderer even when Quarto is installed
+               execute: bool = False,     # First execute in place the tutorials and notebooks saved with outputs
+              ) -> dict:                  # site (None if the build failed), renderer, error (why it failed, or None)
     "Render the documentation site: with Quarto when `quarto` is on PATH, otherwise offline with mkdocs."
-    try: nbs = Path(nbs) if nbs else project_root() / "nbs"
-    except DocsError as e:
-        print(f"shardkit docs: {e}", file=sys.stderr); return 2
-    if not nbs.is_dir():
-        print(f"shardkit docs: notebooks folder {str(nbs)!r} does not exist: pass --nbs PATH/TO/nbs", file=sys.stderr)
-        return 2
-    problem = out_problem(out, nbs)
-    if problem:
-        print(f"shardkit docs: --out {out!r} {problem}: pick a new or empty folder, or an earlier site",
-              file=sys.stderr)
-        return 2
+    nbs = Path(nbs) if nbs else project_root() / "nbs"
+    if not nbs.is_dir(): raise UsageError(f"notebooks folder {str(nbs)!r} does not exist: pass --nbs PATH/TO/nbs")
+    if problem := out_problem(out, nbs):
+        raise UsageError(f"--out {out!r} {problem}: pick a new or empty folder, or an earlier site")
     quarto = bool(shutil.which("quarto")) and not offline
-    missing = docs_deps_problem(offline=not quarto)
-    if missing:
-        print(f"shardkit docs: {missing}", file=sys.stderr); return 2
-    if execute:
-        if execute_notebooks(committed_executed(nbs)): return 1
+    if missing := docs_deps_problem(offline=not quarto): raise DocsError(missing)
+    res = dict(site=None, renderer="quarto" if quarto else "offline", error=None)
+    if execute and (failed := execute_notebooks(committed_executed(nbs))):
+        return {**res, "error": f"{failed} notebook(s) failed to execute (above, FAILED: ...); no site built"}
     try:
         if quarto:
             print("rendering with Quarto (nbdev's pipeline) ...")
-            site = render_quarto(nbs, out)
-        else:
-            print("Quarto not found: rendering offline with mkdocs-material + mkdocs-jupyter" if not offline
-                  else "rendering offline with mkdocs-material + mkdocs-jupyter")
-            site = render_offline(nbs, out)
-    except DocsError as e:
-        print(f"shardkit docs: {e}", file=sys.stderr); return 1
-    print(f"the site is in {site}\nview it with:  python -m http.server -d {site} --bind 127.0.0.1 8000"
+            return {**res, "site": render_quarto(nbs, out)}
+        print("Quarto not found: rendering offline with mkdocs-material + mkdocs-jupyter" if not offline
+              else "rendering offline with mkdocs-material + mkdocs-jupyter")
+        return {**res, "site": render_offline(nbs, out)}
+    except DocsError as e: return {**res, "error": str(e)}
+
+# %% ../nbs/98_docs.ipynb
+@command(build_docs)
+def docs_cli(res, args):
+    "Render the documentation site: with Quarto when `quarto` is on PATH, otherwise offline with mkdocs."
+    if res["error"]: print(f"shardkit docs: {res['error']}", file=sys.stderr); return 1
+    print(f"the site is in {res['site']}\nview it with:  python -m http.server -d {res['site']} --bind 127.0.0.1 8000"
           f"   then open http://127.0.0.1:8000/")
     return 0
 

@@ -14,15 +14,15 @@ import sys
 import tempfile
 from importlib.util import find_spec
 from pathlib import Path
-from fastcore.script import store_true
+from .command import command
 from .errors import ShardkitError, UsageError
 
 # %% auto 0
-__all__ = ['MissingExtra', 'JupyterLabMissing', 'check_lab', 'tutorials_dir', 'write_kernel', 'lab_command', 'lab_url', 'lab',
-           'lab_cli']
+__all__ = ['MissingExtra', 'JupyterLabMissing', 'LabError', 'check_lab', 'tutorials_dir', 'write_kernel', 'lab_command',
+           'lab_url', 'lab', 'lab_cli']
 
 # %% ../nbs/40_lab.ipynb
-class MissingExtra(ImportError):
+class MissingExtra(ShardkitError, ImportError):
     "An optional part of shardkit is not installed; the message says which `pip install` adds it."
     def __init__(self, what: str, extra: str):
         self.extra = extra
@@ -31,6 +31,9 @@ class MissingExtra(ImportError):
 
 class JupyterLabMissing(MissingExtra):
     "JupyterLab, ipykernel or ipywidgets is missing; `pip install 'shardkit[lab]'` adds all three."
+
+class LabError(ShardkitError):
+    "JupyterLab could not start; the message says why."
 
 def check_lab(modules=("jupyterlab", "ipykernel", "ipywidgets")):
     "Raise `JupyterLabMissing` unless every module in `modules` can be imported."
@@ -100,7 +103,12 @@ def _serve(argv: list[str], env: dict) -> int:
     finally:
         if old is not None: signal.signal(signal.SIGTERM, old)
 
-def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = None, open_browser: bool = False) -> int:
+# %% ../nbs/40_lab.ipynb
+def lab(dir: str | Path | None = None,   # Folder to open (default: the checkout's nbs/tutorials, else the current one)
+        port: int = 8888,                # Port on 127.0.0.1
+        token: str | None = None,        # Token to log in with (default: a random one, printed with the URL)
+        open_browser: bool = False,      # Open a browser on this machine too
+       ) -> int:                         # The server's exit code
     "Run JupyterLab on `dir` (default: the tutorials) at 127.0.0.1:`port` with a token, in this Python's kernel."
     check_lab()
     dir = Path(dir).resolve() if dir else tutorials_dir()
@@ -109,18 +117,16 @@ def lab(dir: str | Path | None = None, port: int = 8888, token: str | None = Non
     if not _port_free(port):
         raise UsageError(f"port {port} on 127.0.0.1 is in use (another Jupyter?): pass --port with a free one")
     token = token or secrets.token_hex(24)
-    with tempfile.TemporaryDirectory(prefix="shardkit-lab-") as kernels:
-        argv, env = lab_command(dir, port, token=token, kernels=write_kernel(kernels), open_browser=open_browser)
-        print(f"JupyterLab on {dir} with {sys.executable}\n\n    {lab_url(port, token)}\n\n"
-              "(only this machine can reach it; Ctrl-C stops it)", flush=True)
-        return _serve(argv, env)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shardkit-lab-") as kernels:
+            argv, env = lab_command(dir, port, token=token, kernels=write_kernel(kernels), open_browser=open_browser)
+            print(f"JupyterLab on {dir} with {sys.executable}\n\n    {lab_url(port, token)}\n\n"
+                  "(only this machine can reach it; Ctrl-C stops it)", flush=True)
+            return _serve(argv, env)
+    except OSError as e: raise LabError(f"JupyterLab could not start: {e}") from None
 
 # %% ../nbs/40_lab.ipynb
-def lab_cli(dir: str = None,          # Folder to open (default: the checkout's nbs/tutorials, else the current one)
-            port: int = 8888,         # Port on 127.0.0.1
-            token: str = None,        # Token to log in with (default: a random one, printed with the URL)
-            open_browser: store_true = False):  # Open a browser on this machine too
+@command(lab)
+def lab_cli(code, args):
     "Open the tutorials in JupyterLab on 127.0.0.1."
-    try: return lab(dir, port, token, open_browser)
-    except (MissingExtra, ShardkitError, OSError) as e:  # OSError: the server could not start
-        print(f"shardkit lab: {e}", file=sys.stderr); return 2
+    return code

@@ -13,9 +13,9 @@ import threading
 from collections import Counter
 from pathlib import Path
 import numpy as np
-from fastcore.script import store_true
 from PIL import Image
 from tqdm.auto import tqdm
+from .command import command
 from .errors import ShardkitError, UsageError
 from .shards.fields import SkipSample, check_image, image_size, load_image_decoder
 from .shards.read import unsafe_name
@@ -146,8 +146,8 @@ def _write_junk(root: Path, names: list) -> list[str]:
 def synthesize_pets(root: str | Path,     # Folder to write the data set into (created)
                     n: int = 740,         # Number of images listed in list.txt (the real set has 7,349)
                     seed: int = 0,        # Random seed: the same seed gives the same bytes
-                    quirks: bool = False, # Plant the real archives' defects (see PET_QUIRKS)
-                    workers: int = 1,     # Processes drawing images
+                    quirks: bool = False, # Plant the real archives' defects (grayscale, CMYK, truncated, missing, junk)
+                    workers: int = 2,     # Processes drawing images (1: this process)
                     progress: bool = False): # Show a progress bar
     "Write a synthetic data set in the Oxford-IIIT Pet layout; the plan of what a converter must find."
     if n < 1: raise UsageError(f"n must be >= 1, got {n}")
@@ -365,13 +365,13 @@ def _fingerprint(root: Path, split: str) -> str:
     return h.hexdigest()
 
 def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/images, ROOT/annotations)
-                 dest,                      # Store: a local directory or ais://bucket[/prefix]
+                 dest,                      # Store for the shards: a local directory or ais://bucket[/prefix]
                  split: str = "all",        # 'all', 'trainval' or 'test'
                  prefix: str = "pets-",     # Shard names PREFIX00000.tar, ...
-                 maxcount: int = 400,       # Most samples per shard (the AIStore post's 400)
-                 maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB
+                 maxcount: int = 400,       # Most samples per shard (the AIStore post used 400)
+                 maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB (default: no limit)
                  workers: int = 2,          # Processes validating and normalising images
-                 extras: bool = False,      # Add species.cls and pet.json to each sample
+                 extras: bool = False,      # Add species.cls and pet.json (list.txt's original ids) to each sample
                  check: str = "decode",     # Image check: 'decode' (the loader's decoder) or 'fast' (header, end)
                  progress: bool = True):    # Progress bar and summary
     "Convert an Oxford-IIIT Pet folder into WebDataset shards in `dest`; the manifest."
@@ -387,29 +387,16 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                         total=n, progress=progress)
 
 # %% ../nbs/09_pets.ipynb
-def pets_synth_cli(root: str,                # Folder to write the data set into
-                   n: int = 740,             # Number of images listed in list.txt
-                   seed: int = 0,            # Random seed (the same seed gives the same bytes)
-                   quirks: store_true = False, # Plant real-world defects (grayscale, CMYK, truncated, missing, junk)
-                   workers: int = 2):        # Processes drawing images
+@command(synthesize_pets, fixed=dict(progress=True))
+def pets_synth_cli(plan, args):
     "Write a synthetic data set in the Oxford-IIIT Pet layout."
-    plan = synthesize_pets(root, n=n, seed=seed, quirks=quirks, workers=workers, progress=True)
-    print(f"wrote {plan['listed']} listed images of 37 breeds to {shown_path(root)} (seed {seed})"
-          + (f"; planted quirks: {', '.join(plan['quirks'])}" if quirks else ""))
+    print(f"wrote {plan['listed']} listed images of 37 breeds to {shown_path(args.root)} (seed {args.seed})"
+          + (f"; planted quirks: {', '.join(plan['quirks'])}" if args.quirks else ""))
 
-def pets_download_cli(root: str):            # Folder to download and extract the data set into
+@command(download_pets)
+def pets_download_cli(root, args):
     "Download the real Oxford-IIIT Pet data set (images.tar.gz, annotations.tar.gz, MD5-checked) into ROOT."
-    download_pets(root)
 
-def convert_pets_cli(root: str,              # Oxford-IIIT Pet folder (ROOT/images, ROOT/annotations)
-                     dest: str,              # Where the shards go: a directory or ais://bucket[/prefix]
-                     split: str = "all",     # all, trainval or test
-                     prefix: str = "pets-",  # Shard names PREFIX00000.tar, ...
-                     maxcount: int = 400,    # Most samples per shard
-                     maxsize: str = "",      # Most bytes per shard, e.g. 100MB (empty: no limit)
-                     workers: int = 2,       # Processes validating and normalising images
-                     extras: store_true = False, # Add species.cls and pet.json (list.txt's original ids) to each sample
-                     check: str = "decode"): # Image check: decode (the loader's decoder) or fast (header, end marker)
+@command(convert_pets, hide=("progress",))
+def convert_pets_cli(manifest, args):
     "Convert an Oxford-IIIT Pet folder into WebDataset shards (validated, resumable, with a manifest)."
-    convert_pets(root, dest, split=split, prefix=prefix, maxcount=maxcount, maxsize=maxsize or None, workers=workers,
-                 extras=extras, check=check)

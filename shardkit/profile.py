@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Callable
 import torch
-from fastcore.script import store_true
 from .bench.core import cpu_seconds
+from .command import command
 from .errors import UsageError
 from .loading.gpu import why_no_gpu
 from .loading.sources import shard_urls
@@ -20,9 +20,9 @@ from .profile_verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_tim
 from .stage_timing import batch_len, loader_parts
 
 # %% auto 0
-__all__ = ['PIPELINES', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_cli', 'MAIN_PARTS',
-           'COLORS', 'Profile', 'profile_pipeline', 'verdicts', 'report', 'profile_report', 'compare', 'plot_stages',
-           'plot_timeline']
+__all__ = ['PIPELINES', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_summary',
+           'profile_shards', 'profile_cli', 'MAIN_PARTS', 'COLORS', 'Profile', 'profile_pipeline', 'verdicts', 'report',
+           'profile_report', 'compare', 'plot_stages', 'plot_timeline']
 
 # %% ../nbs/42b_profile_script.ipynb
 _all_ = ["MAIN_PARTS", "COLORS", "Profile", "profile_pipeline", "verdicts", "report", "profile_report",
@@ -111,38 +111,50 @@ def _changes(text: str) -> dict:
     return out
 
 # %% ../nbs/42b_profile_script.ipynb
-def profile_cli(src: str,                    # Shards: a directory, ais://bucket, a brace template, or a .tar
-                pipeline: str = "default",   # default (shardkit's), whole (whole JPEGs), post (the AIStore post's), gpu
-                device: str = "auto",        # Where batches go and `gpu` decodes: cuda, cpu, auto (cuda if any)
-                workers: int = 2,            # Loader worker processes
-                batches: int = 0,            # Batches to profile (0: a whole epoch)
-                batch_size: int = 64,        # Samples per batch
-                step_ms: float = 0.0,        # A stand-in training step of this many ms per batch (0: none)
-                try_: str = "",              # Also profile a change, side by side: workers=4, pipeline=gpu, or auto
-                overhead: store_true = False, # Also measure the profiler's overhead (plain and profiled runs, in turn)
-                out: str = "profile"):       # Folder for the pictures (stages.png, timeline.png)
+def profile_summary(res: dict) -> str:
+    "What `shardkit profile` prints of `profile_shards`'s result: the report, a change's effect, the overhead, files."
+    p, o = res["profiles"], res["overhead"]
+    lines = [report(p[0])]
+    if len(p) > 1: lines.append(f"\ntried {p[1].label}: {p[0].rate:,.0f} -> {p[1].rate:,.0f} samples/s "
+                                f"({p[1].rate / p[0].rate - 1:+.0%}), measured\n" + compare(p))
+    if o: lines.append(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput (median of 3 side-by-side pairs: "
+                       f"{o['plain']:,.0f} samples/s plain, {o['profiled']:,.0f} profiled), {o['cpu_overhead']:+.1%} "
+                       f"of CPU per sample ({o['cpu_plain']:.2f} vs {o['cpu_profiled']:.2f} ms)")
+    return "\n".join(lines + [f"pictures: {', '.join(str(f) for f in res['pictures'])}"])
+
+# %% ../nbs/42b_profile_script.ipynb
+def profile_shards(src: str,                  # Shards: a directory, ais://bucket, a brace template, or a .tar
+                   pipeline: str = "default", # Loader: default, whole (whole JPEGs), post (the AIStore post's), gpu
+                   device: str = "auto",      # Where batches go and `gpu` decodes: cuda, cpu, auto (cuda if any)
+                   num_workers: int = 2,      # Loader worker processes
+                   batches: int = 0,          # Batches to profile (0: a whole epoch)
+                   batch_size: int = 64,      # Samples per batch
+                   step_ms: float = 0.0,      # A stand-in training step of this many ms per batch (0: none)
+                   try_: str = "",            # Also profile a change, side by side: workers=4, pipeline=gpu, or auto
+                   overhead: bool = False,    # Also measure the profiler's overhead (plain and profiled runs, in turn)
+                   out: str | Path = "profile", # Folder for the pictures (stages.png, timeline.png)
+                  ) -> dict:                  # profiles (the pipeline's, then the change's), overhead, pictures
     "Profile a training input pipeline over shards: time per stage and sample, waiting, verdicts, a change's effect."
-    if workers < 0 or batch_size < 1 or batches < 0:
+    import matplotlib.pyplot as plt
+    if num_workers < 0 or batch_size < 1 or batches < 0:
         raise UsageError("--workers and --batches must be >= 0 and --batch-size >= 1")
+    change = _changes(try_) if try_ and try_ != "auto" else {}  # a wrong one is refused before anything runs
     if device == "auto": device = "cuda" if torch.cuda.is_available() else "cpu"
-    base = dict(pipeline=pipeline, workers=workers, batch_size=batch_size)
+    base = dict(pipeline=pipeline, workers=num_workers, batch_size=batch_size)
     label = lambda a: f"{a['pipeline']}, {a['workers']} workers" + (f" on {device}" if a["pipeline"] == "gpu" else "")
     run = lambda a: profile_pipeline(build_loader(src, **a, device=device), simulated_step(step_ms), batches or None,
                                      device=None if device == "cpu" else device, label=label(a))
     profiles = [run(base)]
-    print(report(profiles[0]))
-    if try_:
-        changed = {**base, **(suggested_change(profiles[0]) if try_ == "auto" else _changes(try_))}
-        profiles.append(run(changed))
-        print(f"\ntried {label(changed)}: {profiles[0].rate:,.0f} -> {profiles[1].rate:,.0f} samples/s "
-              f"({profiles[1].rate / profiles[0].rate - 1:+.0%}), measured\n" + compare(profiles))
-    if overhead:
-        o = profile_overhead(lambda: build_loader(src, **base, device=device), batches or None, 3,
-                             simulated_step(step_ms))
-        print(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput (median of 3 side-by-side pairs: "
-              f"{o['plain']:,.0f} samples/s plain, {o['profiled']:,.0f} profiled), {o['cpu_overhead']:+.1%} of CPU "
-              f"per sample ({o['cpu_plain']:.2f} vs {o['cpu_profiled']:.2f} ms)")
+    if try_: profiles.append(run({**base, **(suggested_change(profiles[0]) if try_ == "auto" else change)}))
+    o = profile_overhead(lambda: build_loader(src, **base, device=device), batches or None, 3,
+                         simulated_step(step_ms)) if overhead else None
     d = Path(out); d.mkdir(parents=True, exist_ok=True)
-    plot_stages(profiles, d / "stages.png"); plot_timeline(profiles[0], path=d / "timeline.png")
-    print(f"pictures: {d / 'stages.png'}, {d / 'timeline.png'}")
-    return profiles
+    pictures = [d / "stages.png", d / "timeline.png"]
+    for fig in (plot_stages(profiles, pictures[0]), plot_timeline(profiles[0], path=pictures[1])): plt.close(fig)
+    return dict(profiles=profiles, overhead=o, pictures=pictures)
+
+# %% ../nbs/42b_profile_script.ipynb
+@command(profile_shards)
+def profile_cli(res, args):
+    "Profile a training input pipeline over shards: time per stage and sample, waiting, verdicts, a change's effect."
+    print(profile_summary(res))

@@ -14,8 +14,8 @@ import tarfile
 import time
 from pathlib import Path
 import numpy as np
-from fastcore.script import store_true
 from tqdm.auto import tqdm
+from .command import command
 from .errors import StoreError, UsageError
 from .shards.fields import ShardError, split_key
 from .shards.manifest import read_manifest, resume_point, save_manifest, sha256_file
@@ -279,14 +279,14 @@ def _shuffle_inputs(src, dest, input_template: str | None, output_prefix: str, b
     return names
 
 # %% ../nbs/11_shuffle.ipynb
-def shuffle_shards(src,                            # Input store or spec: a directory or ais://bucket[/prefix]
-                   dest,                           # Output store or spec (created when missing)
-                   shard_size: str | int = "100MB",  # Output shard size: bytes or e.g. "100MB", "64MiB"
+def shuffle_shards(src,                            # Input shards: a directory or ais://bucket[/prefix] (or a Store)
+                   dest,                           # Output: a directory or ais://bucket[/prefix], made if missing
+                   shard_size: str | int = "100MB",  # Output shard size: bytes, or e.g. 100MB, 64MiB
                    seed: int = 0,                  # Shuffle seed: the same seed gives the same order (local)
                    input_template: str | None = None,  # Input shards: glob or brace template (default: all *.tar)
                    output_prefix: str = "shuffled-",  # Output names: <prefix>00000.tar, ...
                    overwrite: bool = False,        # Replace earlier outputs with the same prefix in dest
-                   backend: str = "auto",          # "auto" (dSort when both are AIStore), "dsort" or "local"
+                   backend: str = "auto",          # Where: auto (dSort when both are AIStore), dsort or local
                    timeout: float = 600,           # Seconds to wait for a dSort job
                    progress: bool = True,          # Show progress bars
                   ) -> Shuffled:
@@ -321,20 +321,9 @@ def shuffle_shards(src,                            # Input store or spec: a dire
     return res
 
 # %% ../nbs/11_shuffle.ipynb
-def shuffle_cli(src: str,                       # Input shards: a directory or ais://bucket[/prefix]
-                dest: str,                      # Output store: a directory or ais://bucket[/prefix]
-                shard_size: str = "100MB",      # Output shard size, e.g. 100MB, 64MiB
-                seed: int = 0,                  # Shuffle seed
-                input_template: str = None,     # Input shards: glob or brace template (default: all *.tar)
-                output_prefix: str = "shuffled-",  # Output names: <prefix>00000.tar, ...
-                overwrite: store_true = False,  # Replace earlier outputs with the same prefix
-                backend: str = "auto",          # auto (dSort when both are AIStore), dsort or local
-                timeout: float = 600,           # Seconds to wait for a dSort job
-               ):
+@command(shuffle_shards, hide=("progress",))
+def shuffle_cli(res, args):
     "Shuffle shards into new shards (AIStore dSort or a local equivalent)."
-    res = shuffle_shards(src, dest, shard_size, seed, input_template, output_prefix, overwrite, backend,
-                         timeout=timeout)
     samples = "" if res.samples is None else f"{res.samples} samples -> "
     print(f"{samples}{len(res.names)} shards, {res.bytes / 1e6:.1f} MB in {shown_path(res.dest)} "
           f"({res.backend}, {res.seconds:.1f} s)")
-    return 0

@@ -41,6 +41,7 @@ from shardkit.train_step import (
     small_cnn,
     training_step,
 )
+from .command import command
 from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
 from .loading.transforms import eval_transform, train_transform
@@ -173,31 +174,34 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, num_workers, classes):
     return make_train, val_loader, classes, None
 
 # %% ../nbs/30b_train_script.ipynb
-def train(shards: str | list[str] | None = None, # training shards: brace template or list of names/URLs
-          folder: str | None = None,     # or an ImageFolder tree with train/ (and val/) instead of shards
-          base: str = "",                # prefix for each shard name: a URL or `pipe:curl -s http://host:port/`
-          val_shards: str | list[str] | None = None, # validation shards (same `base`)
-          epochs: int = 1,
-          arch: str = "small",           # `small` CNN or a torchvision model name (resnet18, resnet50, ...)
-          size: int = 64,                # image size the model sees
-          batch_size: int = 32,          # per rank
-          num_workers: int = 2,              # DataLoader workers per rank
-          lr: float = 0.05,
-          max_steps: int | None = None,  # stop after this many steps per rank
-          samples: int | None = None,    # training samples (default: counted from the shards)
-          classes: int | None = None,    # number of classes (default: from the shards or folder)
-          keys_out: str | None = None,   # folder for keys-rank<R>.txt: the keys each rank trained on
-          device: str | None = None,     # cpu or cuda (default: cuda when available)
-          threads: int | None = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
-          seed: int = 0,
-          checkpoint: str | None = None, # save here every `every` steps and after each epoch; run again to go on
-          every: int = 50,
-          pipeline: str = "shardkit",    # shardkit's loader, or `example`: the WebDataset example's (not resumable)
-          decode: str = "cpu",           # where shardkit's loader decodes JPEGs: workers (cpu), device (gpu), or auto
-          precision: str | None = None,  # bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)
-          ) -> list[dict]:
+def train(shards: str | list[str] | None = None,  # Training shards: a directory, ais://bucket, a brace template or URLs
+          folder: str | None = None,       # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
+          base: str = "",                  # Prefix of shard names: http://host:port/ or pipe:curl -s http://host:port/
+          val_shards: str | list[str] | None = None, # Validation shards (a brace template or URLs, same base)
+          epochs: int = 1,                 # Passes over the training data
+          arch: str = "small",             # 'small' CNN, or a torchvision model name such as resnet18
+          size: int = 64,                  # Image size in pixels the model sees
+          batch_size: int = 32,            # Batch size per rank
+          num_workers: int = 2,            # DataLoader workers per rank
+          lr: float = 0.05,                # SGD learning rate
+          max_steps: int | None = None,    # Stop after this many steps (per rank)
+          samples: int | None = None,      # Number of training samples (default: counted from the shards)
+          classes: int | None = None,      # Number of classes (default: counted from the shards or folder)
+          keys_out: str | None = None,     # Folder to write keys-rank<R>.txt, the sample keys each rank trained on
+          json_out: str | None = None,     # File to write the per-epoch results to as JSON (rank 0)
+          device: str | None = None,       # Device: cpu or cuda (default: cuda when available)
+          threads: int | None = None,      # CPU threads of torch per rank (default: cores / (ranks x (1 + workers)))
+          seed: int = 0,                   # Random seed (model init, shard order)
+          checkpoint: str | None = None,   # Save the run here (a file per rank under torchrun); run again to go on
+          every: int = 50,                 # Save every this many steps (and after each epoch, and at max_steps)
+          pipeline: str = "shardkit",      # 'shardkit' (uint8 batches, resumable) or 'example' (WebDataset example's)
+          decode: str = "cpu",             # Where JPEGs are decoded: 'cpu' (loader workers), 'gpu' (nvJPEG) or 'auto'
+          precision: str | None = None,    # Precision: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)
+          ) -> list[dict]:                 # Per epoch: samples, steps, samples/s, loss, validation accuracy, waiting
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
-    if (shards is None) == (folder is None): raise TrainError("give either shards or folder (exactly one)")
+    if (shards is None) == (folder is None):
+        raise TrainError("give either shards (--shards TEMPLATE) or folder (--folder ROOT), exactly one, e.g. "
+                         "--shards 'data/imagenet-train-{000000..000009}.tar'")
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
     try: return _train(**locals())  # every argument, and the device, rank and world size just set up
@@ -242,7 +246,7 @@ def _reading(shards, pipeline: str, decode: str, dev) -> str:
 
 # %% ../nbs/30b_train_script.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
-           classes, keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision,
+           classes, keys_out, json_out, device, threads, seed, checkpoint, every, pipeline, decode, precision,
            dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":
@@ -264,38 +268,12 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
                f"{world_size} rank{'s' * (world_size != 1)}, "
                f"batch {batch_size} per rank, {num_workers} workers per rank, device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
-    return run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
-                       world_size, keys_out, val_loader)[0]
+    hist = run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
+                      world_size, keys_out, val_loader)[0]
+    if json_out and rank == 0: Path(json_out).write_text(json.dumps(hist, indent=1))
+    return hist
 
 # %% ../nbs/30b_train_script.ipynb
-def train_cli(shards: str = None,     # Training shards: a directory, ais://bucket, a brace template or URLs
-              folder: str = None,     # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
-              base: str = "",         # Prefix of each shard name: 'http://host:port/', 'pipe:curl -s http://host:port/'
-              val_shards: str = None, # Validation shards (brace template, same --base)
-              epochs: int = 1,        # Passes over the training data
-              arch: str = "small",    # 'small' CNN, or a torchvision model name such as resnet18
-              size: int = 64,         # Image size in pixels the model sees
-              batch_size: int = 32,   # Batch size per rank
-              workers: int = 2,       # DataLoader workers per rank
-              lr: float = 0.05,       # SGD learning rate
-              max_steps: int = None,  # Stop after this many steps
-              samples: int = None,    # Number of training samples (default: counted from the shards)
-              classes: int = None,    # Number of classes (default: counted from the shards)
-              keys_out: str = None,   # Folder to write keys-rank<R>.txt, the sample keys each rank trained on
-              json_out: str = None,   # File to write the per-epoch results to as JSON (rank 0)
-              device: str = None,     # cpu or cuda (default: cuda when available)
-              threads: int = None,    # torch CPU threads per rank (default: cores / (ranks x (1 + workers)))
-              seed: int = 0,          # Random seed (model init, shard order)
-              checkpoint: str = None, # Save the run here (a file per rank under torchrun); run again to go on from it
-              every: int = 50,        # Save every this many steps (and after each epoch, and at --max-steps)
-              pipeline: str = "shardkit", # 'shardkit' (uint8 batches, resumable) or 'example' (WebDataset's example)
-              decode: str = "cpu",    # Where shardkit's loader decodes JPEGs: 'cpu' (workers), 'gpu' (nvJPEG) or 'auto'
-              precision: str = None): # bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)
+@command(train)
+def train_cli(hist, args):
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."
-    if (shards is None) == (folder is None):
-        raise TrainError("give either --shards TEMPLATE or --folder ROOT (exactly one), e.g. "
-                         "--shards 'data/imagenet-train-{000000..000009}.tar'")
-    hist = train(shards, folder, base, val_shards, epochs, arch, size, batch_size, workers, lr, max_steps,
-                 samples, classes, keys_out, device, threads, seed, checkpoint, every, pipeline, decode, precision)
-    if json_out and int(os.environ.get("RANK", 0)) == 0: Path(json_out).write_text(json.dumps(hist, indent=1))
-    return 0

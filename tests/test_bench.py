@@ -32,12 +32,12 @@ def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
     "The command line around `bench_loader_cli`; a full run of it (every row, --peers, the chart) is nbs/35_bench_loader's."
     r = main_cli("bench", "loader", "--help")
     assert r.returncode == 0, r.stderr
-    for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--out", "shardkit[peers]"):
+    for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--plot", "--json", "shardkit[peers]"):
         assert opt in r.stdout, (opt, r.stdout)
     r = main_cli("bench", "loader", tmp_path / "nowhere")
     assert r.returncode == 2 and "nowhere" in r.stderr and "do not exist" in r.stderr
     r = main_cli("bench", "loader", tmp_path, "--repeats", "0")
-    assert r.returncode == 2 and "--repeats must be >= 1" in r.stderr
+    assert r.returncode == 2 and "repeats must be >= 1" in r.stderr
 
 
 @pytest.mark.slow

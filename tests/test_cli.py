@@ -1,7 +1,7 @@
 """The command table as it is: every command shardkit has, and every `shardkit X Y` the README and the notebooks tell a
 reader to type, resolves in cli.COMMANDS to a function that imports and parses its options. No test adds or replaces a
 command (the last test checks the suite for it), so deleting an entry from the table fails here."""
-import json, re
+import inspect, json, re
 from pathlib import Path
 import pytest
 from shardkit.cli import COMMANDS, command_parser, find_command, load_command
@@ -135,3 +135,21 @@ def test_help_has_no_placeholders_and_version_answers():
     r = main_cli("convertt", "folder")
     assert r.returncode == 2 and "did you mean 'shardkit convert folder'" in r.stderr, r.stderr
     assert "commands:" not in r.stdout, "an unknown command says so first, without the list of every command"
+
+
+def test_every_command_takes_its_options_from_its_function():
+    """A command's options are its library function's parameters, defaults and docments (`shardkit.command`): its
+    `*_cli` is at most 10 lines, declares no parameters of its own, and every option it shows has help."""
+    long, own, bare = [], [], []
+    for cmd in COMMANDS:
+        run = load_command(cmd)
+        assert hasattr(run, "options"), f"`shardkit {' '.join(cmd)}` is not made with shardkit.command.command"
+        report = run.__wrapped__
+        lines = inspect.getsource(report).rstrip().splitlines()
+        if len(lines) > 10: long.append(f"{report.__name__} ({len(lines)} lines)")
+        if len(inspect.signature(report).parameters) != 2: own.append(report.__name__)
+        bare += [f"{' '.join(cmd)} {a.option_strings or a.dest}" for a in command_parser(cmd)._actions
+                 if not (a.help or "").strip()]
+    assert not long, f"*_cli functions over 10 lines (move the work into the library function): {long}"
+    assert not own, f"*_cli functions with parameters of their own (take them from the function): {own}"
+    assert not bare, f"options without help (give the library parameter a docment): {bare}"

@@ -24,7 +24,7 @@ def built(tmp_path_factory):
     site = tmp_path_factory.mktemp("docs") / "site"
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        rc = docs.docs_cli(out=str(site), nbs=str(NBS), offline=True)
+        rc = docs.docs_cli(out=str(site), nbs=str(NBS), offline=True, execute=False)
     assert rc == 0, f"shardkit docs failed ({rc}):\n{out.getvalue()}\n{err.getvalue()}"
     return site, out.getvalue(), err.getvalue()
 
@@ -210,7 +210,7 @@ def test_docs_cli_fails_when_a_notebook_cannot_be_processed(tmp_path, capsys):
     import nbformat
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Fine")]), proj / "nbs" / "index.ipynb")
     _nb(proj / "nbs" / "01_broken.ipynb", "#| export\nraise ValueError('broken on purpose')")
-    assert docs.docs_cli(out=str(tmp_path / "site"), nbs=str(proj / "nbs"), offline=True) == 1
+    assert docs.docs_cli(out=str(tmp_path / "site"), nbs=str(proj / "nbs"), offline=True, execute=False) == 1
     err = capsys.readouterr().err
     assert "could not process 1 of 2 notebook(s)" in err and "01_broken.ipynb: " in err and "broken on purpose" in err, err
     assert not (tmp_path / "site").exists()
@@ -270,7 +270,7 @@ def test_quarto_renderer_when_quarto_exists(tmp_path, monkeypatch, capsys):
                                  'echo "<html>rendered by quarto</html>" > _docs/index.html\n')
     (bin_ / "quarto").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
-    assert docs.docs_cli(out=str(tmp_path / "site"), nbs=str(proj / "nbs")) == 0
+    assert docs.docs_cli(out=str(tmp_path / "site"), nbs=str(proj / "nbs"), offline=False, execute=False) == 0
     assert "rendering with Quarto" in capsys.readouterr().out
     assert (proj / "_proc" / "called.txt").read_text().split() == ["render", "--no-cache"]
     assert "rendered by quarto" in (tmp_path / "site" / "index.html").read_text()

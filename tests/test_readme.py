@@ -55,7 +55,7 @@ def test_every_measured_figure_has_a_real_command():
     commands = _shardkit_commands(measured)
     chart = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", measured)[0]
     assert any(" bench loader " in c and "--peers" in c and chart in c for c in commands), \
-        f"the command that made {chart} (`shardkit bench loader ... --peers --out {chart}`) is not under it"
+        f"the command that made {chart} (`shardkit bench loader ... --peers --plot {chart}`) is not under it"
     for c in commands:
         cmd, _ = find_command(shlex.split(c)[1:])
         assert cmd in COMMANDS, f"`{c}` is not a shardkit command; `shardkit --help` lists them"

@@ -204,7 +204,7 @@ def test_train_checkpoint_on_cuda_resumes_exactly(tmp_path):
     "On CUDA the loader copies one batch ahead: a run stopped and resumed still trains on the uninterrupted run's keys."
     from shardkit.train import train
     shards = write_shards(tmp_path / "shards", [20, 20, 6, 18])
-    args = dict(shards=shards, size=32, batch_size=4, workers=2, epochs=2, device="cuda", seed=3, every=2)
+    args = dict(shards=shards, size=32, batch_size=4, num_workers=2, epochs=2, device="cuda", seed=3, every=2)
     train(**args, checkpoint=str(tmp_path / "whole.pt"), keys_out=str(tmp_path / "whole"))
     train(**args, checkpoint=str(tmp_path / "run.pt"), keys_out=str(tmp_path / "resumed"), max_steps=11)
     train(**args, checkpoint=str(tmp_path / "run.pt"), keys_out=str(tmp_path / "resumed"))

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 import webdataset as wds
+from ..command import command
 from ..errors import UsageError
 from ..pets import CHECKS, convert_pets
 from ..store import open_store, shown_path
@@ -72,12 +73,16 @@ def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str |
     return times
 
 # %% ../../nbs/32_bench_convert.ipynb
-def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
-                  workers: int = 2,   # Processes for the validating converter
-                  repeat: int = 3,    # Runs of each; the median counts
-                  checks: tuple = CHECKS, # Image checks to measure convert_pets with
-                  dest: str | None = None): # Store to write into (default: fresh temp directories)
+def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from `shardkit pets synth ROOT`)
+                  workers: int = 2,          # Processes for the validating converter
+                  repeat: int = 3,           # Runs of each; the median counts
+                  check: str | None = None,  # Only this image check of convert_pets, decode or fast; default: each
+                  dest: str | None = None,   # Store to write into, e.g. ais://bench; default: fresh temp directories
+                 ) -> dict:                  # Converter -> its median run: seconds, samples/s, MB/s, CPU ms, ratio
     "Samples/s and MB/s of the AIStore post's plain loop and of `convert_pets` on the same input, and the ratios."
+    if repeat < 1: raise UsageError(f"repeat must be >= 1, got {repeat}")
+    if check is not None and check not in CHECKS:
+        raise UsageError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
     root = Path(root)
     if not (root / "annotations" / "list.txt").is_file():
         raise BenchError(f"{shown_path(root)} is not an Oxford-IIIT Pet folder (no annotations/list.txt); "
@@ -85,7 +90,7 @@ def bench_convert(root: str | Path,   # Oxford-IIIT Pet folder
     # warm the page cache
     for p in list((root / "images").iterdir()) + list((root / "annotations" / "trimaps").iterdir()): p.read_bytes()
     runs = {"AIStore post's loop (no checks)": None}
-    runs.update({f"convert_pets (check={c}, {workers} workers)": c for c in checks})
+    runs.update({f"convert_pets (check={c}, {workers} workers)": c for c in ((check,) if check else CHECKS)})
     res = {}
     for label, rs in _convert_runs(root, runs, workers, repeat, dest).items():
         t, n, b, cpu = sorted(rs)[len(rs) // 2]
@@ -106,13 +111,7 @@ def convert_table(res: dict) -> str:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"])
 
 # %% ../../nbs/32_bench_convert.ipynb
-def bench_convert_cli(root: str,         # Oxford-IIIT Pet folder (e.g. from `shardkit pets synth ROOT`)
-                      workers: int = 2,  # Processes for the validating converter
-                      repeat: int = 3,   # Runs of each; the median counts
-                      check: str = "",   # Only this image check, decode or fast (empty: both)
-                      dest: str = ""):   # Store to write into, e.g. ais://bench (empty: temp directories)
+@command(bench_convert)
+def bench_convert_cli(res, args):
     "Benchmark the Pet converter against the AIStore post's plain ShardWriter loop, side by side."
-    if repeat < 1: raise UsageError(f"--repeat must be >= 1, got {repeat}")
-    if check and check not in CHECKS: raise UsageError(f"--check must be one of {', '.join(CHECKS)}, got {check!r}")
-    res = bench_convert(root, workers=workers, repeat=repeat, checks=(check,) if check else CHECKS, dest=dest or None)
     print(convert_table(res))

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+from ..command import command
 from ..etl import run_etl
 from ..etl.dask import dask_client, run_etl_dask
 from .core import cpu_seconds, format_bench
@@ -37,12 +38,12 @@ def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
     return _row("dask, warm cluster", s, dt, cpu_seconds() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0))
 
 def bench_dask_etl(src,                     # Store of ImageNet-style shards: a directory or ais://bucket[/prefix]
-                   fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # The transform to run
+                   fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # Transform, MODULE:FUNCTION
                    pattern: str = "*.tar",  # Which shards
                    workers: int = 2,        # Worker processes for both engines
                    seed: int = 0,           # Per-sample seed of the transform
-                   cluster=None,            # A running cluster (or address) for the warm row; None: start one
-                  ) -> list[dict]:
+                   cluster=None,            # A cluster (or its address) for the warm row; default: start one
+                  ) -> list[dict]:          # One row per engine: shards, samples, seconds, rates, CPU ms per sample
     "The local and the Dask engine, each fresh and warm, on the shards of `src`: time and CPU per sample."
     rows, root = [], Path(tempfile.mkdtemp(prefix="shardkit-bench-dask-"))
     try:
@@ -63,16 +64,14 @@ def bench_dask_etl(src,                     # Store of ImageNet-style shards: a 
 
 # %% ../../nbs/37_bench_dask.ipynb
 def dask_table(rows: list[dict]) -> str:
-    "The rows of `bench_dask_etl` as a table."
+    "The rows of `bench_dask_etl` as a table, with the machine's cores and load average."
     return format_bench(rows, {"engine": ("engine", "{}"), "shards": ("shards", "{}"), "samples": ("samples", "{}"),
                                "seconds": ("seconds", "{:.2f}"), "shards_per_s": ("shards/s", "{:.2f}"),
                                "samples_per_s": ("samples/s", "{:.1f}"),
-                               "cpu_ms_per_sample": ("CPU ms/sample", "{:.1f}")})
+                               "cpu_ms_per_sample": ("CPU ms/sample", "{:.1f}")},
+                        notes=[f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"])
 
-def bench_dask_etl_cli(src: str,                # ImageNet-style shards (NAME.jpg + .cls): a directory or ais://bucket
-                       pattern: str = "*.tar",  # Which shards
-                       workers: int = 2,        # Worker processes for both engines
-                       fn: str = "shardkit.etl.transforms:imagenet_train_uint8"):  # The transform, MODULE:FUNCTION
+@command(bench_dask_etl)
+def bench_dask_etl_cli(rows, args):
     "Benchmark the Dask ETL engine against the local one: time, shards/s and CPU per sample."
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
-    print(dask_table(bench_dask_etl(src, fn, pattern, workers)))
+    print(dask_table(rows))

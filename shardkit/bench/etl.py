@@ -9,6 +9,8 @@ import time
 import requests
 import torch
 import webdataset as wds
+from ..command import command
+from ..errors import UsageError
 from ..etl.sidecar import Sidecar
 from ..etl.transforms import imagenet_pipeline, to_rgb, to_tensor
 from ..store import open_store, shown_path
@@ -64,8 +66,12 @@ def _best_rows(rows: list[dict]) -> list[dict]:
         r["bytes_vs_jpeg"] = round(r["bytes_per_sample"] / base["bytes_per_sample"], 2)
     return list(best.values())
 
-def bench_etl(src, pattern: str = "*.tar", repeat: int = 1) -> list[dict]:
+def bench_etl(src,                    # Store of ImageNet-style shards (NAME.jpg + NAME.cls): a directory, ais://...
+              pattern: str = "*.tar", # Which shards
+              repeat: int = 1,        # Runs per path (the best counts)
+             ) -> list[dict]:         # One row per path: samples/s, client CPU and bytes per sample, and ratios
     "Client-side against offloaded (sidecar) training transforms on the shards of `src`: one row per path."
+    if repeat < 1: raise UsageError(f"repeat must be >= 1, got {repeat}")
     store = open_store(src)
     names = store.list(pattern)
     if not names:
@@ -103,13 +109,12 @@ def etl_table(rows: list[dict]) -> str:
         f"moving {npy['bytes_vs_jpeg']:.1f}x the JPEG bytes"])
 
 # %% ../../nbs/33_bench_etl.ipynb
-def bench_etl_cli(src: str,               # Store of ImageNet-style shards (NAME.jpg + NAME.cls): a directory, ais://...
-                  pattern: str = "*.tar", # Which shards
-                  repeat: int = 1):       # Runs per path (the best counts)
+@command(bench_etl)
+def bench_etl_cli(rows, args):
     "Benchmark client-side against offloaded (sidecar) transforms: samples/s, client CPU per sample, bytes per sample."
-    rows = bench_etl(src, pattern, repeat)
-    n, shards = rows[0]["samples"], len(open_store(src).list(pattern))
-    print(f"{n} samples in {shards} shards of {shown_path(open_store(src).spec)}; "
+    store = open_store(args.src)
+    n, shards = rows[0]["samples"], len(store.list(args.pattern))
+    print(f"{n} samples in {shards} shards of {shown_path(store.spec)}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
           + ("; small shards: the per-shard cost (a curl process, a request) weighs on every sample"
              if n / shards < 100 else ""))

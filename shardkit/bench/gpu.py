@@ -6,11 +6,11 @@
 from __future__ import annotations
 import inspect
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 import torch
+from ..command import command
 from ..loader import create_dataloader, create_dataset
 from ..loading.gpu import create_gpu_loader, decode_batch, why_no_gpu
 from ..loading.sources import LoaderError, shard_urls
@@ -149,22 +149,23 @@ def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, 
     return runs + ([(f"NVIDIA DALI + step ({num_workers} threads)", dali_run, fn)] if dali else [])
 
 # %% ../../nbs/38_bench_gpu.ipynb
-def bench_gpu_decode(sources,                        # Shards with JPEG images
-                     image_key: str = "image.jpg",   # The JPEG field of the samples ("jpg" in ImageNet-style shards)
-                     batch_size: int = 64,           # Samples per batch, for every contender
-                     num_workers: int = 4,           # DataLoader workers (CPU threads for DALI)
-                     samples: int = 2000,            # Samples per timed run (small sets are read several times over)
-                     size: int = 224,                # Side of the square crops
-                     device="cuda",                  # cuda; cpu times the same code path without a GPU
-                     dali: bool = True,              # Add NVIDIA DALI's pipeline when it is installed
-                     step: str = "none",             # A model to feed (torchvision name, `small`); none: loaders alone
-                     thread: str = "default",        # The loaders' device work in a thread: on, off, both, or default
-                    ) -> list[dict]:                 # One row per contender; [] (and why, on stderr) without CUDA
+def bench_gpu_decode(sources,                      # Shards with JPEGs: a directory, ais://bucket, a template, a .tar
+                     image_key: str = "image.jpg", # The JPEG field of the samples ("jpg" in ImageNet-style shards)
+                     batch_size: int = 64,         # Samples per batch, for every contender
+                     num_workers: int = 4,         # DataLoader workers for every loader (CPU threads for DALI)
+                     samples: int = 2000,          # Samples per timed run (small sets are read several times over)
+                     size: int = 224,              # Side of the square crops
+                     device="cuda",                # The device: cuda; cpu runs the same code without a GPU, to check it
+                     dali: bool = True,            # Add NVIDIA DALI's pipeline when it is installed
+                     step: str = "none",           # Feed a training step: torchvision model (resnet50 ...), small, none
+                     thread: str = "default",      # The loaders' device work in a thread beside the loop: on, off, both
+                    ) -> list[dict]:               # One row per contender
     "Samples/s of decode + augmentation on `device`: the GPU loader, the CPU loader and DALI, alone or feeding a step."
     dev = torch.device(device)
     if dev.type == "cuda" and (why := why_no_gpu(str(device))):
-        print(f"bench gpu: nothing measured, {why}", file=sys.stderr)
-        return []
+        src = sources if isinstance(sources, (str, Path)) else "SRC"
+        raise LoaderError(f"nothing to measure: {why}. The CPU loader's benchmark runs anywhere: "
+                          f"shardkit bench loader {src}")
     threads = {"on": [True], "off": [False], "both": [False, True], "default": [None]}.get(thread)
     if threads is None: raise LoaderError(f"thread must be on, off, both or default, not {thread!r}")
     if dev.type == "cuda": torch.backends.cudnn.benchmark = True
@@ -186,27 +187,15 @@ def gpu_table(rows: list[dict]) -> str:
                         title="JPEG decode + augmentation, batches on the device")
 
 # %% ../../nbs/38_bench_gpu.ipynb
-def bench_gpu_cli(src: str,                  # Shards with JPEG images: a directory, ais://bucket, a template, or a .tar
-                  image: str = "image.jpg",  # The JPEG field of the samples ("jpg" in ImageNet-style shards)
-                  workers: int = 4,          # DataLoader workers for every loader (CPU threads for DALI)
-                  batch_size: int = 64,      # Samples per batch
-                  samples: int = 2000,       # Samples per timed run (small sets are read several times over)
-                  size: int = 224,           # Side of the square crops
-                  device: str = "cuda",      # cuda; cpu runs the same code without a GPU (to check it, not to time it)
-                  step: str = "none",        # Feed a training step: a torchvision model (resnet50 ...), small, or none
-                  thread: str = "default",   # The loaders' device work in a thread beside the loop: on, off, both
-                  json: str = None,          # Write the rows (and the setup) to this JSON file
-                 ):
-    "Benchmark the GPU loader (nvJPEG; DALI if installed) against the CPU loader, alone or feeding a training step."
-    if torch.device(device).type == "cuda" and (why := why_no_gpu(device)):
-        raise LoaderError(f"nothing to measure: {why}. The CPU loader's benchmark runs anywhere: "
-                          f"shardkit bench loader {src}")
-    rows = bench_gpu_decode(src, image, batch_size, workers, samples, size, device, step=step, thread=thread)
-    print(gpu_table(rows))
-    if json:
-        gpu = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else None
-        setup = dict(src=str(src), workers=workers, batch_size=batch_size, samples=samples, size=size, device=device,
-                     step=step, thread=thread, torch=torch.__version__, gpu=gpu)
-        Path(json).write_text(_dumps(dict(setup=setup, rows=rows), indent=1))
+def _setup(args) -> dict:
+    "What `bench gpu --json` records beside the rows: the settings, torch's version and the GPU's name."
+    gpu = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else None
+    return dict(src=str(args.sources), workers=args.num_workers, batch_size=args.batch_size, samples=args.samples,
+                size=args.size, device=args.device, step=args.step, thread=args.thread, torch=torch.__version__,
+                gpu=gpu)
 
-_dumps = json.dumps  # the CLI's `json` option shadows the module inside bench_gpu_cli
+@command(bench_gpu_decode, outputs=("json",))
+def bench_gpu_cli(rows, args):
+    "Benchmark the GPU loader (nvJPEG; DALI if installed) against the CPU loader, alone or feeding a training step."
+    print(gpu_table(rows))
+    if args.json: Path(args.json).write_text(json.dumps(dict(setup=_setup(args), rows=rows), indent=1))

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 import torch
-from fastcore.script import store_true
 from shardkit.bench.peers import (
     LOADER_MAKERS,
     LOADER_ROWS,
@@ -27,6 +26,7 @@ from shardkit.bench.peers import (
     importable,
     prepare_bench_data,
 )
+from ..command import command
 from ..errors import UsageError
 from ..loading.jpeg import DCT_MODES, decode_crop, why_no_crop_decode, why_no_window_decode
 from ..loading.sources import shard_urls
@@ -36,8 +36,8 @@ from ..store import shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children, warm_page_cache
 
 # %% auto 0
-__all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'bench_loader', 'fastest_peer', 'cheapest_peer', 'bench_ratios',
-           'loader_table', 'plot_bench', 'machine_summary', 'bench_loader_cli']
+__all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'machine_summary', 'run_record', 'bench_loader', 'fastest_peer',
+           'cheapest_peer', 'bench_ratios', 'loader_table', 'plot_bench', 'bench_loader_cli']
 
 # %% ../../nbs/35_bench_loader.ipynb
 def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
@@ -144,6 +144,35 @@ def _summary(runs: list[dict]) -> dict:
                 counts=sorted({e["n"] for e in inexact}))
 
 # %% ../../nbs/35_bench_loader.ipynb
+def _cpu_model() -> str:
+    "The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+def machine_summary() -> str:
+    "This machine in one line: CPU model, cores, memory, Python and torch versions, and the 1-minute load average."
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
+
+def run_record(sources,                    # The shards, as given: a path, a template, a store, or URLs
+               num_workers: int,           # Worker processes for every loader
+               repeats: int,               # Runs per loader
+               samples: int,               # Samples per epoch at least
+               peers: bool = False,        # Whether the peers ran
+               cold: bool = False,         # Whether the page cache was dropped before each run
+               max_shards: int | None = None,  # Only the first N shards
+              ) -> dict:                   # date (UTC), machine (`machine_summary`), command
+    "When, where and how the loader benchmark ran: the date, this machine, and the command line that repeats it."
+    src = shown_path(sources) if isinstance(sources, (str, Path)) else getattr(sources, "spec", "SRC")
+    flags = [f"--workers {num_workers}", f"--repeats {repeats}", f"--samples {samples}"] + ["--peers"] * peers
+    flags += ["--cold"] * cold + [f"--max-shards {max_shards}"] * (max_shards is not None)
+    return dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine_summary(),
+                command=" ".join(["shardkit bench loader", src] + flags))
+
+# %% ../../nbs/35_bench_loader.ipynb
 def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dict]:
     "Each row's measuring spec (a peer's copy of the data converted once, then cached); the rows that cannot run, why."
     rows, specs = {}, {}
@@ -192,11 +221,32 @@ def _median_floor(floors: list[dict]) -> dict:
                 modes={m: statistics.median(f["modes"][m] for f in ok) for m in ok[0]["modes"]})
 
 # %% ../../nbs/35_bench_loader.ipynb
-def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int = 3, max_shards: int | None = None,
-                 samples: int = 2000, peers: bool = False, progress: bool = True, cache: str | Path | None = None,
-                 only: Sequence[str] | None = None, timeout: float = 600, ceiling_seconds: float = 3.0) -> dict:
+def _checked_urls(sources, num_workers: int, repeats: int, samples: int) -> list[str]:
+    "The shard URLs of `sources`, once the settings are possible and every local shard exists."
+    if num_workers < 0: raise UsageError(f"num_workers must be >= 0, got {num_workers}")
+    if repeats < 1: raise UsageError(f"repeats must be >= 1, got {repeats}")
+    if samples < 1: raise UsageError(f"samples must be >= 1, got {samples}")
+    urls = shard_urls(sources)
+    missing = [u for u in urls if "://" not in u and not Path(u).exists()]
+    if missing: raise BenchError(f"{len(missing)} shard(s) do not exist, e.g. {shown_path(missing[0])}; check the path")
+    return urls
+
+# %% ../../nbs/35_bench_loader.ipynb
+def bench_loader(sources,                           # Shards: a directory, ais://bucket, a brace template, or a .tar
+                 num_workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
+                 repeats: int = 3,                  # Runs per loader, interleaved, each a fresh process; medians shown
+                 samples: int = 2000,               # Samples per epoch at least (a small set is read several times)
+                 peers: bool = False,               # Add LitData, MDS, DALI, FFCV, wids: pip install "shardkit[peers]"
+                 cold: bool = False,                # Drop the page cache before each run (where permitted)
+                 max_shards: int | None = None,     # Use only the first N shards
+                 cache: str | Path | None = None,   # Folder for the converted copies; default: ~/.cache/shardkit/bench
+                 progress: bool = True,             # A progress bar over the runs
+                 only: Sequence[str] | None = None, # Only these rows (names in BASE_ROWS and PEER_LOADERS)
+                 timeout: float = 600,              # Seconds one run may take
+                 ceiling_seconds: float = 3.0,      # CPU seconds that each run of the ceiling and the floor measures
+                ) -> dict:                          # Rows, rates, CPU per sample, yardsticks, load; `run`: `run_record`
     "shardkit's loaders against webdataset, ImageFolder, the post's pipeline, (`peers`) LitData, MDS, DALI, FFCV, wids."
-    urls = shard_urls(sources)[:max_shards]
+    urls = _checked_urls(sources, num_workers, repeats, samples)[:max_shards]
     data = prepare_bench_data(urls, samples, cache)
     names = [n for n in BASE_ROWS + (tuple(PEER_LOADERS) if peers else ()) if only is None or n in only]
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
@@ -222,7 +272,8 @@ def bench_loader(sources, num_workers: int = 2, cold: bool = False, repeats: int
                 fields=data.fields,
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
                 load_start=load_start[0], load_end=load_end[0], load=load_end[0], window=why_no_window_decode(),
-                cache_note=(note or "page cache dropped before each run") if cold else "page cache warm")
+                cache_note=(note or "page cache dropped before each run") if cold else "page cache warm",
+                run=run_record(sources, num_workers, repeats, samples, peers, cold, max_shards))
 
 # %% ../../nbs/35_bench_loader.ipynb
 LOADER_GOALS = {"peer": 1.3, "ceiling": 0.85, "cpu": 0.75, "floor": 1.25, "first_batch": 0.3}
@@ -360,46 +411,10 @@ def plot_bench(result: dict, path: str | Path | None = None):
     return fig
 
 # %% ../../nbs/35_bench_loader.ipynb
-def _cpu_model() -> str:
-    "The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
-
-def machine_summary() -> str:
-    "This machine in one line: CPU model, cores, memory, Python and torch versions, and the 1-minute load average."
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
-
-# %% ../../nbs/35_bench_loader.ipynb
-def bench_loader_cli(src: str,                      # Shards: a directory, ais://bucket, a brace template, or a .tar
-                     workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
-                     repeats: int = 3,              # Runs per loader, interleaved, each a fresh process; medians shown
-                     samples: int = 2000,           # Samples per epoch at least (a small set is read several times)
-                     peers: store_true = False,     # Add LitData, MDS, DALI, FFCV, wids: pip install "shardkit[peers]"
-                     cold: store_true = False,      # Drop the page cache before each run (where permitted)
-                     max_shards: int = None,        # Use only the first N shards
-                     cache: str = "",               # Folder for the converted copies; default ~/.cache/shardkit/bench
-                     out: str = "bench-loader.png",  # Where to save the bar chart (PNG)
-                     json: str = ""):               # Also write the result, date, machine and command to this JSON file
+@command(bench_loader, outputs=("json", "plot"), hide=("progress", "only"))
+def bench_loader_cli(res, args):
     "Benchmark shardkit's loaders against webdataset, ImageFolder, the post's pipeline and (--peers) others: same work."
-    if workers < 0: raise UsageError(f"--workers must be >= 0, got {workers}")
-    if repeats < 1: raise UsageError(f"--repeats must be >= 1, got {repeats}")
-    if samples < 1: raise UsageError(f"--samples must be >= 1, got {samples}")
-    urls = shard_urls(src)
-    missing = [u for u in urls if "://" not in u and not Path(u).exists()]
-    if missing: raise BenchError(f"{len(missing)} shard(s) do not exist, e.g. {shown_path(missing[0])}; check SRC")
-    res = bench_loader(urls, num_workers=workers, cold=cold, repeats=repeats, max_shards=max_shards, samples=samples,
-                       peers=peers, cache=cache or None)
     print(loader_table(res))
-    plot_bench(res, out)
-    print(f"plot: {shown_path(out)}")
-    if json:
-        flags = [f"--workers {workers}", f"--repeats {repeats}", f"--samples {samples}"] + ["--peers"] * peers
-        flags += ["--cold"] * cold + [f"--max-shards {max_shards}"] * (max_shards is not None)
-        run = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine_summary(),
-                   command=" ".join(["shardkit bench loader", shown_path(src)] + flags))
-        Path(json).write_text(dumps(dict(res, run=run), indent=1, default=str)); print(f"result: {shown_path(json)}")
-    return res
+    if args.plot: plot_bench(res, args.plot); print(f"plot: {shown_path(args.plot)}")
+    if args.json:
+        Path(args.json).write_text(dumps(res, indent=1, default=str)); print(f"result: {shown_path(args.json)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from fastcore.script import store_true
+from ..command import command
 from ..errors import UsageError
 from ..loader import create_dataloader, create_dataset
 from ..loading.random import create_random_loader
@@ -55,7 +55,7 @@ def bench_mix(src,                        # Shards: a directory, ais://bucket, a
               repeats: int = 3,           # Rounds: each times one epoch of every contender
               batch_size: int = 64,       # Samples per batch
               num_workers: int = 2,       # Loader workers
-              decode: bool = True,        # Decode and augment the image (train_transform(size)); False: label and key
+              decode: bool = True,        # Decode + augment images (without: label and key only, mixing's worst case)
               size: int = 224,            # The crop's size, with `decode`
               seed: int = 0,              # Seed of orders, shuffles and crops
              ) -> list[dict]:             # One row per contender: medians, and the mix's ratios to one source
@@ -87,12 +87,7 @@ def mix_table(rows: list[dict], decode: bool = True) -> str:
                         notes=[f"the mix costs {worst - 1:+.1%} CPU per sample at most (goal: within +5%)"])
 
 # %% ../../nbs/36a_bench_mix.ipynb
-def bench_mix_cli(src: str,                # Shards: a directory, ais://bucket or a brace template (2 shards or more)
-                  repeats: int = 3,        # Rounds: each times one epoch of every contender
-                  batch_size: int = 64,    # Samples per batch
-                  workers: int = 2,        # Loader workers
-                  no_decode: store_true = False,  # Read the label and key only: mixing's cost at its largest share
-                  size: int = 224):        # The crop's size, when decoding
+@command(bench_mix)
+def bench_mix_cli(rows, args):
     "Benchmark mixing: one source against the same shards read as a mix of two, streamed and by random access."
-    rows = bench_mix(src, repeats, batch_size, workers, not no_decode, size)
-    print(mix_table(rows, not no_decode))
+    print(mix_table(rows, args.decode))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import urlparse
-from fastcore.script import store_true
+from ..command import command
 from ..config import private_dir
 from ..errors import UsageError
 from ..loader import create_dataloader, create_dataset
@@ -23,7 +23,7 @@ from .peers import shard_fields
 
 # %% auto 0
 __all__ = ['bench_random', 'bench_ais_index', 'ais_cluster_cpu', 'bench_read_modes', 'modes_table', 'random_table',
-           'bench_random_cli']
+           'bench_random_access', 'bench_random_cli']
 
 # %% ../../nbs/36_bench_random.ipynb
 def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[int, float, float]:
@@ -140,25 +140,30 @@ def random_table(rows: dict) -> str:
             "cpu_ms": ("CPU ms/sample", "{:.2f}"), "samples": ("samples", "{:d}")}
     return format_bench([dict(r, name=k) for k, r in rows.items()], cols)
 
-def bench_random_cli(src: str,                  # Shards: a directory, a brace template of tars, or ais://bucket
-                     workers: int = 2,          # DataLoader workers
-                     samples: int = 2000,       # Samples per timed run (whole epochs)
-                     batch_size: int = 64,      # Samples per batch
-                     shard_index: store_true = False,  # On AIStore: GetBatch, then build the cluster's index, and again
-                     modes: store_true = False, # On AIStore: every read mode (cache, range, GetBatch) against streaming
-                     keys: str = None):         # Fields to read, comma-separated (default: the class label and JPEG)
+def bench_random_access(src,                       # Shards: a directory, a brace template of tars, or ais://bucket
+                        num_workers: int = 2,      # DataLoader workers
+                        samples: int = 2000,       # Samples per timed run (whole epochs)
+                        batch_size: int = 64,      # Samples per batch
+                        shard_index: bool = False, # On AIStore: GetBatch, then build the cluster's index, and again
+                        modes: bool = False,       # On AIStore: every read mode (cache, range, GetBatch) vs streaming
+                        keys: str | Sequence[str] | None = None,  # Fields to read, comma-separated; default: cls, JPEG
+                       ) -> dict:                  # rows: name -> `bench_random`'s result; modes: `bench_read_modes`'
+    "The random-access loader on `src`, reading only and decoding; on AIStore without and with its index, or each mode."
+    if (modes or shard_index) and not str(src).startswith("ais://"):
+        raise UsageError(f"{'modes' if modes else 'shard_index'} is for ais:// buckets, not {src}")
+    if isinstance(keys, str): keys = tuple(k.strip() for k in keys.split(",") if k.strip())
+    if not keys: f = shard_fields(shard_urls(src)[0]); keys = (f["label"], f["image"])  # `cls` + `jpg` or `image.jpg`
+    if modes: return dict(modes=bench_read_modes(src, keys=keys, batch_size=batch_size, num_workers=num_workers))
+    kw = dict(num_workers=num_workers, samples=samples, batch_size=batch_size, keys=keys)
+    if not shard_index: return dict(rows={"read": bench_random(src, read_only=True, **kw),
+                                          "decode": bench_random(src, **kw)})
+    res = bench_ais_index(src, **kw)
+    return dict(rows={f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()},
+                modes=res["modes"])
+
+# %% ../../nbs/36_bench_random.ipynb
+@command(bench_random_access)
+def bench_random_cli(res, args):
     "Benchmark the random-access loader: reading only, and reading + decoding + augmenting."
-    if keys: fields = tuple(k.strip() for k in keys.split(",") if k.strip())
-    else:  # `cls` + `jpg` (ImageNet) or `image.jpg` (Pets)
-        f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])
-    kw = dict(num_workers=workers, samples=samples, batch_size=batch_size, keys=fields)
-    if modes:
-        if not str(src).startswith("ais://"): raise UsageError(f"--modes is for ais:// buckets, not {src}")
-        return print(modes_table(bench_read_modes(src, keys=fields, batch_size=batch_size, num_workers=workers)))
-    if shard_index:
-        if not str(src).startswith("ais://"): raise UsageError(f"--shard-index is for ais:// buckets, not {src}")
-        res = bench_ais_index(src, **kw)
-        rows = {f"{m}, {k}": r for k in ("without index", "with index") for m, r in res[k].items()}
-        print(modes_table(res["modes"]))
-    else: rows = {"read": bench_random(src, read_only=True, **kw), "decode": bench_random(src, **kw)}
-    print(random_table(rows))
+    if "modes" in res: print(modes_table(res["modes"]))
+    if "rows" in res: print(random_table(res["rows"]))

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 import torch
-from fastcore.script import store_true
 from tqdm.auto import tqdm
+from ..command import command
 from ..errors import UsageError
 from ..folder import class_names, convert_folder
 from ..loader import create_dataloader, create_dataset
@@ -251,24 +251,31 @@ def _spec(root, n, stage, **kw) -> dict:
                      decoded=4000, image_size=48, ais_samples=10_000, ais_scan_samples=1000), **kw)
 
 # %% ../../nbs/43_bench_scale.ipynb
-def bench_scale(root: str | Path,                       # Work folder: the image pool, a tree and shards per size
-                ns: Sequence[int] = (20_000, 200_000),  # Sizes (samples), smallest first
-                stages: Sequence[str] | None = None,    # Stages (default: the local ones; AIStore's with AIS_ENDPOINT)
-                cold: bool = False,                     # Drop the page cache before each stage, where permitted
-                timeout: float = 3600,                  # Seconds one stage may take
-                progress: bool = True,                  # Progress bars and a line per stage
-                **kw,                                   # Stage settings to override (workers, decoded, shard_samples)
-               ) -> list[dict]:                         # One row per stage and size (seconds, CPU, memory, I/O)
-    "Run every stage at every size in `ns`, each in a fresh process."
+def bench_scale(root: str | Path,                           # Work folder (a few GB at 1,000,000): pool, trees, shards
+                n: str | Sequence[int] = "20000,200000",    # Sizes, comma-separated (e.g. 20000,200000,1000000)
+                stages: str | Sequence[str] | None = None,  # Stages, comma-separated (default: all that can run here)
+                cold: bool = False,                         # Drop the page cache before each stage, where permitted
+                num_workers: int = 2,                       # DataLoader workers of the loader stages
+                decoded: int = 4000,                        # Samples of the decoded epochs (a bounded subset)
+                timeout: float = 3600,                      # Seconds one stage may take
+                progress: bool = True,                      # Progress bars and a line per stage
+                **kw,                                       # Other stage settings (shard_samples, batch_size, ...)
+               ) -> list[dict]:                             # One row per stage and size (seconds, CPU, memory, I/O)
+    "Run every stage at every size in `n` (a list, or comma-separated), smallest first, each in a fresh process."
+    sizes = n.split(",") if isinstance(n, str) else n
+    try: sizes = sorted(int(str(x).strip().replace("_", "")) for x in sizes if str(x).strip())
+    except ValueError:
+        raise UsageError(f"n takes comma-separated sample counts such as 20000,200000, not {n!r}") from None
+    if isinstance(stages, str): stages = [s.strip() for s in stages.split(",") if s.strip()]
     stages = list(stages or LOCAL_STAGES + (AIS_STAGES if os.environ.get("AIS_ENDPOINT") else []))
     if unknown := [s for s in stages if s not in _STAGES]:
         raise UsageError(f"unknown stages {unknown}; choose from {list(_STAGES)}")
     rows, why_warm = [], None
     with warm_children(["shardkit.bench.scale"]):  # each stage a fork of one template that has imported torch
-        for n in sorted(ns):
-            scale_folder(root, n, progress=progress)
+        for size in sizes:
+            scale_folder(root, size, progress=progress)
             for stage in stages:
-                spec = _spec(root, n, stage, **kw)
+                spec = _spec(root, size, stage, workers=num_workers, decoded=decoded, **kw)
                 dropped = cold and (why_warm := drop_page_cache()) is None
                 if cold and why_warm and progress and not rows:
                     print(f"--cold: {why_warm}; the numbers below are warm-cache numbers")
@@ -378,22 +385,10 @@ def plot_scale(rows: list[dict], path: str | Path | None = None):
     return fig
 
 # %% ../../nbs/43_bench_scale.ipynb
-def bench_scale_cli(root: str,                 # Work folder (a few GB at 1,000,000): image pool, trees, shards per size
-                    n: str = "20000,200000",   # Sizes, comma-separated (e.g. 20000,200000,1000000)
-                    json: str = None,          # Write the rows to this JSON file
-                    plot: str = None,          # Save the picture to this PNG
-                    cold: store_true = False,  # Drop the page cache before each stage, where permitted
-                    stages: str = None,        # Comma-separated stages (default: local; AIStore's with AIS_ENDPOINT)
-                    workers: int = 2,          # DataLoader workers of the loader stages
-                    decoded: int = 4000,       # Samples of the decoded epochs (a bounded subset)
-                    target: int = 1_281_167):  # Predict each stage's time at this many samples (default: ImageNet's)
+@command(bench_scale, outputs=("json", "plot"), hide=("progress",))
+def bench_scale_cli(rows, args):
     "How each stage's cost per sample and memory grow with the data: convert, shuffle, verify, index, epochs, AIStore."
-    try: ns = [int(x.replace("_", "")) for x in n.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--n takes comma-separated sample counts such as 20000,200000, not {n!r}") from None
-    rows = bench_scale(root, ns, stages.split(",") if stages else None, cold, workers=workers, decoded=decoded)
-    print(scale_table(rows, target))
-    if json:
-        Path(json).write_text(dumps(rows, indent=1)); print(f"rows: {shown_path(json)}")
-    if plot: plot_scale(rows, plot); print(f"picture: {shown_path(plot)}")
+    print(scale_table(rows))
+    if args.json: Path(args.json).write_text(dumps(rows, indent=1)); print(f"rows: {shown_path(args.json)}")
+    if args.plot: plot_scale(rows, args.plot); print(f"picture: {shown_path(args.plot)}")
     return 1 if any("error" in r for r in rows) else 0

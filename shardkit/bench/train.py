@@ -4,10 +4,13 @@
 
 # %% ../../nbs/44_bench_train.ipynb 3
 from __future__ import annotations
+import json
 import os
 import statistics
 import time
 from pathlib import Path
+from ..command import command
+from ..errors import UsageError
 from ..loading.sources import shard_urls
 from .core import BenchError, cpu_seconds, format_bench, run_child, warm_children
 
@@ -52,21 +55,25 @@ def _task(spec: dict) -> dict: return _direct(spec) if spec["contender"] == "dir
 # %% ../../nbs/44_bench_train.ipynb
 CONTENDERS = {"direct": None, "train": "shardkit", "train --pipeline example": "example"}
 
-def bench_train(src,                  # Shards with NAME.jpg + NAME.cls: a directory, a brace template, or URLs
-                classes: int,         # Number of classes (the script would count them; here every contender is told)
-                runs: int = 3,        # Rounds; each runs every contender once, interleaved
-                size: int = 64,       # Image size the model sees
-                batch_size: int = 32, # Samples per batch
-                workers: int = 2,     # DataLoader workers
-                arch: str = "small",  # The script's model
+def bench_train(src,                          # Shards with NAME.jpg + NAME.cls: a directory, a brace template, or URLs
+                classes: int | None = None,   # Number of classes, told to every contender; default: counted, once
+                runs: int = 3,                # Rounds; each runs every contender once, interleaved (medians over them)
+                size: int = 64,               # Image size the model sees
+                batch_size: int = 32,         # Samples per batch
+                num_workers: int = 2,         # DataLoader workers
+                arch: str = "small",          # The script's model: 'small' CNN or a torchvision model name
                 contenders=tuple(CONTENDERS), # Which to run (names of CONTENDERS)
-                timeout: float = 600, # Seconds one run may take
-                ) -> dict:            # contender -> {median rate, cpu_ms, wait_share, ratio to direct, runs}
+                timeout: float = 600,         # Seconds one run may take
+                ) -> dict:                    # contender -> {median rate, cpu_ms, wait_share, ratio to direct, runs}
     "Train one model an epoch at a time straight from the loader and through `shardkit train`, interleaved; medians."
+    if runs < 1: raise UsageError(f"runs must be >= 1, got {runs}")
     urls = shard_urls(src)
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown: raise BenchError(f"unknown contenders {unknown}; pick from {list(CONTENDERS)}")
-    base = dict(urls=urls, classes=classes, size=size, batch_size=batch_size, workers=workers, arch=arch)
+    if classes is None:  # as the script counts them (it imports torch: here, not at import time)
+        from shardkit.train import count_samples_and_classes
+        classes = count_samples_and_classes(urls)[1]
+    base = dict(urls=urls, classes=classes, size=size, batch_size=batch_size, workers=num_workers, arch=arch)
     out = {c: [] for c in contenders}
     with warm_children(["shardkit.bench.train"]):  # fresh processes, forked with torch imported: same for every one
         for _ in range(runs):
@@ -99,19 +106,8 @@ def train_table(res: dict) -> str:
     return format_bench(rows, cols, title="medians of interleaved runs, one epoch each", notes=notes)
 
 # %% ../../nbs/44_bench_train.ipynb
-def bench_train_cli(src: str,              # Shards with NAME.jpg + NAME.cls: a directory or a brace template
-                    classes: int = None,   # Number of classes (default: counted from the shards, once)
-                    runs: int = 3,         # Interleaved rounds (medians over them)
-                    size: int = 64,        # Image size the model sees
-                    batch_size: int = 32,  # Samples per batch
-                    workers: int = 2,      # DataLoader workers
-                    arch: str = "small",   # 'small' CNN or a torchvision model name
-                    json_out: str = None): # Also write the result (every run) here as JSON
+@command(bench_train, outputs=("json",), hide=("contenders",))
+def bench_train_cli(res, args):
     "Benchmark `shardkit train` against the same model fed straight from shardkit's loader; prints the ratio."
-    import json
-    if classes is None:
-        from shardkit.train import count_samples_and_classes
-        classes = count_samples_and_classes(shard_urls(src))[1]
-    res = bench_train(src, classes, runs, size, batch_size, workers, arch)
     print(train_table(res))
-    if json_out: Path(json_out).write_text(json.dumps(res, indent=1))
+    if args.json: Path(args.json).write_text(json.dumps(res, indent=1))

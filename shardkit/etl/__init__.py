@@ -8,14 +8,14 @@ import importlib
 import sys
 import time
 from typing import Callable
-from fastcore.script import store_true
+from ..command import command
 from ..errors import UsageError
 from ..store import AISStore, open_store, shown_path
 from .manifest import etl_shards
 from .server import etl_unavailable, run_in_cluster
 
 # %% auto 0
-__all__ = ['ENGINES', 'etl_engine', 'run_etl', 'etl_run_cli']
+__all__ = ['ENGINES', 'etl_engine', 'run_etl', 'etl_summary', 'etl_run_cli']
 
 # %% ../../nbs/19_etl.ipynb
 ENGINES = {"local": "shardkit.etl.local:run_local",     # worker processes on this machine
@@ -28,22 +28,23 @@ def etl_engine(name: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 # %% ../../nbs/19_etl.ipynb
-def run_etl(fn: str | Callable,             # Sample function or 'module:function'
+def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
             src,                            # Source store: a directory or ais://bucket[/prefix]
-            dest,                           # Destination store: a directory or ais://bucket[/prefix]
+            dest,                           # Destination store (made if missing): a directory or ais://bucket[/prefix]
             pattern: str = "*.tar",         # Which shards: a glob, brace template or prefix
             workers: int = 2,               # Local worker processes (1: in this process)
-            decode: str | None = "pil",     # Decoding of the function's input (None: raw bytes)
+            decode: str | None = "pil",     # Decoding of the function's input (None: raw bytes, as `raw`)
+            raw: bool = False,              # Hand the function raw bytes instead of decoded fields
             strict: bool = False,           # Stop at the first failing sample
-            seed: int | None = None,        # Per-sample seeds for random transforms
+            seed: int | None = None,        # Seed random transforms per sample (reproducible output)
             etl_name: str | None = None,    # AIStore ETL name when the cluster runs ETL (default: from fn's name)
             progress: bool = True,          # Show a progress bar
-            engine: str = "local",          # 'local': worker processes here; 'dask': a Dask task per shard
-            scheduler=None,                 # With engine='dask': tcp://HOST:8786, a Client or a cluster (None: local)
+            engine: str = "local",          # Engine: local (worker processes here) or dask (a Dask task per shard)
+            scheduler=None,                 # With dask: tcp://HOST:8786, a Client, a cluster (default: a LocalCluster)
            ) -> dict:
     "Way 5: transform every shard of `src` matching `pattern` into `dest` (same names), resumably; a summary dict."
-    run = etl_engine(engine)
-    if scheduler is not None and engine != "dask": raise UsageError("scheduler= needs engine='dask'")
+    run, decode = etl_engine(engine), None if raw else decode
+    if scheduler is not None and engine != "dask": raise UsageError("scheduler= (--scheduler) needs engine='dask'")
     kw = dict(workers=workers, decode=decode, strict=strict, seed=seed, progress=progress)
     if engine == "dask": return run(fn, src, dest, pattern, scheduler=scheduler, **kw)
     src_store, dest_store, note = open_store(src), open_store(dest, create=True), None
@@ -56,19 +57,9 @@ def run_etl(fn: str | Callable,             # Sample function or 'module:functio
     return run(fn, src_store, dest_store, pattern, note=note, **kw)
 
 # %% ../../nbs/19_etl.ipynb
-def etl_run_cli(fn: str,                      # The sample function, e.g. shardkit.etl.transforms:imagenet_val_npy
-                src: str,                     # Source store: a directory or ais://bucket[/prefix]
-                dest: str,                    # Destination store (created if missing)
-                pattern: str = "*.tar",       # Which shards: a glob, brace template or prefix
-                workers: int = 2,             # Local worker processes
-                seed: int = None,             # Seed random transforms per sample (reproducible output)
-                strict: store_true = False,   # Stop at the first failing sample
-                raw: store_true = False,      # Hand the function raw bytes instead of decoded fields
-                engine: str = "local",        # local (worker processes here) or dask (one Dask task per shard)
-                scheduler: str = None):       # With --engine dask: tcp://HOST:8786 (default: a LocalCluster, --workers)
-    "Transform every shard of a store into another, resumably (AIStore's bucket transform where the cluster runs ETL)."
-    s = run_etl(fn, src, dest, pattern, workers, None if raw else "pil", strict, seed, engine=engine,
-                scheduler=scheduler)
+def etl_summary(s: dict,  # What `run_etl` returns
+               ) -> str:
+    "`run_etl`'s summary as one line to read: shards written, samples in and out, skips by reason, bytes, resumption."
     line = f"{s['written']} of {s['shards']} shards written to {shown_path(s['dest'])} ({s['way']}, {s['seconds']} s)"
     if "samples_in" in s:
         why = ", ".join(f"{n} {r}" for r, n in s["reasons"].items())
@@ -76,7 +67,13 @@ def etl_run_cli(fn: str,                      # The sample function, e.g. shardk
                  + (f" ({why})" if why else "")
                  + f"; {s['bytes_in'] / 1e6:.1f} MB -> {s['bytes_out'] / 1e6:.1f} MB")
     if s.get("resumed"): line += f"; {s['resumed']} shards already done ({s.get('manifest', 'manifest')})"
+    return line
+
+# %% ../../nbs/19_etl.ipynb
+@command(run_etl, hide=("decode", "etl_name", "progress"))
+def etl_run_cli(s, args):
+    "Transform every shard of a store into another, resumably (AIStore's bucket transform where the cluster runs ETL)."
     if s.get("note"): print(s["note"])
-    print(line)
+    print(etl_summary(s))
     for n, why in s["failed"].items(): print(f"FAILED {n}: {why}", file=sys.stderr)
     return 1 if s["failed"] else 0

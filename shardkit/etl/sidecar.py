@@ -19,7 +19,7 @@ from typing import Callable
 from urllib.parse import quote
 import requests
 from fastcore.basics import patch
-from fastcore.script import store_true
+from ..command import command
 from ..errors import StoreError, UsageError
 from ..store import AISStore, LocalStore, open_store, shown_path
 from .core import ETLError, resolve_fn
@@ -100,12 +100,30 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
     server.source = store
     return server
 
-def serve(fn: str | Callable, source, host: str = "127.0.0.1", port: int = 8000, decode: str | None = "pil",
-          strict: bool = False, seed: int | None = None, log_level: str = "warning"):
-    "Run the sidecar ETL server in front of `source` under uvicorn until interrupted (blocking)."
+# %% ../../nbs/20_sidecar.ipynb
+def serve(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
+          source=None,                 # Store the shards come from: a directory or ais://bucket[/prefix] (required)
+          host: str = "127.0.0.1",     # Address to bind (127.0.0.1: this machine only)
+          port: int = 8000,            # Port to listen on
+          decode: str | None = "pil",  # Decoding of the function's input (None: raw bytes, as `raw`)
+          raw: bool = False,           # Hand the function raw bytes instead of decoded fields
+          strict: bool = False,        # A failing sample fails its shard (HTTP 422) instead of being skipped
+          seed: int | None = None,     # Seed random transforms per sample (reproducible output)
+          log_level: str = "warning",  # uvicorn's log level ("info" logs every request)
+         ):
+    "Run the sidecar ETL server in front of `source` under uvicorn until interrupted (blocking); it prints its URL."
+    if not source: raise UsageError("source= (--source) is required: a directory of shards or ais://bucket[/prefix]")
+    _check_port(port)
+    resolve_fn(fn)  # fail here, not in the server, when the function cannot be imported
+    store = open_store(source)
     import uvicorn
     one_torch_thread()
-    server = sidecar_server(fn, source, host, port, decode, strict, seed)
+    server = sidecar_server(fn, store, host, port, None if raw else decode, strict, seed)
+    example = store.list("*.tar")[:1] or ["NAME.tar"]
+    path = f"{store.bucket.name}/{store.prefix}{example[0]}" if isinstance(store, AISStore) else example[0]
+    url = f"http://{_local_url(host)}:{port}"
+    print(f"serving {getattr(fn, '__name__', fn)} on {url} in front of {shown_path(store.spec)}; e.g. {url}/{path}",
+          flush=True)
     uvicorn.run(server.app, host=host, port=port, log_level=log_level)
 
 # %% ../../nbs/20_sidecar.ipynb
@@ -255,20 +273,6 @@ def __del__(self: Sidecar):
     except Exception: pass  # interpreter shutdown: nothing left to stop
 
 # %% ../../nbs/20_sidecar.ipynb
-def etl_serve_cli(fn: str,                  # The sample function, e.g. shardkit.etl.transforms:imagenet_val_npy
-                  source: str = None,       # Store the shards come from: a directory or ais://bucket[/prefix]
-                  port: int = 8000,         # Port to listen on
-                  host: str = "127.0.0.1",  # Address to bind (127.0.0.1: this machine only)
-                  seed: int = None,         # Seed random transforms per sample (reproducible output)
-                  strict: store_true = False,  # A failing sample fails its shard (HTTP 422) instead of being skipped
-                  raw: store_true = False):    # Hand the function raw bytes instead of decoded fields
+@command(serve, hide=("decode",), fixed=dict(log_level="info"))
+def etl_serve_cli(res, args):
     "Serve a sample transform as an ETL sidecar in front of a store: GET /NAME answers the transformed shard."
-    if not source: raise ETLError("--source is required: a directory of shards or ais://bucket")
-    _check_port(port)
-    resolve_fn(fn)  # fail here, not in the server, when the function cannot be imported
-    store = open_store(source)
-    example = store.list("*.tar")[:1] or ["NAME.tar"]
-    path = f"{store.bucket.name}/{store.prefix}{example[0]}" if isinstance(store, AISStore) else example[0]
-    print(f"serving {fn} on http://{_local_url(host)}:{port} in front of {shown_path(store.spec)}; "
-          f"e.g. http://{_local_url(host)}:{port}/{path}", flush=True)
-    serve(fn, store, host, port, None if raw else "pil", strict, seed, log_level="info")

@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Iterator, Sequence
 from tqdm.auto import tqdm
+from ..command import command
 from ..errors import StoreError
 from ..store import open_store, shown_path
 from .fields import ShardError
@@ -104,7 +105,9 @@ def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str
     return counts, sum(recs[n]["samples"] for n in names)
 
 # %% ../../nbs/05_manifest.ipynb
-def verify_shards(dest, progress: bool = True) -> list[str]:
+def verify_shards(dest,                  # Store to check: a directory or ais://bucket[/prefix]
+                  progress: bool = True, # Show a progress bar per manifest
+                 ) -> list[str]:
     "Problems in `dest`: shards whose SHA-256, size or sample count differ from the manifest; missing or extra shards."
     store = open_store(dest)
     problems, recorded = list(incomplete_jobs(store)), set()
@@ -123,11 +126,11 @@ def verify_shards(dest, progress: bool = True) -> list[str]:
     problems += [f"{n}: not recorded in any manifest" for n in store.list("*.tar") if n not in recorded]
     return problems
 
-def verify_cli(dest: str):  # Store to check: a directory or ais://bucket[/prefix]
+@command(verify_shards, hide=("progress",))
+def verify_cli(problems, args):
     "Check every shard in a store against its manifest (SHA-256, size, samples)."
-    problems = verify_shards(dest)
     for p in problems: print(p)
     if problems:
-        raise ShardError(f"{len(problems)} problem(s) in {dest}; "
+        raise ShardError(f"{len(problems)} problem(s) in {args.dest}; "
                          "re-run the job that wrote it (or restore the shards) and verify again")
-    print(f"{dest}: every shard matches its manifest")
+    print(f"{args.dest}: every shard matches its manifest")
