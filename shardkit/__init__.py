@@ -20,12 +20,12 @@ def _with_parameters(fn):
     return fn
 
 # %% ../nbs/97_api.ipynb
-_API = {"open_store": "store", "synthesize_pets": "pets", "convert_pets": "pets", "synthesize_folder": "folder",
-        "write_shards": "shards.write", "create_random_loader": "loading.random",
-        "convert_folder": "folder", "shuffle_shards": "shuffle", "verify_shards": "shards.manifest", "run_etl": "etl",
-        "create_dataset": "loader", "create_dataloader": "loader", "create_gpu_loader": "loading.gpu",
-        "train_transform": "loading.transforms", "profile_pipeline": "profile", "profile_report": "profile",
-        "train_epochs": "train", "ShardkitError": "errors"}
+_API = {"open_store": "store", "write_shards": "shards.write", "verify_shards": "shards.manifest",
+        "synthesize_pets": "datasets.pets", "convert_pets": "datasets.pets", "synthesize_folder": "datasets.folder",
+        "convert_folder": "datasets.folder", "shuffle_shards": "shuffle", "run_etl": "etl",
+        "create_dataset": "loader", "create_dataloader": "loader", "create_random_loader": "loading.random",
+        "create_gpu_loader": "loading.gpu", "train_transform": "loading.transforms", "train_epochs": "train",
+        "profile_pipeline": "apps.profile", "profile_report": "apps.profile", "ShardkitError": "errors"}
 
 def __getattr__(name: str):
     "A name of the API, imported from its module the first time it is asked for."

@@ -14,7 +14,7 @@ OUT = ROOT / "tests" / "_out"  # screenshots and figures the tests write (git-ig
 
 def _free_base_port(start=28080, step=10, nodes=4):
     "A base port P such that P+i, P+1000+i and P+2000+i are free for `nodes` nodes."
-    from shardkit.cluster import free_base_port
+    from shardkit.apps.cluster import free_base_port
     return free_base_port(start, start + 2000, nodes, step)
 
 
@@ -64,9 +64,9 @@ def pytest_collection_finish(session):
     instead of holding up the first AIStore test. Serial runs only (under xdist each worker would build)."""
     needs_cluster = any("ais_cluster" in getattr(i, "fixturenames", ()) for i in session.items)
     if hasattr(session.config, "workerinput") or not needs_cluster: return
-    from shardkit.cluster import aisnode_path
+    from shardkit.apps.cluster import aisnode_path
     if aisnode_path().exists(): return
-    code = "from shardkit.cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds
+    code = "from shardkit.apps.cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds
     _BUILD["proc"] = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: os.nice(19))
 
@@ -104,7 +104,7 @@ def ais_cluster(tmp_path_factory, request):
     Its base port is drawn at random (two sessions on one machine rarely race for the same ports), and when a test of
     the session failed, the nodes' logs are kept in tests/_out/ais-logs-PID."""
     import random
-    from shardkit.cluster import ais_up, ais_down
+    from shardkit.apps.cluster import ais_up, ais_down
     _wait_for_aisnode_build()
     root, port = tmp_path_factory.mktemp("ais"), _free_base_port(start=28080 + 10 * random.randrange(60))
     try:
@@ -132,7 +132,7 @@ def ais_endpoint(ais_cluster, monkeypatch):
 
 def run_cli(*args, env=None, timeout=300, check=False, cwd=None):
     "Run `shardkit ARGS...` in a subprocess (as a user would) and return the CompletedProcess."
-    cmd = [sys.executable, "-m", "shardkit.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "shardkit.apps.cli", *map(str, args)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                        env={**os.environ, **(env or {})}, cwd=cwd)
     if check and r.returncode: raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
@@ -150,7 +150,7 @@ def main_cli(*args):
     status as `run_cli` without a Python start-up (for --help and bad input; run_cli is for runs as a user makes them)."""
     import io
     from types import SimpleNamespace
-    from shardkit.cli import main
+    from shardkit.apps.cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try: rc = main([str(a) for a in args])
@@ -193,7 +193,7 @@ def write_pet_shards(folder: Path, n_shards: int = 6, per_shard: int = 5, size=(
     "Pet-like shards `pets-00000.tar`, ...: `per_shard` samples of a synthetic image (`size`), a class and (with `trimap`) a trimap."
     import numpy as np
     import webdataset as wds
-    from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+    from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []

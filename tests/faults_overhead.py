@@ -68,7 +68,7 @@ def main():
     p.add_argument("--epochs", type=int, default=2, help="timed epochs per run (the best one counts)")
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
-    from shardkit.cluster import ais_down, ais_put, ais_up
+    from shardkit.apps.cluster import ais_down, ais_put, ais_up
     with tempfile.TemporaryDirectory(prefix="sk-overhead-") as tmp:
         tmp = Path(tmp)
         _synth(tmp / "shards", a.samples, a.sample_bytes)

@@ -4,7 +4,7 @@ command (the last test checks the suite for it), so deleting an entry from the t
 import inspect, json, re
 from pathlib import Path
 import pytest
-from shardkit.cli import COMMANDS, command_parser, find_command, load_command
+from shardkit.apps.cli import COMMANDS, command_parser, find_command, load_command
 from conftest import main_cli
 
 ROOT = Path(__file__).resolve().parents[1]

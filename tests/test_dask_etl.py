@@ -10,7 +10,7 @@ pytest.importorskip("distributed")
 from shardkit.etl.dask import MANIFEST, SchedulerUnreachable, local_cluster, read_etl_manifest, run_etl_dask
 from shardkit.etl.transforms import imagenet_train_uint8
 from shardkit.etl import run_etl
-from shardkit.folder import convert_folder, synthesize_folder
+from shardkit.datasets.folder import convert_folder, synthesize_folder
 from shardkit.shards.read import list_shards
 from shardkit.errors import ShardkitError
 from shardkit.store import open_store

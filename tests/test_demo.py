@@ -27,7 +27,7 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     summary = (out / "summary.txt").read_text()
     for line in ("shardkit demo: done", f"{N} synthetic Oxford-IIIT Pet images", f"train: {N // 2} samples in 2 shards",
-                 f"test: {N // 2} samples in 2 shards", "by local", "sidecar running shardkit.demo:shrink_pets",
+                 f"test: {N // 2} samples in 2 shards", "by local", "sidecar running shardkit.apps.demo:shrink_pets",
                  "test accuracy", "AIStore post's pipeline", "webdataset, done well", "x the ceiling"):
         assert line in summary, (line, summary)
     assert summary.strip() in r.stdout
@@ -60,7 +60,7 @@ def test_demo_end_to_end_and_rerun_reuses_steps(cli, tmp_path):
 
 
 def test_demo_bad_input_says_what_to_do(tmp_path, capsys):
-    from shardkit.cli import main
+    from shardkit.apps.cli import main
     assert main(["demo", "--out", str(tmp_path), "--pets", str(tmp_path / "no-such-pets")]) == 2
     err = capsys.readouterr().err
     assert "no annotations/list.txt" in err and "no-such-pets" in err

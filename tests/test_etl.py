@@ -23,9 +23,9 @@ from shardkit.etl import run_etl
 from shardkit.shards.fields import ShardError
 from shardkit.shards.read import read_samples
 from shardkit.etl.sidecar import Sidecar, sidecar_server
-from shardkit.folder import convert_folder, synthesize_folder
+from shardkit.datasets.folder import convert_folder, synthesize_folder
 from shardkit.store import open_store
-from shardkit.cli import main
+from shardkit.apps.cli import main
 
 HERE = Path(__file__).parent
 
@@ -86,7 +86,7 @@ def test_four_ways_identical_for_val_transform(src, tmp_path, capsys):
     same_samples(one, two)
     # way 4: `shardkit etl serve` in another process, read by plain WebDataset over HTTP
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shardkit.cli", "etl", "serve", "shardkit.etl.transforms:imagenet_val_npy",
+    proc = subprocess.Popen([sys.executable, "-m", "shardkit.apps.cli", "etl", "serve", "shardkit.etl.transforms:imagenet_val_npy",
                              "--source", str(src.root), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)

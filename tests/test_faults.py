@@ -242,7 +242,7 @@ def test_a_state_taken_while_a_read_is_retried_resumes_exactly(server, clean_str
 
 def test_profile_shows_the_retries_and_their_wait(server):
     from shardkit.loader import create_dataloader, create_dataset
-    from shardkit.profile import profile_pipeline, verdicts
+    from shardkit.apps.profile import profile_pipeline, verdicts
     server.fault("cut")
     ds = create_dataset(server.urls(NAMES), keys=("__key__", "cls"), seed=0, batch_size=16, retry_wait=fast())
     p = profile_pipeline(create_dataloader(ds, num_workers=2, batch_size=16), device=None)

@@ -44,7 +44,7 @@ def late_target(endpoint: str, bucket: str, keys: list[str]) -> str:
 
 def kill_and_restart(root: Path, name: str, after: float = 3.0) -> threading.Thread:
     "SIGKILL node `name` of the cluster under `root` now, start it again (same command) `after` s later, in a thread."
-    from shardkit.cluster import cluster_ready
+    from shardkit.apps.cluster import cluster_ready
     st = _nodes(root)
     node = next(n for n in st["nodes"] if n["name"] == name)
     os.kill(node["pid"], signal.SIGKILL)
@@ -71,7 +71,7 @@ def _nodes_of(endpoint):
 @pytest.fixture
 def bucket(ais_cluster, ais_endpoint, tmp_path):
     "A bucket holding the 8 shards (uploaded with ais_put), and the local folder they came from."
-    from shardkit.cluster import ais_put
+    from shardkit.apps.cluster import ais_put
     _ROOTS[ais_endpoint] = ais_cluster["root"]
     src = write_shards(tmp_path / "shards")
     name = f"faults-{uuid.uuid4().hex[:8]}"
@@ -119,7 +119,7 @@ def test_ais_put_through_a_target_restart(ais_cluster, ais_endpoint, tmp_path):
     name = f"faults-put-{uuid.uuid4().hex[:8]}"
     from shardkit.store import open_store
     store = open_store(f"ais://{name}", create=True)  # (creating a bucket needs every target: not during the outage)
-    cmd = [sys.executable, "-m", "shardkit.cli", "ais", "put", str(src), f"ais://{name}", "--retry-wait", "60"]
+    cmd = [sys.executable, "-m", "shardkit.apps.cli", "ais", "put", str(src), f"ais://{name}", "--retry-wait", "60"]
     put = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     restarting = kill_and_restart(ais_cluster["root"], "target1")  # about half the shards belong to each target
     out, err = put.communicate(timeout=180)

@@ -6,11 +6,11 @@ import pytest
 import webdataset as wds
 from PIL import Image
 from torchvision.datasets import ImageFolder
-from shardkit.cli import main
+from shardkit.apps.cli import main
 
 
 def shardkit(*args, check=True):
-    r = subprocess.run([sys.executable, "-c", "import sys; from shardkit.cli import main; sys.exit(main())", *map(str, args)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", "import sys; from shardkit.apps.cli import main; sys.exit(main())", *map(str, args)], capture_output=True, text=True, timeout=120)
     if check: assert r.returncode == 0, r.stdout + r.stderr
     return r
 

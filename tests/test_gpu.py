@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from shardkit.cli import main as cli_main
+from shardkit.apps.cli import main as cli_main
 from shardkit.loading.gpu import (GpuLoader, augment_batch, create_gpu_loader, crop_batch, decode_batch, draw_crop,
                                   jpeg_sample, pack_jpegs, why_no_gpu)
 from shardkit.bench.gpu import bench_gpu_decode
 from shardkit.loading.sources import LoaderError, seed_for
 from shardkit.loading.stream import ShardLoader
-from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
 N_SHARDS, PER_SHARD = 6, 5
 ALL = sorted(f"s{s}_{i}" for s in range(N_SHARDS) for i in range(PER_SHARD))

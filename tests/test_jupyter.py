@@ -13,7 +13,7 @@ knows nothing of nbdev's directives. So this test runs them the stock way:
 - Backends: a tutorial that picks its backend in its first cells (`ON_AIS = ...`) takes the local path here, and
   its AIStore run is tests/test_notebooks.py's. A tutorial with only a few `#| ais` cells runs once, here, with
   the session's cluster: that run covers its local steps and its AIStore cells.
-- The kernel is `python3`, pointed at this interpreter with `shardkit.lab.write_kernel`, so a kernel spec that
+- The kernel is `python3`, pointed at this interpreter with `shardkit.apps.lab.write_kernel`, so a kernel spec that
   another tool registered on the machine cannot change what is tested.
 """
 import json, os, re, shutil, subprocess, sys, time
@@ -50,7 +50,7 @@ def kernels(tmp_path_factory):
     "A Jupyter data folder whose `python3` kernel is this interpreter."
     pytest.importorskip("nbconvert", reason="the dev extra installs nbconvert: pip install -e '.[dev]'")
     pytest.importorskip("ipykernel", reason="the dev extra installs ipykernel: pip install -e '.[dev]'")
-    from shardkit.lab import write_kernel
+    from shardkit.apps.lab import write_kernel
     return write_kernel(tmp_path_factory.mktemp("jupyter-data"))
 
 

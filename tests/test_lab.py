@@ -56,7 +56,7 @@ def jupyterlab(tmp_path_factory):
     from importlib.util import find_spec
     _need(find_spec("jupyterlab") is not None and find_spec("ipykernel") is not None,
           "JupyterLab is not installed: pip install -e '.[lab]'")
-    from shardkit.lab import lab_command, write_kernel
+    from shardkit.apps.lab import lab_command, write_kernel
     import nbformat
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "root"; root.mkdir()
@@ -202,7 +202,7 @@ def test_lab_serves_with_token_and_stops(tmp_path):
     (tmp_path / "nbs").mkdir()
     (tmp_path / "nbs" / "hello.ipynb").write_text(TUTORIAL.read_text(encoding="utf-8"))
     port = _free_port()
-    code = f"import sys; from shardkit.lab import lab; sys.exit(lab({str(tmp_path / 'nbs')!r}, port={port}))"
+    code = f"import sys; from shardkit.apps.lab import lab; sys.exit(lab({str(tmp_path / 'nbs')!r}, port={port}))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "PYTHONWARNINGS": "ignore"}

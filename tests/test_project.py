@@ -85,8 +85,8 @@ def test_imports_only_point_down_the_reading_order():
     assert not wrong, "imports pointing up (move the shared part down, or dispatch from above): " + \
         ", ".join(f"{m} ({_notebook_of(m)}) -> {d} ({_notebook_of(d)})" for m, d in wrong)
     assert "loading.random" not in deps["loading.stream"] and "loader" not in deps["loading.random"]
-    assert not any(d.startswith("bench") for m in deps if not m.startswith(("bench", "demo", "cli", "profile")) for d in deps[m]), \
-        "only the bench, the demo, the profiler (a measuring tool: one CPU clock, one table) and the command line use the benchmarks"
+    assert not any(d.startswith("bench") for m in deps if not m.startswith(("bench", "apps.")) for d in deps[m]), \
+        "only the bench and the applications (apps/: the demo, the profiler, the command line) use the benchmarks"
 
 
 def test_ruff_is_clean():

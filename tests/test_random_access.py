@@ -11,7 +11,7 @@ from shardkit.loading.order import epoch_batches
 from shardkit.loading.random import create_random_loader
 from shardkit.errors import LoaderError, UsageError
 from shardkit.store import open_store
-from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
 SIZES = (7, 3, 5, 9)  # uneven shards, 24 samples
 ALL = sorted(f"s{s}_{i:02d}" for s, n in enumerate(SIZES) for i in range(n))

@@ -45,8 +45,8 @@ def test_every_image_in_the_readme_exists():
 
 
 def test_every_measured_figure_has_a_real_command():
-    "Each row of the headline table names a command, and each command is a shardkit command (shardkit.cli.COMMANDS)."
-    from shardkit.cli import COMMANDS, find_command
+    "Each row of the headline table names a command, and each command is a shardkit command (shardkit.apps.cli.COMMANDS)."
+    from shardkit.apps.cli import COMMANDS, find_command
     measured = _section("Measured")
     rows = [r for r in measured.splitlines() if r.startswith("|") and not r.startswith(("| what", "|---"))]
     assert len(rows) >= 4, f"the headline table has {len(rows)} rows: the loader, the profiler, scale, the GPU path"

@@ -8,7 +8,7 @@ import webdataset as wds
 from shardkit.loader import create_dataloader, create_dataset
 from shardkit.loading.sources import LoaderError
 from shardkit.loading.transforms import train_transform
-from shardkit.synth import draw_animal, jpeg_bytes
+from shardkit.datasets.synth import draw_animal, jpeg_bytes
 
 SIZES = (7, 3, 5, 9, 4, 6)  # uneven shards: workers run out at different times, the last batches are partial
 ALL = sorted(f"s{s}_{i}" for s, n in enumerate(SIZES) for i in range(n))

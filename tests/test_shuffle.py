@@ -8,7 +8,7 @@ from shardkit.shuffle import Shuffled, parse_size, shuffle_cli, shuffle_shards
 from shardkit.shards.read import read_samples, sample_digests
 from shardkit.errors import StoreError
 from shardkit.store import open_store
-from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 from conftest import main_cli
 
 

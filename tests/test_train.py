@@ -28,7 +28,7 @@ def write_shards(dest: Path, sizes, prefix="t-"):
 def torchrun(*args, nproc=2, timeout=120):
     "Run `shardkit train ARGS` under torchrun with `nproc` CPU ranks; the CompletedProcess."
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "shardkit.cli", "train", *map(str, args)]
+           "-m", "shardkit.apps.cli", "train", *map(str, args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
@@ -132,7 +132,7 @@ def http_server(folder: Path):
 
 def shardkit(capsys, *args):
     "Run `shardkit ARGS` in this process (one torch import for all these tests): (exit status, stdout, stderr)."
-    from shardkit.cli import main
+    from shardkit.apps.cli import main
     rc = main([str(a) for a in args])
     out = capsys.readouterr()
     return rc, out.out, out.err

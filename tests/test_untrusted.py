@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import webdataset as wds
 from PIL import Image
-from shardkit.cli import main as cli_main
-from shardkit.pets import PetsError, convert_pets, pet_records, synthesize_pets
+from shardkit.apps.cli import main as cli_main
+from shardkit.datasets.pets import PetsError, convert_pets, pet_records, synthesize_pets
 from shardkit.shards.fields import ShardError
 from shardkit.shards.manifest import read_manifest, verify_shards
 from shardkit.shards.read import read_samples, sample_digests
@@ -17,7 +17,7 @@ from shardkit.shards.write import write_shards
 from shardkit.shuffle import shuffle_shards
 from shardkit.errors import StoreError
 from shardkit.store import open_store
-from shardkit.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
 
 def _tar(members) -> bytes:
@@ -168,7 +168,7 @@ def test_shuffle_killed_midway_resumes_exactly(tmp_path):
     assert r.returncode == -9, r.stderr
     assert read_manifest(tmp_path / "part", "shuffled-")["complete"] is False
     assert list(tmp_path.glob("shardkit-shuffle-*")), "the killed run's staging folder is there to be cleaned"
-    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "shardkit.apps.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
     assert "did not finish" in r.stderr
     os.environ["TMPDIR"], old = str(tmp_path), os.environ.get("TMPDIR")
     try:
@@ -311,7 +311,7 @@ def test_etl_run_killed_midway_resumes(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr
     assert read_etl_manifest(tmp_path / "part")["complete"] is False
-    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "shardkit.apps.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
     assert "did not finish" in r.stderr
     again = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "part", workers=1, progress=False)
     assert (again["resumed"], again["written"]) == (2, 2)

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from ..command import command
+from ..datasets.folder import class_names, convert_folder
+from ..datasets.synth import draw_animal, jpeg_bytes
 from ..errors import UsageError
-from ..folder import class_names, convert_folder
 from ..loader import create_dataloader, create_dataset
 from ..loading.index import sample_index
 from ..loading.random import create_random_loader
@@ -26,7 +27,6 @@ from ..loading.transforms import train_transform
 from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards
 from ..store import open_store, shown_path
-from ..synth import draw_animal, jpeg_bytes
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children
 
 # %% auto 0
