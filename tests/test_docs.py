@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import docs
+from shardkit.apps import docs
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / "nbs"

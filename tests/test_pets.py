@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 from PIL import Image
-from shardkit import pets
+from shardkit.datasets import pets
 from shardkit.apps.cli import main as cli_main
 from shardkit.datasets.pets import (CLASS_NAMES, PET_QUIRKS, PetsError, convert_pets, download_pets, pet_records, pet_samples,
                            synthesize_pets)

@@ -296,7 +296,7 @@ def test_unwritable_cache_warns_and_still_indexes(shards, tmp_path, monkeypatch)
 
 def test_bench_cli_is_a_thin_layer(shards, capsys):
     "`shardkit bench random` through the real command table (a test that registered it would pass with it deleted)."
-    from shardkit import cli
+    from shardkit.apps import cli
     src = os.path.dirname(shards[0])
     assert cli.main(["bench", "random", src, "--workers", "0", "--samples", "24", "--batch-size", "8"]) == 0
     out = capsys.readouterr().out
@@ -307,7 +307,7 @@ def test_bench_cli_is_a_thin_layer(shards, capsys):
 
 def test_bench_mix_cli_prints_the_ratios(elastic_shards, capsys):
     "`shardkit bench mix`: the four contenders, each mix against one source, and the verdict line."
-    from shardkit import cli
+    from shardkit.apps import cli
     assert cli.main(["bench", "mix", str(elastic_shards), "--repeats", "1", "--batch-size", "50", "--workers", "1",
                      "--no-decode"]) == 0
     out = capsys.readouterr().out
@@ -324,7 +324,7 @@ def test_missing_field_is_named(shards):
 
 def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
     "`bench_ais_index`: the loader measured on a bucket without, then with, AIStore's shard index; and its command."
-    from shardkit import cli
+    from shardkit.apps import cli
     from shardkit.bench.random import bench_ais_index
     name = f"shardkit-bench-index-{uuid.uuid4().hex[:8]}"
     store = open_store(f"ais://{name}", create=True)

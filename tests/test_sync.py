@@ -49,7 +49,7 @@ def compare_packages(committed: Path, exported: Path) -> list[str]:
 
 def test_modules_match_notebooks(tmp_path):
     exported = export_fresh(tmp_path)
-    some = {"cli.py", "etl/core.py", "loading/stream.py", "shards/write.py", "bench/loader.py"}
+    some = {"apps/cli.py", "datasets/pets.py", "etl/core.py", "loading/stream.py", "shards/write.py", "bench/loader.py"}
     assert some <= package_files(exported), "nbdev_export wrote no modules into the subpackages: is it nbdev 2?"
     problems = "\n".join(compare_packages(ROOT / "shardkit", exported))
     assert not problems, f"shardkit/ differs from what the notebooks export (edit the notebook, export):\n{problems}"
