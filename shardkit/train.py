@@ -111,7 +111,7 @@ _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the lo
 
 def _cpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
     "(epoch -> shardkit's loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
-    ds = create_dataset(mine, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
+    ds = create_dataset(mine, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=0, world_size=1,  # `mine` is this rank's share already
                         resampled=nbatches is not None, epoch_samples=nbatches * batch_size if nbatches else None)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
@@ -122,7 +122,7 @@ def _cpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
 
 def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
-    ds = create_dataset(urls, keys=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
+    ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=rank, world_size=world_size, access="random")
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
@@ -133,7 +133,7 @@ def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, w
 # %% ../nbs/30b_train_script.ipynb
 def _gpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
     "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP `nbatches` an epoch."
-    loader = create_gpu_loader(mine, keys=_FIELDS, batch_size=batch_size, num_workers=num_workers, seed=seed,
+    loader = create_gpu_loader(mine, fields=_FIELDS, batch_size=batch_size, num_workers=num_workers, seed=seed,
                                device=dev,
                                size=size, scale=(0.5, 1.0), rank=0, world_size=1)
     if nbatches:  # equal steps on every rank: a rank whose shards run out first starts them again
@@ -154,7 +154,7 @@ def _passes(loader):
 # %% ../nbs/30b_train_script.ipynb
 def _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
-    ds = create_dataset(val_urls, keys=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
+    ds = create_dataset(val_urls, fields=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
                         batch_size=batch_size, seed=0, rank=rank, world_size=world_size)
     with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
         warnings.filterwarnings("ignore", message=".*get no shard and stay idle")

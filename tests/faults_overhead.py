@@ -5,7 +5,7 @@ checkouts of shardkit side by side in one run (issue 35's "no cost" target: rate
     python tests/faults_overhead.py /tmp/sk-old   # this checkout is "new"; prints the table and the ratios
 
 Each run is a fresh process that imports shardkit from the named checkout (PYTHONPATH first), streams one warm-up
-epoch and then `--epochs` timed epochs of `ais://BUCKET` with `create_dataset(keys=("__key__", "cls"))` (no decode:
+epoch and then `--epochs` timed epochs of `ais://BUCKET` with `create_dataset(fields=("__key__", "cls"))` (no decode:
 the read path is the whole cost) and 2 DataLoader workers. The two checkouts alternate, old first on even rounds,
 new first on odd ones; the table gives each one's median over `--rounds`. CPU counts this process, its workers and
 their children (webdataset's curl in the old reader). The cluster is started in a temporary folder and stopped after.
@@ -21,7 +21,7 @@ import shardkit
 from shardkit.loader import create_dataset, create_dataloader
 from shardkit.bench.core import cpu_seconds
 bucket, epochs, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-ds = create_dataset(bucket, keys=("__key__", "cls"), seed=0, batch_size=64, shuffle=0)
+ds = create_dataset(bucket, fields=("__key__", "cls"), seed=0, batch_size=64, shuffle=0)
 dl = create_dataloader(ds, num_workers=workers, batch_size=64)
 def epoch():
     n = 0

@@ -130,7 +130,7 @@ def main():
     step = make_step(a.step, dev)
     gpu = lambda: create_gpu_loader(a.shards, (a.image,), a.batch_size, a.workers, 0, dev, a.size)
     def cpu():
-        ds = create_dataset(a.shards, keys=(a.image,), transform=train_transform(a.size), seed=0, batch_size=a.batch_size)
+        ds = create_dataset(a.shards, fields=(a.image,), transform=train_transform(a.size), seed=0, batch_size=a.batch_size)
         return create_dataloader(ds, num_workers=a.cpu_workers, batch_size=a.batch_size, device=dev)
     profile_case(f"GPU loader alone, {a.workers} workers", gpu, None, a.batches, sync, dev, out)
     profile_case(f"GPU loader + {a.step} step, {a.workers} workers", gpu, step, a.batches, sync, dev, out)

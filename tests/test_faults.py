@@ -56,7 +56,7 @@ def reported(err: str) -> dict[str, int]:
 def stream_keys(urls, workers=2, **kw) -> list[str]:
     "The keys of one streaming epoch (seed 0, batches of 16) in the order the training loop sees them."
     from shardkit.loader import create_dataloader, create_dataset
-    ds = create_dataset(urls, keys=("__key__", "cls"), seed=0, batch_size=16, shuffle=50, **kw)
+    ds = create_dataset(urls, fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50, **kw)
     return [k for b in create_dataloader(ds, num_workers=workers, batch_size=16) for k in b[0]]
 
 
@@ -92,8 +92,8 @@ def test_streaming_epoch_is_exact_through_each_fault(server, clean_stream, capfd
 def random_loader(urls, read, workers=2, **kw):
     "A random-access loader (seed 0, batches of 16), its index built, its shard cache empty."
     from shardkit.loading.random import create_random_loader
-    dl = create_random_loader(urls, keys=("__key__", "cls"), batch_size=16, num_workers=workers, seed=0, read=read,
-                              cache=False, **kw)
+    dl = create_random_loader(urls, fields=("__key__", "cls"), batch_size=16, num_workers=workers, seed=0, read=read,
+                              index_cache=False, **kw)
     if read == "cache":
         for f in dl.dataset.reader.cache.files(): f.unlink()  # every shard is fetched in the epoch
     return dl
@@ -224,7 +224,7 @@ def test_a_state_taken_while_a_read_is_retried_resumes_exactly(server, clean_str
     "A 503 with Retry-After on every shard's first GET; the state taken while a worker waits for its retry resumes exactly."
     from shardkit.loader import create_dataloader, create_dataset
     def make():
-        ds = create_dataset(server.urls(NAMES), keys=("__key__", "cls"), seed=0, batch_size=16, shuffle=50,
+        ds = create_dataset(server.urls(NAMES), fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50,
                             retry_wait=fast())
         return create_dataloader(ds, num_workers=2, batch_size=16)
     server.fault(503, retry_after=0.6)
@@ -244,7 +244,7 @@ def test_profile_shows_the_retries_and_their_wait(server):
     from shardkit.loader import create_dataloader, create_dataset
     from shardkit.apps.profile import profile_pipeline, verdicts
     server.fault("cut")
-    ds = create_dataset(server.urls(NAMES), keys=("__key__", "cls"), seed=0, batch_size=16, retry_wait=fast())
+    ds = create_dataset(server.urls(NAMES), fields=("__key__", "cls"), seed=0, batch_size=16, retry_wait=fast())
     p = profile_pipeline(create_dataloader(ds, num_workers=2, batch_size=16), device=None)
     assert p.samples == ALL and p.retries == {"connection cut": N_SHARDS} and p.retry_wait > 0
     assert any(v.startswith("8 reads were retried (8 connection cut)") for v in verdicts(p)), verdicts(p)

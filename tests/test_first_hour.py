@@ -69,7 +69,7 @@ def test_first_hour_with_your_own_data(fresh_venv, tmp_path):
     assert (tmp_path / "myshards" / "mydata-manifest.json").is_file()
     assert "verdict:" in profile and "200 samples" in profile, profile
     assert "4 classes" in train and "epoch 1/1: 200 samples" in train, train
-    assert "keys=('cls', 'jpg')" in python and "keys=('caption.txt', 'cls', 'features.npy', 'image.jpg')" in python
+    assert "fields=('cls', 'jpg')" in python and "fields=('caption.txt', 'cls', 'features.npy', 'image.jpg')" in python
     assert "myshards 200 samples" in python and "ownshards 200 samples" in python, python
     # the venv's own shardkit ran, not this checkout's by another path
     where = subprocess.run([fresh_venv / "bin" / "python", "-c", "import sys, shardkit; print(sys.prefix)"], env=env,

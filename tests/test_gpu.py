@@ -35,7 +35,7 @@ def shards(tmp_path_factory):
 
 
 def _loader(shards, **kw):
-    kw = {"keys": ("__key__", "cls", "image.jpg"), "batch_size": 7, "num_workers": 2, "seed": 1, "device": "cpu",
+    kw = {"fields": ("__key__", "cls", "image.jpg"), "batch_size": 7, "num_workers": 2, "seed": 1, "device": "cpu",
           "size": 32, **kw}
     return create_gpu_loader(shards, **kw)
 
@@ -75,7 +75,7 @@ def test_shapes_dtypes_and_labels(shards):
     assert images.dtype == torch.uint8 and images.shape == (7, 3, 32, 32) and images.device.type == "cpu"
     truth = {s["__key__"]: int(s["cls"]) for s in wds.WebDataset(shards, shardshuffle=False)}
     assert cls.dtype == torch.int64 and cls.tolist() == [truth[k] for k in keys]
-    (x,) = next(iter(_loader(shards, keys=("image.jpg",), normalize=True, channels_last=True)))
+    (x,) = next(iter(_loader(shards, fields=("image.jpg",), normalize=True, channels_last=True)))
     assert x.dtype == torch.float32 and x.shape == (7, 3, 32, 32) and x.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -99,7 +99,7 @@ def test_prefetch_changes_nothing_but_timing(shards):
 def test_worker_crops_are_the_cpu_loaders_and_the_references(shards):
     "The workers draw each crop from the JPEG header, seeded by (seed, epoch, key): the reference's crops and flips."
     raw = {s["__key__"]: s["image.jpg"] for s in wds.WebDataset(shards, shardshuffle=False)}
-    dl = _loader(shards, keys=("__key__", "image.jpg"), seed=3, num_workers=2)
+    dl = _loader(shards, fields=("__key__", "image.jpg"), seed=3, num_workers=2)
     for epoch in range(2):
         for keys, images in dl:
             decoded = [torch.from_numpy(np.frombuffer(raw[k], np.uint8).copy()) for k in keys]
@@ -128,7 +128,7 @@ def test_batched_crops_enlarge_and_shrink_alike():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_gives_the_remaining_batches(shards, workers):
-    make = lambda: _loader(shards, keys=("__key__", "image.jpg"), batch_size=3, num_workers=workers, seed=11)
+    make = lambda: _loader(shards, fields=("__key__", "image.jpg"), batch_size=3, num_workers=workers, seed=11)
     full = list(make())
     for k in (1, 4):
         dl = make()
@@ -145,7 +145,7 @@ def test_resume_gives_the_remaining_batches(shards, workers):
 
 
 def test_resume_in_a_later_epoch(shards):
-    make = lambda: _loader(shards, keys=("__key__", "image.jpg"), batch_size=4, num_workers=2, seed=2)
+    make = lambda: _loader(shards, fields=("__key__", "image.jpg"), batch_size=4, num_workers=2, seed=2)
     ref = make()
     list(ref)
     second = [b[0] for b in ref]
@@ -188,7 +188,7 @@ def test_profiler_hooks(shards):
 
 def test_errors_say_what_to_do(shards, tmp_path):
     with pytest.raises(LoaderError, match="create_dataloader"):
-        _loader(shards, keys=("cls", "image.jpg", "trimap.png"))
+        _loader(shards, fields=("cls", "image.jpg", "trimap.png"))
     with pytest.raises(LoaderError, match="is not a JPEG"):
         with wds.TarWriter(str(tmp_path / "png.tar")) as w:
             w.write({"__key__": "p0", "image.jpg": png_bytes(np.zeros((8, 8), np.uint8)), "cls": 0})
@@ -258,7 +258,7 @@ def test_cuda_batched_crops_match_the_per_image_reference():
 def test_cuda_seeded_and_normalized(shards):
     a, b = list(_loader(shards, device="cuda", seed=9)), list(_loader(shards, device="cuda", seed=9))
     assert all(torch.equal(x[2], y[2]) for x, y in zip(a, b))
-    (x,) = next(iter(_loader(shards, device="cuda", keys=("image.jpg",), normalize=True)))
+    (x,) = next(iter(_loader(shards, device="cuda", fields=("image.jpg",), normalize=True)))
     assert x.device.type == "cuda" and x.dtype == torch.float32
 
 

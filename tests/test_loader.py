@@ -29,7 +29,7 @@ def _keys(loader):
 
 
 def _dataset(urls, **kw):
-    kw.setdefault("keys", ("__key__", "cls", "image.jpg", "trimap.png"))
+    kw.setdefault("fields", ("__key__", "cls", "image.jpg", "trimap.png"))
     kw.setdefault("transform", train_transform(32))
     return create_dataset(urls, **kw)
 
@@ -109,7 +109,7 @@ def test_set_epoch_replays_an_epoch(shards):
 def test_resampled_epoch_length_is_for_the_whole_job(shards, workers, ranks, total):
     counts = []
     for r in range(ranks):
-        ds = _dataset(shards, keys=("__key__",), transform=None, resampled=True, epoch_samples=total, rank=r, world_size=ranks)
+        ds = _dataset(shards, fields=("__key__",), transform=None, resampled=True, epoch_samples=total, rank=r, world_size=ranks)
         dl = create_dataloader(ds, num_workers=workers, batch_size=5)
         counts.append([len(_keys(dl)) for _ in range(2)])
     assert [sum(c[e] for c in counts) for e in range(2)] == [total, total]
@@ -120,12 +120,12 @@ def test_bad_arguments_say_what_to_do(shards):
     with pytest.raises(ValueError, match="give epoch_samples=N"): create_dataset(shards, resampled=True)
     with pytest.raises(ValueError, match="needs resampled=True"): create_dataset(shards, epoch_samples=10)
     with pytest.raises(ValueError, match="rank 3 is not in 0..1"): list(_dataset(shards, rank=3, world_size=2))
-    with pytest.raises(MissingField, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, keys=("cls", "image.png"))))
+    with pytest.raises(MissingField, match="has no \\['image.png'\\]"): next(iter(create_dataset(shards, fields=("cls", "image.png"))))
     with pytest.raises(UsageError, match="needs a dataset from create_dataset"): create_dataloader(wds.WebDataset(shards, shardshuffle=False))
 
 
 def test_skip_counts_samples_missing_a_field(shards, capsys):
-    assert list(create_dataset(shards, keys=("cls", "image.png"), handler="skip", batch_size=None)) == []
+    assert list(create_dataset(shards, fields=("cls", "image.png"), handler="skip", batch_size=None)) == []
     err = capsys.readouterr().err  # the epoch's report: counted by the error's type
     assert f"skipped {len(ALL)} bad samples" in err and f"{len(ALL)} x MissingField, e.g. sample" in err, err
 
@@ -196,7 +196,7 @@ def test_device_moves_tensors_and_passes_other_values():
 
 def test_device_random_access_loader(shards):
     "create_dataset(access='random') with device: the same wrapper, and its state resumes at the batch after the last one handed out."
-    make = lambda: create_dataloader(create_dataset(shards, keys=("__key__", "cls"), seed=1, access="random"),
+    make = lambda: create_dataloader(create_dataset(shards, fields=("__key__", "cls"), seed=1, access="random"),
                                      num_workers=0, batch_size=4, device="cpu")
     ref = _keys(make())
     a = make()

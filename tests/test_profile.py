@@ -29,7 +29,7 @@ def shards(tmp_path_factory):
 
 
 def _loader(urls, workers=2, seed=0, batch_size=8, **kw):
-    kw.setdefault("keys", ("__key__", "cls", "image.jpg"))
+    kw.setdefault("fields", ("__key__", "cls", "image.jpg"))
     return create_dataloader(create_dataset(urls, seed=seed, transform=train_transform(64), **kw), num_workers=workers, batch_size=batch_size)
 
 
@@ -110,7 +110,7 @@ class _Files(Dataset):
 def test_a_decode_bound_pipeline_is_named_decoding(tmp_path):
     "Large JPEGs, one worker, a fast step: the verdict names decoding."
     urls = _write(tmp_path / "big", 2, 8, (1600, 1200), trimap=False)
-    p = profile_pipeline(_loader(urls, workers=1, keys=("cls", "image.jpg"), batch_size=4), step=lambda b: time.sleep(0.001))
+    p = profile_pipeline(_loader(urls, workers=1, fields=("cls", "image.jpg"), batch_size=4), step=lambda b: time.sleep(0.001))
     v = verdicts(p)
     assert p.bottleneck == "decode" and any(line.startswith("decode is") for line in v), report(p)
     assert v[0].startswith("input-bound"), v
@@ -143,7 +143,7 @@ def test_a_read_bound_pipeline_is_named_reading(slow_http):
     root, base = slow_http
     paths = _write(root, 2, 12, (64, 48), trimap=False)
     urls = [f"{base}/{Path(p).name}" for p in paths]
-    p = profile_pipeline(_loader(urls, workers=1, keys=("cls", "image.jpg"), batch_size=4))
+    p = profile_pipeline(_loader(urls, workers=1, fields=("cls", "image.jpg"), batch_size=4))
     v = verdicts(p)
     assert p.bottleneck == "read" and any(line.startswith("read is") and "reads wait" in line for line in v), report(p)
     assert p.read_mb_s is not None and p.read_mb_s < 2, p.read_mb_s
@@ -159,8 +159,8 @@ def test_overhead_is_bounded(tmp_path):
     profiler adds the same clock readings per stage there as in a worker, while a worker's CPU also counts its start
     and hand-over, whose noise on 2 shared cores (up to 15% between identical runs) would hide what is measured."""
     urls = _write(tmp_path / "ov", 8, 25, (500, 375))
-    o = profile_overhead(lambda: _loader(urls, workers=2, batch_size=16, keys=("cls", "image.jpg")), repeats=5)
-    c = profile_overhead(lambda: _loader(urls, workers=0, batch_size=16, keys=("cls", "image.jpg")), repeats=5)
+    o = profile_overhead(lambda: _loader(urls, workers=2, batch_size=16, fields=("cls", "image.jpg")), repeats=5)
+    c = profile_overhead(lambda: _loader(urls, workers=0, batch_size=16, fields=("cls", "image.jpg")), repeats=5)
     print("overhead", o["overhead"], "cpu", c["cpu_overhead"], c["cpu_runs"])
     best = 1 - max(o["runs"]["profiled"]) / max(o["runs"]["plain"])
     cpu = min(c["cpu_runs"]["profiled"]) / min(c["cpu_runs"]["plain"]) - 1
@@ -200,25 +200,25 @@ def _base_profile(shards):
 
 def test_suggested_change_follows_the_verdicts(_base_profile):
     "What `--try auto` profiles, for each situation the verdicts name: it must change with the numbers, not be fixed."
-    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=1.0))) == dict(workers=4)  # reads that wait: 2x readers
-    assert suggested_change(_made_up(workers=0, read=dict(wall=50.0, cpu=1.0))) == dict(workers=2)
-    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=45.0))) != dict(workers=4)  # reads on a core: work
-    assert suggested_change(_made_up(load=0.0, workers=1, cores=8)) == dict(workers=8)  # idle cores: a worker each
-    assert suggested_change(_made_up(load=7.8, workers=1, cores=8)) != dict(workers=8)  # cores busy with other jobs
+    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=1.0))) == dict(num_workers=4)  # reads that wait: 2x readers
+    assert suggested_change(_made_up(workers=0, read=dict(wall=50.0, cpu=1.0))) == dict(num_workers=2)
+    assert suggested_change(_made_up(read=dict(wall=50.0, cpu=45.0))) != dict(num_workers=4)  # reads on a core: work
+    assert suggested_change(_made_up(load=0.0, workers=1, cores=8)) == dict(num_workers=8)  # idle cores: a worker each
+    assert suggested_change(_made_up(load=7.8, workers=1, cores=8)) != dict(num_workers=8)  # cores busy with other jobs
     assert suggested_change(_made_up(kind="webdataset")) == dict(pipeline="default")
     assert suggested_change(_made_up(windows="available but off")) == dict(pipeline="default")
-    on_gpu = dict(pipeline="gpu") if why_no_gpu() is None else dict(workers=3)  # decode-bound: the GPU if any
+    on_gpu = dict(pipeline="gpu") if why_no_gpu() is None else dict(num_workers=3)  # decode-bound: the GPU if any
     assert suggested_change(_made_up()) == on_gpu
     waited = _made_up(other=dict(wall=12.0, cpu=0.1))  # a stage that mostly waited for a core: not the one to blame
     assert waited.bottleneck == "decode" and suggested_change(waited) == on_gpu
     header_bound = _made_up(kind="gpu", decode=dict(wall=0.0, cpu=0.0), header=dict(wall=3.0, cpu=3.0))
-    assert suggested_change(header_bound) == dict(workers=3)
+    assert suggested_change(header_bound) == dict(num_workers=3)
 
 
 def test_report_says_whether_windows_were_used(shards):
     "`windows: used` when the crop windows were decoded; `available but off` for the same loader decoding whole JPEGs."
     why = why_no_window_decode()
-    used, whole = (profile_pipeline(build_loader(shards, p, workers=0, batch_size=8), batches=2)
+    used, whole = (profile_pipeline(build_loader(shards, p, num_workers=0, batch_size=8), batches=2)
                    for p in ("default", "whole"))
     expected = ("used", "available but off") if why is None else (f"unavailable: {why}",) * 2
     assert (used.windows, whole.windows) == expected
@@ -227,7 +227,7 @@ def test_report_says_whether_windows_were_used(shards):
 
 
 def _gpu_keys(urls, device, profiled: bool, **kw):
-    g = create_gpu_loader(urls, keys=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3,
+    g = create_gpu_loader(urls, fields=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3,
                           device=device, **kw)
     got = []
     if not profiled: return [k for b in g for k in b[0]], None
@@ -272,7 +272,7 @@ def test_the_gpu_loaders_device_stages_inside_next_are_accounted(shards):
     """No workers and no prefetching: the GPU loader's whole path runs inside `next()`, its worker stages and its device
     stages one after the other, so together with the step they leave little of the loop untimed (the same bound as
     the CPU pipeline's); device stages counted twice would make the rest negative, left out would make it large."""
-    g = create_gpu_loader(shards, keys=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu",
+    g = create_gpu_loader(shards, fields=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu",
                           prefetch=0)
     p = profile_pipeline(g, step=lambda b: time.sleep(0.003))
     assert p.workers == 0 and p.samples == 60, report(p)

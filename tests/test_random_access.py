@@ -48,7 +48,7 @@ def _keys(loader):
 
 
 def _loader(src, **kw):
-    kw.setdefault("keys", ("__key__", "cls", "image.jpg"))
+    kw.setdefault("fields", ("__key__", "cls", "image.jpg"))
     kw.setdefault("transform", train_transform(16))
     return create_random_loader(src, **kw)
 
@@ -105,8 +105,8 @@ def test_one_rank_delivers_the_partial_last_batch_by_default(shards):
 
 def test_same_crop_as_the_streaming_loader(shards):
     tf = train_transform(16)
-    stream = {k: img for k, img in create_dataset(shards, keys=("__key__", "image.jpg"), transform=tf, seed=3, batch_size=None)}
-    ours = {k: img for b in _loader(shards, keys=("__key__", "image.jpg"), batch_size=4, num_workers=2, seed=3) for k, img in zip(*b)}
+    stream = {k: img for k, img in create_dataset(shards, fields=("__key__", "image.jpg"), transform=tf, seed=3, batch_size=None)}
+    ours = {k: img for b in _loader(shards, fields=("__key__", "image.jpg"), batch_size=4, num_workers=2, seed=3) for k, img in zip(*b)}
     assert sorted(ours) == sorted(stream)
     assert all(torch.equal(ours[k], stream[k]) for k in ours), "same seed, epoch and key: same augmentation"
 
@@ -116,7 +116,7 @@ import pickle, sys
 from shardkit.loading.transforms import train_transform
 from shardkit.loading.random import create_random_loader
 src, state, n = pickle.loads(sys.stdin.buffer.read())
-dl = create_random_loader(src, keys=("__key__", "image.jpg"), transform=train_transform(16), batch_size=5, num_workers=1, seed=7)
+dl = create_random_loader(src, fields=("__key__", "image.jpg"), transform=train_transform(16), batch_size=5, num_workers=1, seed=7)
 dl.load_state_dict(state)
 out = []
 while len(out) < n:
@@ -141,12 +141,12 @@ TOTAL = 10  # 4 batches of 5 per epoch (4 samples dropped): 2.5 epochs
 
 @pytest.fixture(scope="module")
 def uninterrupted(shards):
-    return _take(_loader(shards, keys=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7), TOTAL)
+    return _take(_loader(shards, fields=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7), TOTAL)
 
 
 @pytest.mark.parametrize("stop", [1, 2, 4, 6], ids=["first-batch", "middle", "last-batch-of-epoch", "next-epoch"])
 def test_resume_in_a_fresh_process(shards, uninterrupted, stop):
-    dl = _loader(shards, keys=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7)
+    dl = _loader(shards, fields=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7)
     head = _take(dl, stop)
     state = dl.state_dict()
     r = subprocess.run([sys.executable, "-c", RESUME], input=pickle.dumps((os.path.dirname(shards[0]), state, TOTAL - stop)),
@@ -182,7 +182,7 @@ def elastic_shards(tmp_path_factory):
 def _job(src, shape, state=None, weights=None):
     "One loader per rank of `shape` (of a mix, given `weights`), each resumed from `state` if given."
     ranks, workers, bs = shape
-    dls = [create_random_loader(src, keys=("__key__",), transform=None, batch_size=bs, num_workers=workers, seed=11,
+    dls = [create_random_loader(src, fields=("__key__",), transform=None, batch_size=bs, num_workers=workers, seed=11,
                                 rank=r, world_size=ranks, weights=weights) for r in range(ranks)]
     for dl in dls:
         if state is not None: dl.load_state_dict(state)
@@ -261,8 +261,8 @@ def test_set_epoch(shards):
 def test_pickle_refused_by_default(tmp_path):
     paths = _write_shards(tmp_path / "p", sizes=(2,), extra={"meta.pyd": pickle.dumps({"x": 1})})
     with pytest.raises(UsageError, match=r"'meta.pyd'.*allow_pickle=True"):
-        create_random_loader(paths, keys=("cls", "meta.pyd"), batch_size=2, num_workers=0)
-    (cls, meta), = list(create_random_loader(paths, keys=("cls", "meta.pyd"), batch_size=2, num_workers=0, allow_pickle=True))
+        create_random_loader(paths, fields=("cls", "meta.pyd"), batch_size=2, num_workers=0)
+    (cls, meta), = list(create_random_loader(paths, fields=("cls", "meta.pyd"), batch_size=2, num_workers=0, allow_pickle=True))
     assert meta == [{"x": 1}, {"x": 1}]
 
 
@@ -283,7 +283,7 @@ def test_keys_from_tar_headers_or_memory(shards, tmp_path):
         for i in range(3): w.write({"__key__": f"{'k' * 120}_{i}", "cls": i})
     lidx = sample_index([long], ("cls",))
     assert lidx.keys is not None and lidx.key(2) == f"{'k' * 120}_2", "long names (pax headers): keys kept in memory"
-    (keys, cls), = list(create_random_loader([long], keys=("__key__", "cls"), batch_size=3, num_workers=0))
+    (keys, cls), = list(create_random_loader([long], fields=("__key__", "cls"), batch_size=3, num_workers=0))
     assert sorted(zip(keys, cls.tolist())) == [(f"{'k' * 120}_{i}", i) for i in range(3)]
 
 
@@ -330,7 +330,7 @@ def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
     store = open_store(f"ais://{name}", create=True)
     try:
         for p in shards: store.put_file(p)
-        res = bench_ais_index(f"ais://{name}", keys=("cls", "image.jpg"), num_workers=0, samples=24, batch_size=8)
+        res = bench_ais_index(f"ais://{name}", fields=("cls", "image.jpg"), num_workers=0, samples=24, batch_size=8)
         assert set(res) == {"without index", "with index", "build_s", "modes"} and res["build_s"] > 0, res
         assert {"stream", "cache", "range", "getbatch"} <= set(res["modes"]), res["modes"]  # side by side on one bucket
         for when in ("without index", "with index"):
@@ -356,7 +356,7 @@ def test_on_aistore_a_shard_replaced_after_indexing_is_named(shards, ais_endpoin
     store = open_store(f"ais://{name}", create=True)
     try:
         for p in shards: store.put_file(p)
-        dl = _loader(f"ais://{name}", keys=("__key__", "image.jpg"), batch_size=5, num_workers=0, seed=7)
+        dl = _loader(f"ais://{name}", fields=("__key__", "image.jpg"), batch_size=5, num_workers=0, seed=7)
         assert len(dl.dataset.index) == 24
         other = _write_shards(tmp_path / "other", sizes=(3,), seed=9)
         store.put_file(other[0], "pets-00003.tar")

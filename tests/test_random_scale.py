@@ -39,7 +39,7 @@ def shards(tmp_path_factory):
 
 
 def _loader(src, **kw):
-    kw.setdefault("keys", ("__key__", "cls", "bin"))
+    kw.setdefault("fields", ("__key__", "cls", "bin"))
     kw.setdefault("transform", None)
     return create_random_loader(src, **kw)
 

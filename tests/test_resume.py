@@ -28,7 +28,7 @@ def shards(tmp_path_factory):
 
 
 def _loader(src, workers, rank=None, world=None, seed=3, **kw):
-    ds = create_dataset(src, keys=("__key__", "cls", "image.jpg"), transform=train_transform(16), shuffle=8, batch_size=4,
+    ds = create_dataset(src, fields=("__key__", "cls", "image.jpg"), transform=train_transform(16), shuffle=8, batch_size=4,
                         seed=seed, rank=rank, world_size=world)
     return create_dataloader(ds, num_workers=workers, batch_size=4, **kw)
 
@@ -138,7 +138,7 @@ def test_skipped_samples_are_not_decoded(shards):
     _take(a, 5)
     state = a.state_dict()
     tf = CountingTransform()
-    ds = create_dataset(shards, keys=("__key__", "cls", "image.jpg"), transform={"image.jpg": tf}, shuffle=8, batch_size=4, seed=3)
+    ds = create_dataset(shards, fields=("__key__", "cls", "image.jpg"), transform={"image.jpg": tf}, shuffle=8, batch_size=4, seed=3)
     b = create_dataloader(ds, num_workers=0, batch_size=4)
     b.load_state_dict(state)
     rest = [x for x in b]
@@ -188,7 +188,7 @@ def test_a_state_that_is_not_a_dict_is_refused(shards):
 ])
 def test_the_random_loader_refuses_a_malformed_state(shards, change, says):
     from shardkit.loading.random import create_random_loader
-    make = lambda: create_random_loader(shards, keys=("__key__", "cls"), batch_size=4, num_workers=0, seed=1)
+    make = lambda: create_random_loader(shards, fields=("__key__", "cls"), batch_size=4, num_workers=0, seed=1)
     a = make()
     next(iter(a))
     with pytest.raises(LoaderError, match=re.escape(says)):
@@ -216,7 +216,7 @@ def _job(src, shape, share=None, states=None):
     ranks, workers, bs = shape
     keys, saved = [], []
     for r in range(ranks):
-        ds = create_dataset(src, keys=("__key__",), transform=None, shuffle=50, batch_size=bs, seed=5, rank=r,
+        ds = create_dataset(src, fields=("__key__",), transform=None, shuffle=50, batch_size=bs, seed=5, rank=r,
                             world_size=ranks)
         dl = create_dataloader(ds, num_workers=workers)
         if states is not None: dl.load_state_dict(states)

@@ -113,7 +113,7 @@ def test_listed_names_are_not_templates(tmp_path):
     d.mkdir()
     (d / "odd-{0..3000000}.tar").write_bytes(_tar(_sample_members("a", 3)))
     t0 = time.monotonic()
-    samples = list(create_dataset(str(d), keys=("__key__", "cls"), batch_size=None, shuffle=0))
+    samples = list(create_dataset(str(d), fields=("__key__", "cls"), batch_size=None, shuffle=0))
     assert time.monotonic() - t0 < 60
     assert [s[0] for s in samples] == ["a"]
 
@@ -280,7 +280,7 @@ def test_loader_and_etl_refuse_pickles(tmp_path):
     marker = tmp_path / "pwned"
     (tmp_path / "p.tar").write_bytes(_tar(_sample_members("a", 1) + [("a.meta.pyd", "file", pickle.dumps(_Marker(marker)))]))
     with pytest.raises(Exception, match="allow_pickle=True"):
-        list(create_dataset([str(tmp_path / "p.tar")], keys=("cls", "meta.pyd"), batch_size=None, shuffle=0, seed=0))
+        list(create_dataset([str(tmp_path / "p.tar")], fields=("cls", "meta.pyd"), batch_size=None, shuffle=0, seed=0))
     with pytest.raises(Exception, match="pickle"):
         ShardTransform(lambda s: s, handler="strict")((tmp_path / "p.tar").read_bytes(), "p.tar")
     assert not marker.exists()

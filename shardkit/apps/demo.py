@@ -140,11 +140,11 @@ def step_shuffle(state: DemoState, shards_spec: str, shuffled_spec: str, fingerp
 # %% ../../nbs/39_demo.ipynb
 SIZE, BATCH = 64, 32
 
-def _loaders(train_urls, test_urls, workers: int):
+def _loaders(train_urls, test_urls, num_workers: int):
     train = create_dataloader(create_dataset(train_urls, transform=train_transform(SIZE, scale=(0.25, 1)), seed=0),
-                              num_workers=workers, batch_size=BATCH)
+                              num_workers=num_workers, batch_size=BATCH)
     test = create_dataloader(create_dataset(test_urls, transform=eval_transform(SIZE), shuffle=0, seed=0),
-                             num_workers=workers, batch_size=64)
+                             num_workers=num_workers, batch_size=64)
     return train, test
 
 # %% ../../nbs/39_demo.ipynb
@@ -160,7 +160,7 @@ def _plot_losses(losses: list[float], acc: float, epochs: int, path: Path):
 
 # %% ../../nbs/39_demo.ipynb
 def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str, fingerprint, epochs: int,
-               workers: int, quiet: bool) -> dict:
+               num_workers: int, quiet: bool) -> dict:
     "Sample grid, then a small CNN trained through the ETL sidecar and loader, tested on the test split."
     import matplotlib.pyplot as plt
     settings = dict(epochs=epochs, size=SIZE, batch=BATCH, width=16, input=fingerprint)
@@ -173,7 +173,7 @@ def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str
         for etl in etls: stack.callback(etl.stop)
         with ThreadPoolExecutor(2) as pool: list(pool.map(Sidecar.start, etls))  # both start up at once: a few s saved
         train, test = _loaders(shuffled.urls(shuffled.list("train-*.tar"), etl=train_etl),
-                               shards.urls(shards.list("test-*.tar"), etl=test_etl), workers)
+                               shards.urls(shards.list("test-*.tar"), etl=test_etl), num_workers)
         fig = display_loader_images(train, objects=8, class_names=CLASS_NAMES)
         fig.suptitle("First training batch: through the ETL sidecar (shrink) and the loader (crop 64, flip)",
                      fontsize=10)
@@ -225,16 +225,17 @@ def demo_table(res: dict) -> str:
     return format_bench(out, cols, title, [textwrap.fill(n, 116, subsequent_indent="  ") for n in notes])
 
 # %% ../../nbs/39_demo.ipynb
-def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, workers: int, samples: int,
+def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, num_workers: int, samples: int,
                quiet: bool) -> dict:
     "The loader benchmark on the shuffled shards: the demo's table, the full one (`bench-loader.txt`) and the plot."
     import matplotlib.pyplot as plt
-    settings = dict(workers=workers, samples=samples, input=fingerprint, table="demo")
+    settings = dict(workers=num_workers, samples=samples, input=fingerprint, table="demo")
     out = Path(out)
     if (r := state.done("bench", settings)) and (out / "bench-loader.png").exists():
         _say("bench: reusing the loader benchmark", quiet); return r
     t0 = time.time()
-    res = bench_loader(open_store(shuffled_spec), num_workers=workers, samples=samples, repeats=1, progress=not quiet,
+    res = bench_loader(open_store(shuffled_spec), num_workers=num_workers, samples=samples, repeats=1,
+                       progress=not quiet,
                        cache=out / "bench-cache")
     (out / "bench-loader.txt").write_text(loader_table(res) + "\n")
     fig = plot_bench(res, out / "bench-loader.png"); plt.close(fig)
@@ -275,9 +276,9 @@ def format_summary(r: dict) -> str:
     return "\n".join(lines + ["", *NEXT_STEPS])
 
 # %% ../../nbs/39_demo.ipynb
-def _check_demo(pets: str | None, n: int, epochs: int, workers: int):
+def _check_demo(pets: str | None, n: int, epochs: int, num_workers: int):
     "Refuse, before anything runs, what `run_demo` cannot use; the message says what to give instead."
-    for name, v, lo in (("--n", n, 37), ("--epochs", epochs, 1), ("--workers", workers, 0)):
+    for name, v, lo in (("--n", n, 37), ("--epochs", epochs, 1), ("--workers", num_workers, 0)):
         if v < lo: raise UsageError(f"{name} must be >= {lo}, got {v}")
     if pets and not (Path(pets) / "annotations" / "list.txt").is_file():
         raise UsageError(f"--pets {pets} holds no annotations/list.txt; give the Oxford-IIIT Pet folder "
@@ -288,7 +289,7 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
              pets: str | None = None,         # Use the real Oxford-IIIT Pet folder at PETS (default: synthesize one)
              n: int = 740,                    # Synthetic images to draw (not used with a real Pet folder)
              epochs: int = 3,                 # Training epochs of the small CNN
-             workers: int = 2,                # DataLoader workers (at most the CPU cores help)
+             num_workers: int = 2,            # DataLoader workers (at most the CPU cores help)
              bench: bool = True,              # Run the loader benchmark
              bench_samples: int = 2000,       # Samples per loader in the benchmark
              fresh: bool = False,             # Redo every step instead of reusing finished ones
@@ -296,7 +297,7 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
             ) -> dict:
     "Run the whole pipeline end to end, reusing finished steps; what each step did (also in `out/summary.txt`)."
     from tqdm.auto import tqdm
-    _check_demo(pets, n, epochs, workers)
+    _check_demo(pets, n, epochs, num_workers)
     t0, out = time.time(), Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     state, stores = DemoState(out, fresh), demo_stores(out)
@@ -307,15 +308,16 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
         if bar.n < len(names): bar.set_postfix_str(names[bar.n])
     bar.set_postfix_str(names[0])
     try:
-        r = dict(out=str(out), stores=stores, workers=workers, epochs=epochs)
+        r = dict(out=str(out), stores=stores, workers=num_workers, epochs=epochs)
         r["data"] = step_data(state, out, pets, n, quiet); advance()
         r["shards"] = step_shards(state, r["data"], stores["shards"], quiet, fresh); advance()
         fingerprint = [r["data"]["root"], r["data"]["images"], r["shards"]]
         r["shuffle"] = step_shuffle(state, stores["shards"], stores["shuffled"], fingerprint, quiet); advance()
-        r["train"] = step_train(state, out, stores["shards"], stores["shuffled"], fingerprint, epochs, workers, quiet)
+        r["train"] = step_train(state, out, stores["shards"], stores["shuffled"], fingerprint, epochs, num_workers,
+                                quiet)
         advance()
         if bench:
-            r["bench"] = step_bench(state, out, stores["shuffled"], fingerprint, workers, bench_samples, quiet)
+            r["bench"] = step_bench(state, out, stores["shuffled"], fingerprint, num_workers, bench_samples, quiet)
             advance()
     finally: bar.close()
     r["seconds"] = time.time() - t0

@@ -61,7 +61,7 @@ PIPELINES = ("default", "whole", "post", "gpu")
 
 def build_loader(src,                    # Shards: a directory, ais://bucket, a brace template, or URLs
                  pipeline: str = "default",  # default, whole, post, or gpu (PIPELINES)
-                 workers: int = 2,       # Loader worker processes
+                 num_workers: int = 2,   # Loader worker processes
                  batch_size: int = 64,   # Samples per batch
                  seed: int = 0,          # Seed of shard order, shuffles and crops
                  device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu (the same path)
@@ -73,13 +73,13 @@ def build_loader(src,                    # Shards: a directory, ais://bucket, a 
     if pipeline not in PIPELINES: raise UsageError(f"pipeline must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
     urls = shard_urls(src)
     f = shard_fields(urls[0])
-    if pipeline == "post": return post_loader(urls, num_workers=workers, image=f["image"], trimap=f["trimap"])
+    if pipeline == "post": return post_loader(urls, num_workers=num_workers, image=f["image"], trimap=f["trimap"])
     if pipeline == "gpu":  # one JPEG per sample is what it decodes: the trimap stays out
-        return create_gpu_loader(urls, keys=(f["label"], f["image"]), batch_size=batch_size, num_workers=workers,
+        return create_gpu_loader(urls, fields=(f["label"], f["image"]), batch_size=batch_size, num_workers=num_workers,
                                  seed=seed, device=device)
     keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
-    ds = create_dataset(urls, keys=keys, transform=train_transform(window=pipeline == "default"), seed=seed)
-    return create_dataloader(ds, num_workers=workers, batch_size=batch_size)
+    ds = create_dataset(urls, fields=keys, transform=train_transform(window=pipeline == "default"), seed=seed)
+    return create_dataloader(ds, num_workers=num_workers, batch_size=batch_size)
 
 # %% ../../nbs/42b_profile_script.ipynb
 def simulated_step(ms: float) -> Callable | None:
@@ -91,11 +91,11 @@ def suggested_change(p: Profile) -> dict:
     "The change the verdicts point at that `build_loader` can make (what `--try auto` profiles)."
     idle = p.cores - max(p.cores_busy, p.load)
     if p.bottleneck == "read" and p.stages["read"]["cpu"] < 0.5 * p.stages["read"]["wall"]:
-        return dict(workers=2 * max(p.workers, 1))
-    if idle >= 0.5 and p.workers < p.cores: return dict(workers=p.cores)
+        return dict(num_workers=2 * max(p.workers, 1))
+    if idle >= 0.5 and p.workers < p.cores: return dict(num_workers=p.cores)
     if p.kind == "webdataset" or p.windows == "available but off": return dict(pipeline="default")
     if p.bottleneck == "decode" and p.kind == "shardkit" and p.gpu and why_no_gpu() is None: return dict(pipeline="gpu")
-    return dict(workers=p.workers + 1)
+    return dict(num_workers=p.workers + 1)
 
 # %% ../../nbs/42b_profile_script.ipynb
 def _changes(text: str) -> dict:
@@ -104,7 +104,8 @@ def _changes(text: str) -> dict:
     for part in filter(None, text.split(",")):
         k, eq, v = part.partition("=")
         k = k.strip().replace("-", "_")
-        if not eq or k not in ("workers", "pipeline", "batch_size"):
+        k = "num_workers" if k == "workers" else k  # the short spelling, as on the command line
+        if not eq or k not in ("num_workers", "pipeline", "batch_size"):
             raise UsageError(f"--try takes name=value pairs among workers, pipeline, batch-size (or 'auto'), "
                              f"not {part!r}")
         out[k] = v.strip() if k == "pipeline" else int(v)
@@ -140,8 +141,9 @@ def profile_shards(src: str,                  # Shards: a directory, ais://bucke
         raise UsageError("--workers and --batches must be >= 0 and --batch-size >= 1")
     change = _changes(try_) if try_ and try_ != "auto" else {}  # a wrong one is refused before anything runs
     if device == "auto": device = "cuda" if torch.cuda.is_available() else "cpu"
-    base = dict(pipeline=pipeline, workers=num_workers, batch_size=batch_size)
-    label = lambda a: f"{a['pipeline']}, {a['workers']} workers" + (f" on {device}" if a["pipeline"] == "gpu" else "")
+    base = dict(pipeline=pipeline, num_workers=num_workers, batch_size=batch_size)
+    label = lambda a: (f"{a['pipeline']}, {a['num_workers']} workers"
+                       + (f" on {device}" if a["pipeline"] == "gpu" else ""))
     run = lambda a: profile_pipeline(build_loader(src, **a, device=device), simulated_step(step_ms), batches or None,
                                      device=None if device == "cpu" else device, label=label(a))
     profiles = [run(base)]

@@ -60,12 +60,12 @@ def _synthetic(batch_size: int, size: int, device) -> Iterator[torch.Tensor | No
     x = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=device)
     while True: yield from (x, x, x, None)
 
-def _decoded(urls, image_key: str, batch_size: int, device, most: int = 1024) -> Iterator[list]:
+def _decoded(urls, image_field: str, batch_size: int, device, most: int = 1024) -> Iterator[list]:
     "nvJPEG (or the CPU decoder) alone: the first `most` JPEGs of the shards decoded, a batch at a time, forever."
     blobs = []
     for url in urls:
         for s in url_samples([dict(url=url)]):
-            if image_key in s: blobs.append(torch.frombuffer(bytearray(s[image_key]), dtype=torch.uint8))
+            if image_field in s: blobs.append(torch.frombuffer(bytearray(s[image_field]), dtype=torch.uint8))
             if len(blobs) >= most: break
         if len(blobs) >= most: break
     if torch.device(device).type == "cuda": blobs = [b.pin_memory() for b in blobs]
@@ -74,8 +74,8 @@ def _decoded(urls, image_key: str, batch_size: int, device, most: int = 1024) ->
         yield from (decode_batch(b, [str(i) for i in range(len(b))], device) for b in batches)
         yield None
 
-def _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, device, thread=None) -> Iterator:
-    ds = create_dataset(urls, keys=(image_key,), transform=train_transform(size, scale), seed=0)
+def _cpu_loader(urls, image_field, batch_size, num_workers, size, scale, device, thread=None) -> Iterator:
+    ds = create_dataset(urls, fields=(image_field,), transform=train_transform(size, scale), seed=0)
     if "device" in inspect.signature(create_dataloader).parameters:  # the loader copies to the device itself
         dl = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size, device=device)
         if thread is not None and hasattr(dl, "thread"): dl.thread = thread
@@ -83,7 +83,7 @@ def _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, device, t
     return _images_forever(create_dataloader(ds, num_workers=num_workers, batch_size=batch_size), 0, device)
 
 # %% ../../nbs/38_bench_gpu.ipynb
-def _dali_images(urls, image_key: str, batch_size: int, threads: int, size: int, scale, seed: int, device="cuda"):
+def _dali_images(urls, image_field: str, batch_size: int, threads: int, size: int, scale, seed: int, device="cuda"):
     "NVIDIA DALI's GPU pipeline on the same shards: webdataset reader, nvJPEG ('mixed') decoder, random crop, flip."
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
@@ -91,7 +91,7 @@ def _dali_images(urls, image_key: str, batch_size: int, threads: int, size: int,
     gpu = torch.cuda.current_device() if dev.index is None else dev.index
     @pipeline_def(batch_size=batch_size, num_threads=max(threads, 1), device_id=gpu, seed=seed)
     def pipe():
-        jpegs = fn.readers.webdataset(paths=list(urls), ext=[image_key], random_shuffle=True, initial_fill=1000,
+        jpegs = fn.readers.webdataset(paths=list(urls), ext=[image_field], random_shuffle=True, initial_fill=1000,
                                       name="reader")
         jpegs = jpegs[0] if isinstance(jpegs, (list, tuple)) else jpegs  # one output: a list of one in some versions
         images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB)
@@ -127,14 +127,14 @@ def _rate(images: Iterator, samples: int, sync, step=None) -> dict:
     return dict(samples=n, seconds=secs, rate=n / secs, cpu_ms=cpu / n * 1e3)
 
 # %% ../../nbs/38_bench_gpu.ipynb
-def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, threads: list, dali: bool) -> list:
+def _contenders(urls, image_field, batch_size, num_workers, size, dev, step: str, threads: list, dali: bool) -> list:
     "(row name, a function making its stream of image batches, the step to feed or None) for each contender."
     scale, on = (0.08, 1.0), f"decode on {dev.type}" + (" (nvJPEG)" if dev.type == "cuda" else "")
-    gpu = lambda t: lambda: _images_forever(create_gpu_loader(urls, (image_key,), batch_size, num_workers, 0, dev, size,
-                                                              scale, thread=t), 0, dev)
-    cpu = lambda t: lambda: _cpu_loader(urls, image_key, batch_size, num_workers, size, scale, dev, t)
+    gpu = lambda t: lambda: _images_forever(
+        create_gpu_loader(urls, (image_field,), batch_size, num_workers, 0, dev, size, scale, thread=t), 0, dev)
+    cpu = lambda t: lambda: _cpu_loader(urls, image_field, batch_size, num_workers, size, scale, dev, t)
     how = lambda t: "" if len(threads) == 1 else ", thread" if t else ", in the loop"
-    dali_run = lambda: _dali_images(urls, image_key, batch_size, num_workers, size, scale, 0, dev)
+    dali_run = lambda: _dali_images(urls, image_field, batch_size, num_workers, size, scale, 0, dev)
     if step == "none":
         runs = [(f"shardkit, {on}{how(t)}", gpu(t), None) for t in threads]
         runs += [(f"shardkit CPU loader{how(t)}", cpu(t), None) for t in threads]
@@ -142,7 +142,7 @@ def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, 
     fn, w = make_step(step, dev), f"{num_workers} workers"
     synthetic = lambda: _synthetic(batch_size, size, dev)
     runs = [(f"step alone: {step}, synthetic uint8 batches on {dev.type}", synthetic, fn),
-            (f"{on} alone, one process, no crops", lambda: _decoded(urls, image_key, batch_size, dev), None)]
+            (f"{on} alone, one process, no crops", lambda: _decoded(urls, image_field, batch_size, dev), None)]
     runs += [(f"shardkit GPU loader alone ({w}{how(t)})", gpu(t), None) for t in threads]
     runs += [(f"shardkit GPU loader + step ({w}{how(t)})", gpu(t), fn) for t in threads]
     runs += [(f"shardkit CPU loader + step ({w}{how(t)})", cpu(t), fn) for t in threads]
@@ -150,7 +150,7 @@ def _contenders(urls, image_key, batch_size, num_workers, size, dev, step: str, 
 
 # %% ../../nbs/38_bench_gpu.ipynb
 def bench_gpu_decode(sources,                      # Shards with JPEGs: a directory, ais://bucket, a template, a .tar
-                     image_key: str = "image.jpg", # The JPEG field of the samples ("jpg" in ImageNet-style shards)
+                     image_field: str = "image.jpg", # The JPEG field of the samples ("jpg" in ImageNet-style shards)
                      batch_size: int = 64,         # Samples per batch, for every contender
                      num_workers: int = 4,         # DataLoader workers for every loader (CPU threads for DALI)
                      samples: int = 2000,          # Samples per timed run (small sets are read several times over)
@@ -170,7 +170,7 @@ def bench_gpu_decode(sources,                      # Shards with JPEGs: a direct
     if threads is None: raise LoaderError(f"thread must be on, off, both or default, not {thread!r}")
     if dev.type == "cuda": torch.backends.cudnn.benchmark = True
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    runs = _contenders(shard_urls(sources), image_key, batch_size, num_workers, size, dev, step, threads,
+    runs = _contenders(shard_urls(sources), image_field, batch_size, num_workers, size, dev, step, threads,
                        dali and dev.type == "cuda" and _has_dali())
     rows = [dict(name=name, **_rate(make(), samples, sync, fn)) for name, make, fn in runs]
     base = rows[0] if step != "none" else next(r for r in rows if r["name"].startswith("shardkit CPU loader"))

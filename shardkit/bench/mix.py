@@ -29,13 +29,14 @@ def mix_halves(src) -> tuple[dict, dict]:
     return {"first": urls[:h], "second": urls[h:]}, {"first": h, "second": len(urls) - h}
 
 # %% ../../nbs/36a_bench_mix.ipynb
-def _contenders(src, keys, transform, batch_size: int, num_workers: int, seed: int) -> dict:
+def _contenders(src, fields, transform, batch_size: int, num_workers: int, seed: int) -> dict:
     "Makers of fresh loaders: (path, one source or a mix) -> a function of no arguments."
     halves, weights = mix_halves(src)
     urls = shard_urls(src)
-    def stream(s, w): return create_dataloader(create_dataset(s, keys=keys, transform=transform, batch_size=batch_size,
+    def stream(s, w): return create_dataloader(create_dataset(s, fields=fields, transform=transform,
+                                                              batch_size=batch_size,
                                                               seed=seed, weights=w), num_workers=num_workers)
-    def random(s, w): return create_random_loader(s, keys, transform, batch_size, num_workers, seed, weights=w)
+    def random(s, w): return create_random_loader(s, fields, transform, batch_size, num_workers, seed, weights=w)
     return {(path, kind): (lambda f=make, s=s, w=w: f(s, w))
             for path, make in (("stream", stream), ("random access", random))
             for kind, s, w in (("one source", urls, None), ("mix of 2", halves, weights))}

@@ -36,12 +36,12 @@ def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[in
         for b in loader: n += len(b[0])
     return n, time.perf_counter() - t0, cpu_seconds() - c0
 
-def bench_random(source, keys: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
+def bench_random(source, fields: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
                  samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False,
                  read: str = "auto") -> dict:
     "Samples/s, CPU ms/sample of the random-access loader on `source` (epochs, >= `samples`); `read_only`: bytes only."
     t0 = time.perf_counter()
-    loader = create_random_loader(source, keys, train_transform(size), batch_size, num_workers, seed, read=read)
+    loader = create_random_loader(source, fields, train_transform(size), batch_size, num_workers, seed, read=read)
     index_s, n, secs, cpu = time.perf_counter() - t0, 0, 0.0, 0.0
     while n < samples:
         k, s, c = _timed_pass(loader, read_only)
@@ -57,7 +57,7 @@ def bench_ais_index(store, modes: bool = True, **kw) -> dict:
     t0 = time.perf_counter(); build_shard_index(store); build_s = time.perf_counter() - t0
     out = {"without index": without, "with index": both(), "build_s": build_s}
     if modes:  # defined below: the cache, range reads and GetBatch against streaming the same bucket
-        out["modes"] = bench_read_modes(store, keys=kw.get("keys", ("cls", "image.jpg")),
+        out["modes"] = bench_read_modes(store, fields=kw.get("fields", ("cls", "image.jpg")),
                                         batch_size=kw.get("batch_size", 64), num_workers=kw.get("num_workers", 0),
                                         getbatch_samples=kw.get("samples", 2000))
     return out
@@ -83,9 +83,9 @@ def ais_cluster_cpu(endpoint: str) -> float:
     return total
 
 # %% ../../nbs/36_bench_random.ipynb
-def _setup(store, mode: str, keys, batch_size: int, seed: int, shard_cache, num_workers: int) -> tuple:
+def _setup(store, mode: str, fields, batch_size: int, seed: int, shard_cache, num_workers: int) -> tuple:
     "A loader reading with `mode` (a `read=` of create_random_loader), made ready for a timed epoch; setup seconds."
-    dl = create_random_loader(store, keys, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
+    dl = create_random_loader(store, fields, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
                               read=mode, shard_cache=shard_cache)
     ds, t0 = dl.dataset, time.perf_counter()
     if mode == "cache": shutil.rmtree(ds.reader.cache.folder, ignore_errors=True); private_dir(ds.reader.cache.folder)
@@ -95,7 +95,7 @@ def _setup(store, mode: str, keys, batch_size: int, seed: int, shard_cache, num_
     return dl, time.perf_counter() - t0
 
 def bench_read_modes(store,                                   # An ais:// bucket of shards
-                     keys: Sequence[str] = ("__key__", "cls", "bin"),  # What both loaders deliver (no image decoding)
+                     fields: Sequence[str] = ("__key__", "cls", "bin"),  # What both loaders deliver (no image decoding)
                      modes: Sequence[str] = ("stream", "cache", "range", "getbatch"),  # What to compare
                      batch_size: int = 64,                    # Samples per batch
                      shard_cache: int | str = 2,              # The cache's bound (shards, or bytes as '2GB')
@@ -108,10 +108,10 @@ def bench_read_modes(store,                                   # An ais:// bucket
     for mode in modes:
         setup_s, most = 0.0, None
         if mode == "stream":
-            dl = create_dataset(store, keys=keys, batch_size=batch_size, seed=seed)
+            dl = create_dataset(store, fields=fields, batch_size=batch_size, seed=seed)
             if num_workers: dl = create_dataloader(dl, num_workers=num_workers, batch_size=batch_size)
         else:
-            dl, setup_s = _setup(store, mode, keys, batch_size, seed, shard_cache, num_workers)
+            dl, setup_s = _setup(store, mode, fields, batch_size, seed, shard_cache, num_workers)
             most = getbatch_samples if mode == "getbatch" else None
         c0, t0, n = ais_cluster_cpu(endpoint), time.perf_counter(), 0
         it = iter(dl)
@@ -146,15 +146,15 @@ def bench_random_access(src,                       # Shards: a directory, a brac
                         batch_size: int = 64,      # Samples per batch
                         shard_index: bool = False, # On AIStore: GetBatch, then build the cluster's index, and again
                         modes: bool = False,       # On AIStore: every read mode (cache, range, GetBatch) vs streaming
-                        keys: str | Sequence[str] | None = None,  # Fields to read, comma-separated; default: cls, JPEG
+                        fields: str | Sequence[str] | None = None,  # Fields, comma-separated; default: cls, JPEG
                        ) -> dict:                  # rows: name -> `bench_random`'s result; modes: `bench_read_modes`'
     "The random-access loader on `src`, reading only and decoding; on AIStore without and with its index, or each mode."
     if (modes or shard_index) and not str(src).startswith("ais://"):
         raise UsageError(f"{'modes' if modes else 'shard_index'} is for ais:// buckets, not {src}")
-    if isinstance(keys, str): keys = tuple(k.strip() for k in keys.split(",") if k.strip())
-    if not keys: f = shard_fields(shard_urls(src)[0]); keys = (f["label"], f["image"])  # `cls` + `jpg` or `image.jpg`
-    if modes: return dict(modes=bench_read_modes(src, keys=keys, batch_size=batch_size, num_workers=num_workers))
-    kw = dict(num_workers=num_workers, samples=samples, batch_size=batch_size, keys=keys)
+    if isinstance(fields, str): fields = tuple(k.strip() for k in fields.split(",") if k.strip())
+    if not fields: f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])  # cls + jpg or image.jpg
+    if modes: return dict(modes=bench_read_modes(src, fields=fields, batch_size=batch_size, num_workers=num_workers))
+    kw = dict(num_workers=num_workers, samples=samples, batch_size=batch_size, fields=fields)
     if not shard_index: return dict(rows={"read": bench_random(src, read_only=True, **kw),
                                           "decode": bench_random(src, **kw)})
     res = bench_ais_index(src, **kw)

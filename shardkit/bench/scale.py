@@ -130,26 +130,26 @@ def _verify(spec):
 def _index(spec):
     w = _work(spec); _fresh(w / "index")
     def run():
-        idx = sample_index(w / "shuffled", keys=("cls", "jpg"), cache=w / "index")
+        idx = sample_index(w / "shuffled", fields=("cls", "jpg"), cache=w / "index")
         return dict(samples=len(idx), index_bytes=idx.nbytes, index_file_bytes=_dir_bytes(w / "index"))
     return run
 
 # %% ../../nbs/43_bench_scale.ipynb
 KEYS_ONLY = ("__key__", "cls")
 
-def _stream(spec, source, keys=KEYS_ONLY, transform=None, most=None):
-    ds = create_dataset(str(source), keys=keys, transform=transform, seed=0, batch_size=spec["batch_size"])
+def _stream(spec, source, fields=KEYS_ONLY, transform=None, most=None):
+    ds = create_dataset(str(source), fields=fields, transform=transform, seed=0, batch_size=spec["batch_size"])
     dl = create_dataloader(ds, num_workers=spec["workers"], batch_size=spec["batch_size"])
     return lambda: dict(samples=_count_epoch(dl, most))
 
-def _random(spec, keys=KEYS_ONLY, transform=None, most=None):
+def _random(spec, fields=KEYS_ONLY, transform=None, most=None):
     w = _work(spec)
-    dl = create_random_loader(str(w / "shuffled"), keys=keys, transform=transform, batch_size=spec["batch_size"],
-                              num_workers=spec["workers"], cache=w / "index")
+    dl = create_random_loader(str(w / "shuffled"), fields=fields, transform=transform, batch_size=spec["batch_size"],
+                              num_workers=spec["workers"], index_cache=w / "index")
     return lambda: dict(samples=_count_epoch(dl, most))
 
 def _decoded(spec) -> dict:
-    return dict(keys=("jpg", "cls"), transform=train_transform(size=spec["image_size"]),
+    return dict(fields=("jpg", "cls"), transform=train_transform(size=spec["image_size"]),
                 most=min(spec["n"], spec["decoded"]))
 
 # %% ../../nbs/43_bench_scale.ipynb
@@ -193,7 +193,7 @@ def _ais_dsort(spec):
 def _ais_getbatch(spec):
     "Images and labels by GetBatch, 64 samples (128 members) a request; without the shard index, fewer (each a scan)."
     most = min(spec["n"], spec["ais_samples"] if spec["stage"].endswith("index") else spec["ais_scan_samples"])
-    dl = create_random_loader(_bucket(spec, True), keys=("jpg", "cls"), transform=lambda v: v, batch_size=64,
+    dl = create_random_loader(_bucket(spec, True), fields=("jpg", "cls"), transform=lambda v: v, batch_size=64,
                               num_workers=0, read="getbatch")
     raw = torch.utils.data.DataLoader(_RawBatches(dl, most), batch_size=None, num_workers=spec["workers"], timeout=600)
     def run():
@@ -203,7 +203,7 @@ def _ais_getbatch(spec):
 
 def _ais_cache(spec):
     "One random-access epoch of the shuffled bucket through the shard cache, emptied first: every shard is fetched."
-    dl = create_random_loader(_bucket(spec, True), keys=KEYS_ONLY, batch_size=spec["batch_size"],
+    dl = create_random_loader(_bucket(spec, True), fields=KEYS_ONLY, batch_size=spec["batch_size"],
                               num_workers=spec["workers"], read="cache")
     for f in dl.dataset.reader.cache.files(): f.unlink()  # no copy left from an earlier run
     return lambda: dict(samples=_count_epoch(dl), window=dl.window)

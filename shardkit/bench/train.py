@@ -30,7 +30,7 @@ def _direct(spec: dict) -> dict:
     model = make_model(spec["arch"], spec["classes"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     step = training_step(model, opt, "cpu", "fp32")
-    ds = create_dataset(spec["urls"], keys=("jpg", "cls"), transform=train_transform(spec["size"], scale=(0.5, 1.0)),
+    ds = create_dataset(spec["urls"], fields=("jpg", "cls"), transform=train_transform(spec["size"], scale=(0.5, 1.0)),
                         batch_size=spec["batch_size"], seed=0)
     loader = create_dataloader(ds, num_workers=min(spec["workers"], len(spec["urls"])), batch_size=spec["batch_size"])
     t0, n = time.perf_counter(), 0

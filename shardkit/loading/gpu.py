@@ -93,28 +93,28 @@ def decode_batch(blobs: Sequence[torch.Tensor],  # JPEG bytes, 1-D uint8 CPU ten
 
 # %% ../../nbs/29_gpu.ipynb
 def jpeg_sample(sample: dict,                       # A raw sample from `url_samples`
-                keys: Sequence[str],                # The fields of the batch, in order
-                image_key: str,                     # The JPEG field among them
+                fields: Sequence[str],                # The fields of the batch, in order
+                image_field: str,                     # The JPEG field among them
                 shards: EpochShards | None = None,  # The loader's shards: seed and epoch of the crops (None: 0 and 0)
                 scale=(0.08, 1.0),                  # RandomResizedCrop's range of crop areas
                 ratio=(3 / 4, 4 / 3),               # RandomResizedCrop's range of aspect ratios
                 allow_pickle: bool = False,         # Decode .pyd/.pickle fields (only for shards you trust)
                 max_pixels: int = MAX_PIXELS,       # Refuse images whose header announces more pixels
-               ) -> tuple:  # (key, JPEG bytes, (top, left, height, width, flip), values of `keys`, the image's None)
+               ) -> tuple:  # (key, JPEG bytes, (top, left, height, width, flip), values of `fields`, the image's None)
     "What a worker hands on for a sample: its JPEG undecoded but checked from its header, with its crop and flip drawn."
     key, url = sample.get("__key__"), sample.get("__url__")
-    missing = [k for k in keys if k not in sample]
+    missing = [k for k in fields if k not in sample]
     if missing:
         have = sorted(k for k in sample if not k.startswith("__"))
         raise LoaderError(f"sample {key!r} in {url} has no {missing}; it has {have}. "
-                          "Pass keys= with fields the shards hold")
-    data = sample[image_key]
+                          "Pass fields= with fields the shards hold")
+    data = sample[image_field]
     if bytes(data[:3]) != b"\xff\xd8\xff":
-        raise LoaderError(f"sample {key!r} in {url}: {image_key} is not a JPEG (it starts {bytes(data[:4])!r}); "
+        raise LoaderError(f"sample {key!r} in {url}: {image_field} is not a JPEG (it starts {bytes(data[:4])!r}); "
                           "the GPU path decodes JPEG only: use create_dataloader(create_dataset(...)) for others")
     try:
         width, height = image_size(data, max_pixels)  # a bomb is refused from its header, before the GPU allocates it
-        values = tuple(None if k == image_key else decode_value(k, sample[k], allow_pickle) for k in keys)
+        values = tuple(None if k == image_field else decode_value(k, sample[k], allow_pickle) for k in fields)
     except (ShardkitError, RuntimeError, ValueError) as e:
         raise LoaderError(f"sample {key!r} in {url}: {e}") from None
     ctx = shards.ctx if shards is not None else None
@@ -259,9 +259,10 @@ class GpuLoader:
     "Batches whose JPEGs are decoded and augmented on `device`, `prefetch` batches ahead (made by `create_gpu_loader`)."
     time_device: bool = False  # record (stage, start, end, samples) of each batch's copy, decode and augment
 
-    def __init__(self, loader: ShardLoader, keys: Sequence[str], image_key: str, device, size: int, normalize: bool,
+    def __init__(self, loader: ShardLoader, fields: Sequence[str], image_field: str, device, size: int, normalize: bool,
                  channels_last: bool = False, prefetch: int = 2, thread: bool | None = None):
-        self.loader, self.keys, self.image_key, self.device = loader, tuple(keys), image_key, torch.device(device)
+        self.loader, self.fields, self.image_field = loader, tuple(fields), image_field
+        self.device = torch.device(device)
         self.size, self.normalize, self.channels_last, self.prefetch = size, normalize, channels_last, prefetch
         self.thread = self.device.type == "cuda" if thread is None else thread  # make batches beside the caller
         self.device_events, self._state, self._stream = [], None, None
@@ -277,7 +278,7 @@ class GpuLoader:
         self.loader.set_epoch(epoch); self._state = None
 
     def __repr__(self):
-        return (f"GpuLoader({len(self.shards.urls)} shards, keys={self.keys}, batch_size={self.batch_size}, "
+        return (f"GpuLoader({len(self.shards.urls)} shards, fields={self.fields}, batch_size={self.batch_size}, "
                 f"device={self.device}, workers={self.loader.num_workers}, prefetch={self.prefetch}, "
                 f"thread={self.thread}, "
                 f"seed={self.shards.seed}, epoch={self.shards.epoch})")
@@ -301,7 +302,7 @@ def _stage(self: GpuLoader, stage: str, start, stream, n: int):
 
 @patch
 def to_device(self: GpuLoader, batch: JpegBatch, stream=None) -> tuple:
-    "A device batch (in the order of `keys`) from a worker's `JpegBatch`, made on `stream` (CUDA) or the current one."
+    "A device batch (in the order of `fields`) from a worker's `JpegBatch`, made on `stream` (CUDA) or the current one."
     dev, n = self.device, len(batch.keys)
     t = _mark(self, stream)
     data = _pinned(self, batch.data) if dev.type == "cuda" else batch.data
@@ -369,7 +370,7 @@ def load_state_dict(self: GpuLoader, state: dict):
 
 # %% ../../nbs/29_gpu.ipynb
 def create_gpu_loader(sources,                           # Shards: a store, a directory, ais://bucket, a template, URLs
-                      keys: Sequence[str] = ("cls", "image.jpg"),  # Fields of a batch; exactly one JPEG (decoded)
+                      fields: Sequence[str] = ("cls", "image.jpg"),  # Fields of a batch; exactly one JPEG (decoded)
                       batch_size: int = 64,              # Samples per batch
                       num_workers: int = 4,              # DataLoader workers (they read and draw crops, not decode)
                       seed: int | None = None,           # Seed of shard order, shuffles, crops; None: random
@@ -386,16 +387,19 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
                       thread: bool | None = None,        # Make them in a thread beside the caller's; None: on CUDA
                      ) -> GpuLoader:
     "A loader whose workers read shards and draw crops; each batch is decoded (nvJPEG) and augmented on `device`."
-    images = [k for k in keys if is_image_key(k)]
+    images = [k for k in fields if is_image_key(k)]
     if len(images) != 1 or not is_jpeg_key(images[0]):
-        raise LoaderError(f"keys={tuple(keys)} must name exactly one JPEG field (such as 'image.jpg') for the GPU to "
+        raise LoaderError(f"fields={tuple(fields)} must name exactly one JPEG field (such as 'image.jpg') for the GPU "
+                          "to "
                           f"decode, not {images}; for other images (PNG, trimaps) use the CPU loader, "
                           "create_dataloader(create_dataset(...))")
     if batch_size < 1: raise LoaderError(f"batch_size must be at least 1, not {batch_size}")
     if torch.device(device).type == "cuda" and (why := why_no_gpu(str(device))):
         raise LoaderError(f"cannot decode on {device}: {why}. Use the CPU loader, create_dataloader(create_dataset("
                           "sources, ...)), or device='cpu' to run this same pipeline on the CPU")
-    to_jpeg = partial(jpeg_sample, keys=tuple(keys), image_key=images[0], scale=tuple(scale), allow_pickle=allow_pickle)
-    dataset = shard_dataset(shard_urls(sources), to_jpeg, keys, batch_size, pack_jpegs, seed, shuffle, rank, world_size)
+    to_jpeg = partial(jpeg_sample, fields=tuple(fields), image_field=images[0], scale=tuple(scale),
+                      allow_pickle=allow_pickle)
+    dataset = shard_dataset(shard_urls(sources), to_jpeg, fields, batch_size, pack_jpegs, seed, shuffle, rank,
+                            world_size)
     loader = create_dataloader(dataset, num_workers=num_workers, batch_size=batch_size)
-    return GpuLoader(loader, keys, images[0], device, size, normalize, channels_last, prefetch, thread)
+    return GpuLoader(loader, fields, images[0], device, size, normalize, channels_last, prefetch, thread)

@@ -90,9 +90,9 @@ def _save_index(g: dict, cfile: Path, shard: str):
                       "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
 
 # %% ../../nbs/26_sample_index.ipynb
-def _data_fields(keys: Sequence[str]) -> tuple[str, ...]:
-    "The tar fields among the loader's `keys` (not `__key__`, `__url__`), lower-cased as WebDataset does."
-    return tuple(dict.fromkeys(k.lower() for k in keys if not k.startswith("__")))
+def _data_fields(fields: Sequence[str]) -> tuple[str, ...]:
+    "The tar fields among the loader's `fields` (not `__key__`, `__url__`), lower-cased as WebDataset does."
+    return tuple(dict.fromkeys(k.lower() for k in fields if not k.startswith("__")))
 
 def key_from_header(header: bytes, field: str, where: str) -> str:
     "The WebDataset key in the 512-byte tar header of a member that holds `field` (the name fills its first 100 bytes)."
@@ -162,7 +162,7 @@ def _check_complete(idx: SampleIndex, groups: list[dict]):
     lacks = [f for j, f in enumerate(idx.fields) if idx.size[i, j] < 0]
     raise RandomAccessError(f"{len(bad)} samples lack a field the loader asks for, e.g. sample {idx.key(i)!r} in shard "
                             f"{idx.shards[s]} has no {lacks}; that shard has fields {groups[s]['fields'].tolist()}. "
-                            "Pass keys= with fields every sample has")
+                            "Pass fields= with fields every sample has")
 
 # %% ../../nbs/26_sample_index.ipynb
 _ARRAYS = ("shard", "offset", "size", "keys", "key_end", "shard_bytes")
@@ -246,13 +246,13 @@ def cached_index(folder: Path, build) -> SampleIndex:
 ARCHIVE_EXTS = (".tar", ".tgz", ".tar.gz", ".tar.lz4", ".zip")
 
 def sample_index(source,                                   # A directory, tar paths, a brace template, or `ais://bucket`
-                 keys: Sequence[str] = ("cls", "image.jpg"), # The fields to index
+                 fields: Sequence[str] = ("cls", "image.jpg"), # The fields to index
                  cache: bool | str | Path = True,          # Keep indexes on disk (in this folder, if one); False: never
                  pattern: str = "*.tar",                   # Which shards of a directory
                  retries: Retries | None = None,           # How reads of shards at URLs retry faults (and their counts)
                 ) -> SampleIndex:
-    "The index of every sample in `source` (a directory, tar paths, a brace template, or `ais://bucket`) for `keys`."
-    fields = _data_fields(keys)
+    "The index of every sample in `source` (a directory, tar paths, a brace template, or `ais://bucket`) for `fields`."
+    fields = _data_fields(fields)
     if isinstance(source, AISStore) or str(source).startswith("ais://"):
         return _bucket_index(open_store(source), fields, cache)
     paths = shard_urls(source, pattern)

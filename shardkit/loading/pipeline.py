@@ -25,7 +25,7 @@ from .mix import mix_samples, mixed_sources
 from .random import RandomAccessLoader
 from .sources import EpochShards, LoaderError, drop_planned, rank_and_world, shard_urls, shuffle_samples, take_share
 from .stream import ShardDataset, ShardLoader, error_handler, shards_digest, skip_resumed
-from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
+from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
 __all__ = ['shard_dataset', 'create_dataset', 'create_dataloader', 'ahead', 'DeviceLoader']
@@ -33,7 +33,7 @@ __all__ = ['shard_dataset', 'create_dataset', 'create_dataloader', 'ahead', 'Dev
 # %% ../../nbs/27a_pipeline.ipynb
 def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`shard_urls`)
                   decode: Callable,                     # A raw sample -> what a batch holds; also given `shards=`
-                  keys: Sequence[str],                  # Fields of each sample, in this order
+                  fields: Sequence[str],                  # Fields of each sample, in this order
                   batch_size: int | None,               # Samples per batch, made in the workers; None: single samples
                   collation_fn: Callable = collate,     # Makes a batch of `batch_size` decoded samples
                   seed: int | None = None,              # Seed of shard order, shuffles and crops; None: random
@@ -60,27 +60,27 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
     stages.append(wds.map(partial(decode, shards=shards), handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collation_fn, partial=True))
-    ds = ShardDataset(*stages, shards=shards, keys=keys, batch_size=batch_size, epoch_samples=epoch_samples,
+    ds = ShardDataset(*stages, shards=shards, fields=fields, batch_size=batch_size, epoch_samples=epoch_samples,
                       handler=handler, shuffle=shuffle, retries=retries)
     ds.mix = None if not mix else {n: [w, shards_digest(tuple(u))] for n, w, u in zip(mix[0], mix[1], [urls, *mix[2]])}
     return ds
 
 # %% ../../nbs/27a_pipeline.ipynb
-def _random_loader(sources, keys, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
+def _random_loader(sources, fields, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
                    allow_pickle, retry_wait, weights):
     "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
     if resampled or epoch_samples:
         raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
     from shardkit.loading.random import create_random_loader
-    if transform is None and any(map(is_image_key, keys)):
+    if transform is None and any(map(is_image_key, fields)):
         transform = train_transform(normalize=normalize)
-    return create_random_loader(sources, keys=keys, transform=transform, batch_size=batch_size or 64, num_workers=0,
+    return create_random_loader(sources, fields=fields, transform=transform, batch_size=batch_size or 64, num_workers=0,
                                 seed=0 if seed is None else seed, rank=rank, world_size=world_size,
                                 allow_pickle=allow_pickle, retry_wait=retry_wait, weights=weights)
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataset(sources,                      # Shards: a store, a directory, ais://bucket, a brace template or URLs
-                   keys: Sequence[str] | None = None,  # Fields of each sample, in this order; None: every sample's
+                   fields: Sequence[str] | None = None,  # Fields of each sample, in this order; None: every sample's
                    transform=None,               # Applied to each sample's tuple; None: train_transform() for images
                    shuffle: int = 1000,          # Each worker's sample shuffle buffer (samples); 0: shard order
                    batch_size: int | None = 64,  # Samples per batch, made in the workers; None: single samples
@@ -97,7 +97,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                    retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError; or Retries
                    weights: dict[str, float] | None = None,  # With a dict of sources {name: source}: each one's share
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
-    "A WebDataset pipeline from shards to batches of `keys` tuples, in exact seeded epochs (or random access)."
+    "A WebDataset pipeline from shards to batches of `fields` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
     if access == "stream" and resampled and not epoch_samples:
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
@@ -105,18 +105,18 @@ def create_dataset(sources,                      # Shards: a store, a directory,
         raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
     given, (sources, mix) = sources, mixed_sources(sources, weights)
     urls, retries = shard_urls(sources), as_retries(retry_wait)
-    keys = data_keys(sources, urls, keys, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
-    for other in (mix or {}).get("sources", ()): data_keys(other, shard_urls(other), keys, check=handler == "raise")
-    if not keys: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
-    if access == "random": return _random_loader(given, keys, transform, batch_size, seed, resampled, epoch_samples,
+    fields = data_fields(sources, urls, fields, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
+    for other in (mix or {}).get("sources", ()): data_fields(other, shard_urls(other), fields, check=handler == "raise")
+    if not fields: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
+    if access == "random": return _random_loader(given, fields, transform, batch_size, seed, resampled, epoch_samples,
                                                  rank, world_size, normalize, allow_pickle, retry_wait, weights)
     handler = error_handler(handler)
-    if transform is None and any(map(is_image_key, keys)):
+    if transform is None and any(map(is_image_key, fields)):
         transform = train_transform(normalize=normalize)
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
-    to_tuple = partial(sample_to_tuple, keys=tuple(keys), transform=transform, allow_pickle=allow_pickle)
+    to_tuple = partial(sample_to_tuple, fields=tuple(fields), transform=transform, allow_pickle=allow_pickle)
     if mix: mix = (mix["names"], mix["weights"], [shard_urls(s) for s in mix["sources"]])
-    return shard_dataset(urls, to_tuple, keys, batch_size, collate, seed, shuffle, rank, world_size, shard_shuffle,
+    return shard_dataset(urls, to_tuple, fields, batch_size, collate, seed, shuffle, rank, world_size, shard_shuffle,
                          resampled, epoch_samples, handler, retries, mix)
 
 # %% ../../nbs/27a_pipeline.ipynb

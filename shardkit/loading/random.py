@@ -22,7 +22,7 @@ from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
 from .sources import LoaderError, rank_and_world, shard_urls
-from .transforms import TrainTransform, data_keys, sample_to_tuple, train_transform
+from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
 __all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'create_random_loader', 'loader_memory']
@@ -35,14 +35,14 @@ def _seed_context(seed: int, epoch: int):
 class RandomAccessDataset(Dataset):
     "Batches by number: `ds[(epoch, ids)]` reads, decodes, augments samples `ids` as streaming would in `epoch`."
     mix = None  # one source: no mix of several (`MixedDataset`)
-    def __init__(self, index: SampleIndex, keys: Sequence[str], transform=None, seed: int = 0,
+    def __init__(self, index: SampleIndex, fields: Sequence[str], transform=None, seed: int = 0,
                  allow_pickle: bool = False, reader=None):
-        refuse_pickle(keys, allow_pickle)
-        self.index, self.keys, self.transform, self.seed = index, tuple(keys), transform, seed
+        refuse_pickle(fields, allow_pickle)
+        self.index, self.fields, self.transform, self.seed = index, tuple(fields), transform, seed
         self.allow_pickle = allow_pickle
         self.reader = reader or (AISReader(index) if index.source.startswith("ais://") else LocalReader())
         self.retries = getattr(self.reader, "retries", None)  # its faults, counted by all workers (local: None)
-        self._field = {k: index.fields.index(k.lower()) for k in self.keys if not k.startswith("__")}
+        self._field = {k: index.fields.index(k.lower()) for k in self.fields if not k.startswith("__")}
         self.starts = shard_starts(index.shard, len(index.shards))  # per shard: all the epoch's order needs
 
     def __len__(self): return len(self.index)
@@ -52,15 +52,15 @@ class RandomAccessDataset(Dataset):
 
     def samples(self, ids) -> list[dict]:
         "Raw samples `ids` (bytes per field, `__key__`, `__url__`), as WebDataset would yield them."
-        keys, rows = self.reader.read(self.index, ids)
+        fields, rows = self.reader.read(self.index, ids)
         return [dict({k: row[j] for k, j in self._field.items()}, __key__=key,
                      __url__=self.index.shards[self.index.shard[i]])
-                for i, key, row in zip(ids, keys, rows)]
+                for i, key, row in zip(ids, fields, rows)]
 
     def __getitem__(self, item) -> tuple:
         epoch, ids = item
         ctx = _seed_context(self.seed, epoch)
-        return collate([sample_to_tuple(s, self.keys, self.transform, ctx, self.allow_pickle)
+        return collate([sample_to_tuple(s, self.fields, self.transform, ctx, self.allow_pickle)
                         for s in self.samples(list(ids))])
 
 # %% ../../nbs/27_random.ipynb
@@ -70,7 +70,7 @@ class MixedDataset(Dataset):
                  weights: Sequence[float]):                    # Each one's weight, in that order
         self.names, self.parts, self.weights = list(parts), list(parts.values()), [float(w) for w in weights]
         first = self.parts[0]
-        self.keys, self.transform, self.seed, self.allow_pickle = first.keys, first.transform, first.seed, \
+        self.fields, self.transform, self.seed, self.allow_pickle = first.fields, first.transform, first.seed, \
             first.allow_pickle
         # the faults met, one count for all sources (create_random_loader gives their readers the same; local: None)
         self.retries = next((p.retries for p in self.parts if p.retries is not None), None)
@@ -188,11 +188,11 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # saved at the epoch's end
 
 # %% ../../nbs/27_random.ipynb
-def _source_dataset(source, keys, transform, seed, allow_pickle, cache, read, shard_cache, retries) -> tuple:
+def _source_dataset(source, fields, transform, seed, allow_pickle, index_cache, read, shard_cache, retries) -> tuple:
     "(`RandomAccessDataset` of one source, the shards a window may span: None for any)."
-    index = sample_index(source, keys, cache, retries=retries)
+    index = sample_index(source, fields, index_cache, retries=retries)
     reader, fits = shard_reader(index, read, shard_cache, retries)
-    return RandomAccessDataset(index, keys, transform, seed, allow_pickle, reader), fits
+    return RandomAccessDataset(index, fields, transform, seed, allow_pickle, reader), fits
 
 def _window(window, fits: int | None, shards: int) -> int | None:
     "The window asked for (`auto`: what the shard cache holds), refused if it spans more shards than the cache holds."
@@ -203,26 +203,26 @@ def _window(window, fits: int | None, shards: int) -> int | None:
     return window
 
 # %% ../../nbs/27_random.ipynb
-def create_random_loader(source, keys: Sequence[str] | None = None, transform=None, batch_size: int = 64,
+def create_random_loader(source, fields: Sequence[str] | None = None, transform=None, batch_size: int = 64,
                          num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
                          pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
-                         cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
+                         index_cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
                          window: int | None | str = "auto", retry_wait: float | Retries = 120,
                          weights: dict[str, float] | None = None,
                          **kw) -> RandomAccessLoader:
-    "A resumable loader of `keys` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, in a seeded order."
+    "A resumable loader of `fields` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, seeded order."
     first, mix = mixed_sources(source, weights)  # a dict of sources: mixed by `weights`, the first makes the epoch
     retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
-    if keys is not None: refuse_pickle(keys, allow_pickle)  # before any shard is opened
-    keys = data_keys(first, shard_urls(first), keys, retries=retries, allow_pickle=allow_pickle)  # None: all fields
-    refuse_pickle(keys, allow_pickle)
-    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in keys):
+    if fields is not None: refuse_pickle(fields, allow_pickle)  # before any shard is opened
+    fields = data_fields(first, shard_urls(first), fields, retries=retries, allow_pickle=allow_pickle)  # None: all
+    refuse_pickle(fields, allow_pickle)
+    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in fields):
         transform = train_transform()
     # builds the window decoder here, not in every worker
     if isinstance(transform, TrainTransform): transform.takes_encoded()
     sources = dict(zip(mix["names"], [first, *mix["sources"]])) if mix else {"": first}
-    for other in list(sources.values())[1:]: data_keys(other, shard_urls(other), keys)  # each has the fields
-    made = {name: _source_dataset(src, keys, transform, seed, allow_pickle, cache, read, shard_cache, retries)
+    for other in list(sources.values())[1:]: data_fields(other, shard_urls(other), fields)  # each has the fields
+    made = {name: _source_dataset(src, fields, transform, seed, allow_pickle, index_cache, read, shard_cache, retries)
             for name, src in sources.items()}
     windows = {_window(window, fits, len(ds.index.shards)) for ds, fits in made.values()}
     window = min(windows, key=lambda w: float("inf") if w is None else w)  # the smallest a cache allows

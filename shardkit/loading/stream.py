@@ -56,11 +56,11 @@ def error_handler(handler) -> Callable:
 # %% ../../nbs/25_stream.ipynb
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
-    def __init__(self, *stages, shards: EpochShards, keys: Sequence[str], batch_size: int | None,
+    def __init__(self, *stages, shards: EpochShards, fields: Sequence[str], batch_size: int | None,
                  epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0,
                  retries: Retries | None = None):
         super().__init__(*stages)
-        self.shards, self.keys, self.batch_size = shards, tuple(keys), batch_size
+        self.shards, self.fields, self.batch_size = shards, tuple(fields), batch_size
         self.epoch_samples, self.handler, self.retries = epoch_samples, handler, as_retries(retries)
         self.shuffle, self.tag_workers = shuffle, False
 
@@ -92,7 +92,7 @@ class ShardDataset(wds.DataPipeline):
     @property
     def urls(self) -> list[str]: return self.shards.urls
     def __repr__(self):
-        return (f"ShardDataset({len(self.urls)} shards, keys={self.keys}, batch_size={self.batch_size}, "
+        return (f"ShardDataset({len(self.urls)} shards, fields={self.fields}, batch_size={self.batch_size}, "
                 f"seed={self.shards.seed}, resampled={self.shards.resampled}, epoch={self.shards.epoch})")
 
 # %% ../../nbs/25_stream.ipynb

@@ -38,7 +38,7 @@ from .sources import EpochShards, LoaderError, seed_for
 
 # %% auto 0
 __all__ = ['decode_rgb', 'decode_value', 'TrainTransform', 'train_transform', 'crop_box', 'eval_transform', 'normalize_batch',
-           'MissingField', 'sample_to_tuple', 'data_keys']
+           'MissingField', 'sample_to_tuple', 'data_fields']
 
 # %% ../../nbs/23_transforms.ipynb
 def decode_rgb(data: bytes) -> torch.Tensor:
@@ -195,8 +195,9 @@ class _seeded:
 def _plain(v):
     return v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor else v
 
-def _apply(transform, values: tuple, keys: Sequence[str]) -> tuple:
-    if isinstance(transform, dict): return tuple(transform[k](v) if k in transform else v for k, v in zip(keys, values))
+def _apply(transform, values: tuple, fields: Sequence[str]) -> tuple:
+    if isinstance(transform, dict):
+        return tuple(transform[k](v) if k in transform else v for k, v in zip(fields, values))
     if type(transform) is TrainTransform and not (transform._forward_hooks or transform._forward_pre_hooks):
         out = _crop_flip(transform, values, wrap=False)  # its direct path, minus the Module call and the wrapping
         if out is not None: return out
@@ -213,28 +214,28 @@ def _field(key: str, data, allow_pickle: bool, encoded: bool):
 
 # %% ../../nbs/23_transforms.ipynb
 class MissingField(LoaderError, KeyError):
-    "A sample lacks a field that `keys` asks for; the message lists the fields it has."
+    "A sample lacks a field that `fields` asks for; the message lists the fields it has."
     __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
 
-def sample_to_tuple(sample: dict, keys: Sequence[str], transform=None, shards: EpochShards | None = None,
+def sample_to_tuple(sample: dict, fields: Sequence[str], transform=None, shards: EpochShards | None = None,
                     allow_pickle: bool = False) -> tuple:
-    "Decode `keys` of a raw sample (and nothing else), apply `transform` to the tuple, return plain tensors and values."
-    missing = [k for k in keys if k not in sample]
+    "Decode `fields` of a raw sample (and nothing else), apply `transform` to the tuple; plain tensors and values."
+    missing = [k for k in fields if k not in sample]
     if missing:
         have = sorted(k for k in sample if not k.startswith("__"))
         raise MissingField(f"sample {sample.get('__key__')!r} in {sample.get('__url__')} has no {missing}; "
-                           f"it has {have}. Pass keys= with fields the shards hold")
+                           f"it has {have}. Pass fields= with fields the shards hold")
     encoded = isinstance(transform, TrainTransform) and transform.takes_encoded()
     bad = lambda e: LoaderError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: {e}")
-    try: values = tuple(_field(k, sample[k], allow_pickle, encoded) for k in keys)
+    try: values = tuple(_field(k, sample[k], allow_pickle, encoded) for k in fields)
     # a bad image, a bomb, a pickle: say which sample
     except (ShardkitError, RuntimeError, ValueError) as e: raise bad(e) from None
     if transform is not None:
         try:
             if shards is not None and shards.ctx is not None:
                 with _seeded(seed_for(shards.seed, shards.ctx["epoch"], "augment", sample.get("__key__"))):
-                    values = _apply(transform, values, keys)
-            else: values = _apply(transform, values, keys)
+                    values = _apply(transform, values, fields)
+            else: values = _apply(transform, values, fields)
         except JpegError as e: raise bad(e) from None  # an encoded JPEG, found bad when its window was decoded
     return tuple(_plain(v) for v in values)
 
@@ -247,33 +248,33 @@ def _store_of(sources):
 
 def _local(url: str) -> bool: return "://" not in url and not url.startswith("pipe:") and Path(url).is_file()
 
-def data_keys(sources,                        # What create_dataset was given: a store, a directory, a template, URLs
+def data_fields(sources,                        # What create_dataset was given: a store, a directory, a template, URLs
               urls: Sequence[str],            # The shards' URLs, `shard_urls(sources)`
-              keys: Sequence[str] | None = None,  # The fields asked for; None: those every sample holds
+              fields: Sequence[str] | None = None,  # The fields asked for; None: those every sample holds
               check: bool = True,             # Refuse here a field the manifest says no sample holds
               retries: Retries | None = None, # How the first sample's read retries (no manifest)
               allow_pickle: bool = False,     # Include pickled fields when choosing
              ) -> tuple[str, ...]:
-    "`keys`, checked against the shards' manifest; or, given None, every sample's fields, said in one printed line."
-    if keys is not None and not check: return tuple(keys)  # nothing to check: no manifest read
+    "`fields`, checked against the shards' manifest; or, given None, every sample's fields, said in one printed line."
+    if fields is not None and not check: return tuple(fields)  # nothing to check: no manifest read
     store = _store_of(sources)
     known = manifest_fields(store, store.list("*.tar")) if store is not None else None
-    if keys is not None:
-        missing = [k for k in keys if not k.startswith("__") and known and k not in known[0]]
+    if fields is not None:
+        missing = [k for k in fields if not k.startswith("__") and known and k not in known[0]]
         if check and missing:
             raise MissingField(f"no sample in {shown_path(store.spec)} has {missing}; they have {sorted(known[0])} "
-                               "(their manifest). Pass keys= with those")
+                               "(their manifest). Pass fields= with those")
         if check and not known and _local(urls[0]):  # no manifest, a file here: its first sample, read in a moment
             have = [k for k in (first_sample(urls[0]) or {}) if not k.startswith("__")]
-            if missing := [k for k in keys if not k.startswith("__") and k not in have]:
+            if missing := [k for k in fields if not k.startswith("__") and k not in have]:
                 raise MissingField(f"the first sample of {shown_path(urls[0])} has no {missing}; "
-                                   f"it has {sorted(have)}. Pass keys= with fields the shards hold")
-        return tuple(keys)
+                                   f"it has {sorted(have)}. Pass fields= with fields the shards hold")
+        return tuple(fields)
     if known: have, where = [k for k, c in known[0].items() if c == known[1]], "every sample has"
     else:
         s = first_sample(urls[0], retries) or {}
         have, where = [k for k in s if not k.startswith("__")], f"the first sample of {Path(urls[0]).name} has"
-    keys = tuple(sorted(k for k in have if allow_pickle or field_ext(k) not in PICKLE_EXTS))
-    if not keys: raise MissingField(f"no field to load: {where} {sorted(have) or 'none'}; pass keys=")
-    print(f"keys={keys}: the fields {where}; pass keys= to choose")
-    return keys
+    fields = tuple(sorted(k for k in have if allow_pickle or field_ext(k) not in PICKLE_EXTS))
+    if not fields: raise MissingField(f"no field to load: {where} {sorted(have) or 'none'}; pass fields=")
+    print(f"fields={fields}: the fields {where}; pass fields= to choose")
+    return fields

@@ -58,9 +58,9 @@ PICKLE_EXTS = frozenset({"pyd", "pickle", "pkl", "pth", "pt"})
 class PickleRefused(UsageError):
     "A field holds a pickle (or a torch.save file), which would run code from the shard if decoded."
 
-def refuse_pickle(keys: str | Sequence[str], allow_pickle: bool = False):
-    "Raise PickleRefused if a field in `keys` (one key, or several) is a pickle, unless `allow_pickle`."
-    for key in [keys] if isinstance(keys, str) else keys:
+def refuse_pickle(fields: str | Sequence[str], allow_pickle: bool = False):
+    "Raise PickleRefused if a field in `fields` (one, or several) is a pickle, unless `allow_pickle`."
+    for key in [fields] if isinstance(fields, str) else fields:
         ext = field_ext(key)
         if ext in PICKLE_EXTS and not key.startswith("__") and not allow_pickle:
             raise PickleRefused(f"field {key!r} is a pickle ({ext}): decoding it would run code from the shard; "

@@ -27,13 +27,13 @@ step = lambda b: time.sleep(0.004)  # a stand-in GPU step: the CPU stays free
 def real(tmp: Path) -> dict:
     urls = write_pet_shards(tmp / "shards", 4, 16, (320, 240), 0, True)
     sk = lambda workers, window=True: create_dataloader(create_dataset(
-        urls, keys=("cls", "image.jpg", "trimap.png"), transform=train_transform(window=window), seed=0),
+        urls, fields=("cls", "image.jpg", "trimap.png"), transform=train_transform(window=window), seed=0),
         num_workers=workers, batch_size=16)
     synthesize_folder(tmp / "folder", classes=4, per_class=12, val_per_class=0, progress=False)
     tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
     folder = DataLoader(datasets.ImageFolder(tmp / "folder" / "train", transform=tf), batch_size=16, num_workers=2)
     opaque = [(torch.zeros(16, 3, 8, 8), torch.arange(16)) for _ in range(4)]
-    gpu = create_gpu_loader(urls, keys=("cls", "image.jpg"), batch_size=16, num_workers=2, seed=0, device="cpu")
+    gpu = create_gpu_loader(urls, fields=("cls", "image.jpg"), batch_size=16, num_workers=2, seed=0, device="cpu")
     return {"shardkit-0-workers": profile_pipeline(sk(0), step, label="shardkit, no workers"),
             "shardkit-2-workers": profile_pipeline(sk(2), label="shardkit, 2 workers, no step"),
             "post-2-workers": profile_pipeline(post_loader(urls, num_workers=2), step, label="the post's pipeline"),
