@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Every command shardkit has. A new command goes into cli.py (nbs/99_cli) and here; one removed from here on purpose.
 SHARDKIT_COMMANDS = {
     ("demo",), ("ais", "up"), ("ais", "down"), ("ais", "status"), ("ais", "build"), ("ais", "put"),
-    ("pets", "synth"), ("pets", "download"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
+    ("synth", "pets"), ("download", "pets"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
     ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
     ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "mix"),
     ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),

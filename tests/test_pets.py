@@ -212,8 +212,8 @@ def test_maxsize_is_an_upper_bound(quirky, tmp_path):
 
 def test_cli_help(capsys):
     for cmd, opts in [(["convert", "pets"], ["--split", "--maxcount", "--maxsize", "--workers", "--prefix", "--check", "--extras"]),
-                      (["pets", "synth"], ["--n", "--seed", "--quirks", "--workers"]),
-                      (["pets", "download"], ["root"]),
+                      (["synth", "pets"], ["--n", "--seed", "--quirks", "--workers"]),
+                      (["download", "pets"], ["root"]),
                       (["bench", "convert"], ["--workers", "--repeat", "--check"])]:
         with pytest.raises(SystemExit) as e: cli_main(cmd + ["--help"])
         assert e.value.code == 0
@@ -222,7 +222,7 @@ def test_cli_help(capsys):
 
 
 def test_cli_synth_and_convert(tmp_path, cli, capsys):
-    assert cli_main(["pets", "synth", str(tmp_path / "p"), "--n", "16", "--quirks", "--seed", "5", "--workers", "2"]) == 0
+    assert cli_main(["synth", "pets", str(tmp_path / "p"), "--n", "16", "--quirks", "--seed", "5", "--workers", "2"]) == 0
     assert "planted quirks: grayscale, cmyk" in capsys.readouterr().out
     plan = json.loads((tmp_path / "p/synth.json").read_text())
     # the conversion as a user runs it: a separate process
@@ -241,9 +241,9 @@ def test_cli_bad_input(quirky, tmp_path, capsys):
              (["convert", "pets", str(root), str(tmp_path), "--maxcount", "0"], "maxcount must be >= 1, got 0"),
              (["convert", "pets", str(root), str(tmp_path), "--check", "quick"], "check must be one of decode, fast, got 'quick'"),
              (["convert", "pets", str(tmp_path / "nope"), str(tmp_path)], "is not an Oxford-IIIT Pet folder"),
-             (["pets", "synth", str(tmp_path / "q"), "--n", "5", "--quirks"], "quirks=True needs n >= 14 images"),
+             (["synth", "pets", str(tmp_path / "q"), "--n", "5", "--quirks"], "quirks=True needs n >= 14 images"),
              (["bench", "convert", str(tmp_path / "nope")], "is not an Oxford-IIIT Pet folder"),
-             (["pets", "synth", str(root), "--n", "20"], "already holds a data set (n=50, seed=3)")]
+             (["synth", "pets", str(root), "--n", "20"], "already holds a data set (n=50, seed=3)")]
     for argv, msg in cases:
         assert cli_main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
@@ -262,10 +262,10 @@ def test_download_fails_fast_offline(tmp_path, capsys):
     assert time.monotonic() - t0 < 10
     msg = str(e.value)
     for part in ("cannot reach www.robots.ox.ac.uk", "images.tar.gz", "annotations.tar.gz", "by hand",
-                 str(tmp_path / "real" / "images"), str(tmp_path / "real" / "annotations"), "shardkit pets synth"):
+                 str(tmp_path / "real" / "images"), str(tmp_path / "real" / "annotations"), "shardkit synth pets"):
         assert part in msg, part
     t0 = time.monotonic()
-    assert cli_main(["pets", "download", str(tmp_path / "real")]) == 2
+    assert cli_main(["download", "pets", str(tmp_path / "real")]) == 2
     assert time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "by hand" in err

@@ -27,9 +27,9 @@ _DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards
                             "Build the aisnode binary (and the ais CLI) without starting anything"),
     ("ais", "put"):        ("shardkit.apps.cluster:ais_put_cli",
                             "Upload local shards into an AIStore bucket; faults are retried and counted"),
-    ("pets", "synth"):     ("shardkit.datasets.pets:pets_synth_cli",
+    ("synth", "pets"):     ("shardkit.datasets.pets:synth_pets_cli",
                             "Write a synthetic data set in the Oxford-IIIT Pet layout"),
-    ("pets", "download"):  ("shardkit.datasets.pets:pets_download_cli", "Download the real Oxford-IIIT Pet data set"),
+    ("download", "pets"):  ("shardkit.datasets.pets:download_pets_cli", "Download the real Oxford-IIIT Pet data set"),
     ("convert", "pets"):   ("shardkit.datasets.pets:convert_pets_cli",
                             "Convert an Oxford-IIIT Pet folder into WebDataset shards"),
     ("synth", "folder"):   ("shardkit.datasets.folder:synth_folder_cli",
@@ -124,7 +124,9 @@ def _version() -> str:
 def _unknown(argv: list[str]) -> str:
     "The error for a command line that names no command: the closest commands, and where the whole list is."
     words, firsts = " ".join(argv[:2]), sorted({k[0] for k in COMMANDS})
-    close = difflib.get_close_matches(words, [" ".join(k) for k in COMMANDS], n=3, cutoff=0.75)
+    swapped = tuple(argv[1::-1])  # `pets synth`, the older order of `synth pets`
+    close = [" ".join(swapped)] if swapped in COMMANDS else \
+        difflib.get_close_matches(words, [" ".join(k) for k in COMMANDS], n=3, cutoff=0.75)
     if not close:  # a misspelt first word: the commands under the words it is close to (a right one: listed above)
         near = [w for w in difflib.get_close_matches(argv[0], firsts, n=2, cutoff=0.6) if w != argv[0]]
         close = [" ".join(k) for k in COMMANDS if k[0] in near][:3]

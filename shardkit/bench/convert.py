@@ -73,7 +73,7 @@ def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str |
     return times
 
 # %% ../../nbs/32_bench_convert.ipynb
-def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from `shardkit pets synth ROOT`)
+def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from `shardkit synth pets ROOT`)
                   workers: int = 2,          # Processes for the validating converter
                   repeat: int = 3,           # Runs of each; the median counts
                   check: str | None = None,  # Only this image check of convert_pets, decode or fast; default: each
@@ -86,7 +86,7 @@ def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from
     root = Path(root)
     if not (root / "annotations" / "list.txt").is_file():
         raise BenchError(f"{shown_path(root)} is not an Oxford-IIIT Pet folder (no annotations/list.txt); "
-                         f"run `shardkit pets synth {shown_path(root)}` first")
+                         f"run `shardkit synth pets {shown_path(root)}` first")
     # warm the page cache
     for p in list((root / "images").iterdir()) + list((root / "annotations" / "trimaps").iterdir()): p.read_bytes()
     runs = {"AIStore post's loop (no checks)": None}

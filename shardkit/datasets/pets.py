@@ -26,7 +26,7 @@ from .synth import draw_animal, jpeg_bytes, png_bytes
 # %% auto 0
 __all__ = ['CAT_BREEDS', 'DOG_BREEDS', 'CLASS_NAMES', 'SPECIES', 'PET_QUIRKS', 'PETS_URL', 'PETS_ARCHIVES', 'PET_SPLITS',
            'CHECKS', 'pet_ids', 'PetsError', 'synthesize_pets', 'download_pets', 'pet_records', 'normalize_jpeg',
-           'check_trimap', 'load_pet_sample', 'pet_samples', 'convert_pets', 'pets_synth_cli', 'pets_download_cli',
+           'check_trimap', 'load_pet_sample', 'pet_samples', 'convert_pets', 'synth_pets_cli', 'download_pets_cli',
            'convert_pets_cli']
 
 # %% ../../nbs/09_pets.ipynb
@@ -203,7 +203,7 @@ def _manual_hint(root) -> str:
     root = shown_path(root)
     return (f"download images.tar.gz and annotations.tar.gz from {PETS_URL} by hand and extract both into {root} "
             f"(so that {root}/images and {root}/annotations exist), or put the two archives into "
-            f"{root} and run this again; for an offline stand-in run `shardkit pets synth {root}`")
+            f"{root} and run this again; for an offline stand-in run `shardkit synth pets {root}`")
 
 # %% ../../nbs/09_pets.ipynb
 def download_pets(root: str | Path,        # Folder to download and extract into
@@ -240,8 +240,8 @@ def pet_records(root: str | Path, split: str = "all") -> list[tuple[str, int, in
     if not path.is_file():
         root = shown_path(root)
         raise PetsError(f"{shown_path(path)} not found: {root} is not an Oxford-IIIT Pet folder; "
-                        f"run `shardkit pets synth {root}` "
-                        f"or `shardkit pets download {root}`")
+                        f"run `shardkit synth pets {root}` "
+                        f"or `shardkit download pets {root}`")
     recs, seen = [], set()
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"): continue
@@ -388,13 +388,13 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
 
 # %% ../../nbs/09_pets.ipynb
 @command(synthesize_pets, fixed=dict(progress=True))
-def pets_synth_cli(plan, args):
+def synth_pets_cli(plan, args):
     "Write a synthetic data set in the Oxford-IIIT Pet layout."
     print(f"wrote {plan['listed']} listed images of 37 breeds to {shown_path(args.root)} (seed {args.seed})"
           + (f"; planted quirks: {', '.join(plan['quirks'])}" if args.quirks else ""))
 
 @command(download_pets)
-def pets_download_cli(root, args):
+def download_pets_cli(root, args):
     "Download the real Oxford-IIIT Pet data set (images.tar.gz, annotations.tar.gz, MD5-checked) into ROOT."
 
 @command(convert_pets, hide=("progress",))
