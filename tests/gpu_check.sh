@@ -63,7 +63,7 @@ timeout 180 $PY -m pytest ${GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_loader
     | grep -v "Warning\|warnings.warn\|^  "
 for w in $WORKERS; do
     echo "== shardkit bench gpu $BENCH --workers $w"
-    PYTHONWARNINGS=ignore timeout 100 $PY -m shardkit.apps.cli bench gpu "$DATA" --image-key jpg $BENCH --workers "$w" \
+    PYTHONWARNINGS=ignore timeout 100 $PY -m shardkit.apps.cli bench gpu "$DATA" --image-field jpg $BENCH --workers "$w" \
         --json "$OUT/bench-w$w.json" 2>&1 \
         | grep -v "Warning\|warnings.warn"
 done

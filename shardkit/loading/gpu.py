@@ -389,9 +389,8 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
     "A loader whose workers read shards and draw crops; each batch is decoded (nvJPEG) and augmented on `device`."
     images = [k for k in fields if is_image_key(k)]
     if len(images) != 1 or not is_jpeg_key(images[0]):
-        raise LoaderError(f"fields={tuple(fields)} must name exactly one JPEG field (such as 'image.jpg') for the GPU "
-                          "to "
-                          f"decode, not {images}; for other images (PNG, trimaps) use the CPU loader, "
+        raise LoaderError(f"fields={tuple(fields)} must name exactly one JPEG field (such as 'image.jpg') "
+                          f"for the GPU to decode, not {images}; for other images (PNG, trimaps) use the CPU loader, "
                           "create_dataloader(create_dataset(...))")
     if batch_size < 1: raise LoaderError(f"batch_size must be at least 1, not {batch_size}")
     if torch.device(device).type == "cuda" and (why := why_no_gpu(str(device))):

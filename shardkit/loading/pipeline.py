@@ -107,7 +107,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
     urls, retries = shard_urls(sources), as_retries(retry_wait)
     fields = data_fields(sources, urls, fields, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
     for other in (mix or {}).get("sources", ()): data_fields(other, shard_urls(other), fields, check=handler == "raise")
-    if not fields: raise LoaderError("keys is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
+    if not fields: raise LoaderError("fields is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
     if access == "random": return _random_loader(given, fields, transform, batch_size, seed, resampled, epoch_samples,
                                                  rank, world_size, normalize, allow_pickle, retry_wait, weights)
     handler = error_handler(handler)
