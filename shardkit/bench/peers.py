@@ -215,8 +215,8 @@ class _RandomEpochs:
     "The random-access loader's dataset in seeded order: every sample `passes` times an epoch, the last batch partial."
     def __init__(self, spec: dict):
         from shardkit.loading.random import create_random_loader
-        keys = (spec["fields"]["image"], spec["fields"]["label"])
-        self.ds = create_random_loader(spec["urls"], fields=keys, batch_size=64, num_workers=0, seed=spec["seed"],
+        fields = (spec["fields"]["image"], spec["fields"]["label"])
+        self.ds = create_random_loader(spec["urls"], fields=fields, batch_size=64, num_workers=0, seed=spec["seed"],
                                        pad=True).dataset
         self.passes, self.workers, self.epoch = spec["passes"], spec["workers"], 0
     def __iter__(self):
@@ -234,9 +234,9 @@ class _RandomEpochs:
 def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes"]
 
 def _make_default(spec, window: bool = True):
-    keys = (spec["fields"]["image"], spec["fields"]["label"])
+    fields = (spec["fields"]["image"], spec["fields"]["label"])
     def make():
-        ds = create_dataset(_repeated(spec), fields=keys, seed=spec["seed"], transform=train_transform(window=window))
+        ds = create_dataset(_repeated(spec), fields=fields, seed=spec["seed"], transform=train_transform(window=window))
         return create_dataloader(ds, num_workers=spec["workers"], batch_size=64), None
     return make
 
