@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import random
 import ssl
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,9 +23,9 @@ from .errors import LoaderError, StoreError, UsageError
 
 # %% auto 0
 __all__ = ['RETRIED_STATUS', 'CAUSES', 'DEFAULT_RETRIES', 'RemoteError', 'ObjectMissing', 'AccessDenied', 'ObjectChanged',
-           'RetriesExhausted', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'retry_after_seconds', 'retried',
-           'http_session', 'content_version', 'refusal', 'RemoteStream', 'open_remote', 'read_range', 'remote_head',
-           'remote_put']
+           'RetriesExhausted', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'say_line', 'retry_after_seconds',
+           'retried', 'http_session', 'content_version', 'refusal', 'RemoteStream', 'open_remote', 'read_range',
+           'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -171,6 +172,11 @@ def report(self: Retries, what: str = "loader", epoch: int | None = None, worker
             + f", {new[len(CAUSES)]:.1f} s waiting for them; {lost}")
 
 DEFAULT_RETRIES = Retries()  # for reads made outside a loader (a store's `open`, an index, an upload)
+
+def say_line(line: str):
+    "Write `line` to stderr in one call, so that the lines of worker processes sharing it never run together."
+    sys.stderr.write(line + "\n")  # `print` writes the newline apart: unbuffered (PYTHONUNBUFFERED), two writes
+    sys.stderr.flush()
 
 # %% ../nbs/01a_remote.ipynb
 def _retry_after(e: BaseException) -> float | None:

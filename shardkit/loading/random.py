@@ -13,7 +13,7 @@ import numpy as np
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..errors import UsageError
-from ..remote import Retries, as_retries
+from ..remote import Retries, as_retries, say_line
 from ..shards.fields import IMAGE_EXTS, refuse_pickle
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
 from .index import SampleIndex, sample_index
@@ -153,7 +153,7 @@ def __iter__(self: RandomAccessLoader):
             yield b.unpool() if isinstance(b, PooledBatch) else b
     self.epoch, self.batch, self.start = epoch + 1, 0, 0
     if self.dataset.retries and (report := self.dataset.retries.report(epoch=epoch, everyone=True)):  # all workers'
-        print(report, file=sys.stderr, flush=True)
+        say_line(report)
 
 # %% ../../nbs/27_random.ipynb
 _MUST_MATCH = ("seed", "samples", "window", "mix")  # what the epoch's order depends on; the shape may change

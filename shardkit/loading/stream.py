@@ -8,7 +8,6 @@ import collections
 import copy
 import functools
 import hashlib
-import sys
 from itertools import chain, islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
@@ -16,7 +15,7 @@ import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
 from ..errors import UsageError
-from ..remote import Retries, as_retries
+from ..remote import Retries, as_retries, say_line
 from .collate import LENT, MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
 from .elastic import checked_plan, merge_states, next_plan
 from .resume import check_resumable, saved_count
@@ -72,10 +71,10 @@ class ShardDataset(wds.DataPipeline):
             for x in super().__iter__(): yield WorkerTagged(self.shards.ctx["worker"], x)
         else: yield from super().__iter__()
         report = self.handler.report(self.shards.epoch) if isinstance(self.handler, SkipAndCount) else None
-        if report: print(report, file=sys.stderr, flush=True)
+        if report: say_line(report)
         w = get_worker_info()  # and the reads this process retried (the loader's totals: `retries.counts()`)
         report = self.retries.report(epoch=(self.shards.ctx or {}).get("epoch"), worker=w.id if w else None)
-        if report: print(report, file=sys.stderr, flush=True)
+        if report: say_line(report)
 
     def set_epoch(self, epoch: int):
         "Make the next iteration epoch number `epoch` (for example when resuming a run)."
