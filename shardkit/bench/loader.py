@@ -321,7 +321,8 @@ def _table_notes(result: dict) -> list[str]:
     rows, g, fl = result["rows"], bench_ratios(result), result.get("floor", {})
     verdict = lambda k: "met" if g[k][2] else "MISSED"
     num = lambda v, fmt: "-" if v is None else fmt.format(v)
-    floor = (f"floor = {fl['ms']:.3f} ms per sample on one core (decode_crop at its cheapest DCT scale, {fl['mode']}; "
+    floor = (f"floor = {fl['ms']:.3f} ms per sample on one core (decode_crop at each run's cheapest DCT scale, "
+             f"most often {fl['mode']}; each scale's median: "
              + ", ".join(f"{m} {ms:.3f}" for m, ms in fl["modes"].items()) + ")") if "ms" in fl else \
         f"floor not measured: {'; '.join(fl.get('why', ['not run']))}"
     notes = [("samples/s and CPU from epoch 2; first batch: from asking for epoch 2's iterator; "
