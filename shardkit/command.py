@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import json
+import os
 import shutil
 import types
 import typing
@@ -16,7 +18,7 @@ from fastcore.basics import AttrDict
 from fastcore.docments import docments
 
 # %% auto 0
-__all__ = ['SPELLINGS', 'OUTPUTS', 'Option', 'cli_type', 'function_options', 'command', 'command_parser']
+__all__ = ['SPELLINGS', 'OUTPUTS', 'Option', 'cli_type', 'function_options', 'write_json', 'command', 'command_parser']
 
 # %% ../nbs/00a_command.ipynb
 SPELLINGS = {"num_workers": "workers"}  # a library name -> the shorter option that also spells it on the command line
@@ -74,16 +76,34 @@ def function_options(fn, hide=()) -> list[Option]:
     return opts
 
 # %% ../nbs/00a_command.ipynb
-def command(fn, *, outputs=(), hide=(), fixed=None):
+def _as_json(x):
+    "What `json` cannot write, as it can: numpy's numbers and arrays (and tensors) as Python's, the rest as text."
+    return x.tolist() if hasattr(x, "tolist") else str(x)
+
+def write_json(path, obj):
+    "`obj` as JSON in file `path`, atomically: written beside it under a temporary name, then renamed over it."
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1, default=_as_json))
+        os.replace(tmp, path)  # a kill leaves the old file or the new one, never half of one
+    finally: tmp.unlink(missing_ok=True)
+
+def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
     """Make the decorated `report(result, args)` a command over `fn`: its options are `fn`'s parameters (defaults,
-    docments) but those hidden or `fixed`, plus the `OUTPUTS` named; it calls `fn`, then `report` with the result."""
+    docments) but those hidden or `fixed`, plus the `OUTPUTS` named; it calls `fn`, then `report` with the result.
+    `--json FILE` writes the result (or `as_json(result, args)`) there, after the report."""
     fixed = dict(fixed or {})
     opts = function_options(fn, {*hide, *fixed}) + [Option(o, *OUTPUTS[o]) for o in outputs]
     def decorate(report):
         @functools.wraps(report)
         def run(**args):
-            given = {o.name: args[o.name] for o in opts if o.name not in outputs}
-            return report(fn(**given, **fixed), AttrDict(args))
+            given, args = {o.name: args[o.name] for o in opts if o.name not in outputs}, AttrDict(args)
+            res = fn(**given, **fixed)
+            out = report(res, args)
+            if args.get("json"):
+                write_json(args.json, res if as_json is None else as_json(res, args)); print(f"json: {args.json}")
+            return out
         run.options, run.function = opts, fn
         return run
     return decorate

@@ -5,7 +5,6 @@
 # %% ../../nbs/38_bench_gpu.ipynb 2
 from __future__ import annotations
 import inspect
-import json
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -194,8 +193,7 @@ def _setup(args) -> dict:
                 size=args.size, device=args.device, step=args.step, thread=args.thread, torch=torch.__version__,
                 gpu=gpu)
 
-@command(bench_gpu_decode, outputs=("json",))
+@command(bench_gpu_decode, outputs=("json",), as_json=lambda rows, args: dict(setup=_setup(args), rows=rows))
 def bench_gpu_cli(rows, args):
     "Benchmark the GPU loader (nvJPEG; DALI if installed) against the CPU loader, alone or feeding a training step."
     print(gpu_table(rows))
-    if args.json: Path(args.json).write_text(json.dumps(dict(setup=_setup(args), rows=rows), indent=1))

@@ -11,7 +11,6 @@ import shutil
 import statistics
 import time
 from datetime import datetime, timezone
-from json import dumps
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -417,5 +416,3 @@ def bench_loader_cli(res, args):
     "Benchmark shardkit's loaders against webdataset, ImageFolder, the post's pipeline and (--peers) others: same work."
     print(loader_table(res))
     if args.plot: plot_bench(res, args.plot); print(f"plot: {shown_path(args.plot)}")
-    if args.json:
-        Path(args.json).write_text(dumps(res, indent=1, default=str)); print(f"result: {shown_path(args.json)}")

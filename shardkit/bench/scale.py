@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import time
-from json import dumps
 from pathlib import Path
 from typing import Sequence
 import numpy as np
@@ -389,6 +388,5 @@ def plot_scale(rows: list[dict], path: str | Path | None = None):
 def bench_scale_cli(rows, args):
     "How each stage's cost per sample and memory grow with the data: convert, shuffle, verify, index, epochs, AIStore."
     print(scale_table(rows))
-    if args.json: Path(args.json).write_text(dumps(rows, indent=1)); print(f"rows: {shown_path(args.json)}")
     if args.plot: plot_scale(rows, args.plot); print(f"picture: {shown_path(args.plot)}")
     return 1 if any("error" in r for r in rows) else 0

@@ -4,11 +4,9 @@
 
 # %% ../../nbs/44_bench_train.ipynb 3
 from __future__ import annotations
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 from ..command import command
 from ..errors import UsageError
 from ..loading.sources import shard_urls
@@ -110,4 +108,3 @@ def train_table(res: dict) -> str:
 def bench_train_cli(res, args):
     "Benchmark `shardkit train` against the same model fed straight from shardkit's loader; prints the ratio."
     print(train_table(res))
-    if args.json: Path(args.json).write_text(json.dumps(res, indent=1))
