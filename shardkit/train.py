@@ -4,7 +4,6 @@
 
 # %% ../nbs/30b_train_script.ipynb 3
 from __future__ import annotations
-import json
 import os
 import tarfile
 import warnings
@@ -41,7 +40,7 @@ from shardkit.train_step import (
     small_cnn,
     training_step,
 )
-from .command import command
+from .command import command, write_json
 from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
 from .loading.transforms import eval_transform, train_transform
@@ -270,7 +269,7 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
                + _reading(shards, pipeline, decode, dev))
     hist = run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
                       world_size, keys_out, val_loader)[0]
-    if json_out and rank == 0: Path(json_out).write_text(json.dumps(hist, indent=1))
+    if json_out and rank == 0: write_json(json_out, hist)  # atomically, as every command's --json
     return hist
 
 # %% ../nbs/30b_train_script.ipynb

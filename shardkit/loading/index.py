@@ -87,7 +87,7 @@ def _save_index(g: dict, cfile: Path, shard: str):
     except OSError as e:
         warnings.warn(f"cannot cache the index of {shard} in {shown_path(cfile.parent)} ({e.strerror}); "
                       "it is rebuilt every run. "
-                      "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
+                      "Set SHARDKIT_HOME to a writable folder, or pass index_cache=False (sample_index: cache=False)")
 
 # %% ../../nbs/26_sample_index.ipynb
 def _data_fields(fields: Sequence[str]) -> tuple[str, ...]:
@@ -234,7 +234,7 @@ def cached_index(folder: Path, build) -> SampleIndex:
     try: lock.parent.mkdir(parents=True, exist_ok=True); lock.touch()
     except OSError as e:
         warnings.warn(f"cannot keep indexes in {shown_path(lock.parent)} ({e.strerror}): each process builds its own. "
-                      "Set SHARDKIT_HOME to a writable folder, or pass cache=False")
+                      "Set SHARDKIT_HOME to a writable folder, or pass index_cache=False (sample_index: cache=False)")
         return build()
     with file_lock(lock):  # the other processes wait here, then map what the first one saved
         if (folder / "meta.json").exists(): return load_index(folder)
