@@ -22,10 +22,10 @@ from fastcore.basics import patch
 from .errors import LoaderError, StoreError, UsageError
 
 # %% auto 0
-__all__ = ['RETRIED_STATUS', 'CAUSES', 'DEFAULT_RETRIES', 'RemoteError', 'ObjectMissing', 'AccessDenied', 'ObjectChanged',
-           'RetriesExhausted', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'say_line', 'retry_after_seconds',
-           'retried', 'http_session', 'content_version', 'refusal', 'RemoteStream', 'open_remote', 'read_range',
-           'remote_head', 'remote_put']
+__all__ = ['RETRIED_STATUS', 'CAUSES', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError', 'ObjectMissing', 'AccessDenied',
+           'ObjectChanged', 'RetriesExhausted', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'say_line',
+           'retry_after_seconds', 'retried', 'http_session', 'content_version', 'refusal', 'refused', 'RemoteStream',
+           'open_remote', 'answer_ok', 'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -266,6 +266,10 @@ def refusal(name: str, code: int, text: str = "", verb: str = "read") -> RemoteE
     return RemoteError(f"cannot {verb} {name}: HTTP {code} {text[:200]!r}; not retried (only refused, cut or "
                        f"stalled connections and HTTP {', '.join(map(str, RETRIED_STATUS))} are)")
 
+def refused(auth, name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
+    "The error for an answer that is not retried, in the store's own terms where `auth` has a `refusal` (S3's codes)."
+    return (getattr(auth, "refusal", None) or refusal)(name, code, text, verb)
+
 # %% ../nbs/01a_remote.ipynb
 class RemoteStream(io.RawIOBase):
     "The body of a GET of `url`, read through faults: a cut or stalled read resumes from the byte reached."
@@ -274,9 +278,10 @@ class RemoteStream(io.RawIOBase):
                  name: str | None = None,           # For messages, e.g. "shard ais://b/x.tar"; default the URL
                  version: str = "",                 # The content version it must have (from an index), if known
                  size: int | None = None,           # Its size in bytes, if known
+                 auth=None,                         # Signs each request (a `requests` auth: an S3 store's), if needed
                 ):
-        self.url, self.name, self.retries = url, name or url, as_retries(retries)
-        self.version, self.size, self.pos, self.resp = version, size, 0, None
+        self.url, self.name, self.retries, self.auth = url, name or url, as_retries(retries), auth
+        self.version, self.size, self.pos, self.at, self.resp = version, size, 0, 0, None
         self.tries = _Tries(self.name, self.retries)
         self._open()
     def readable(self) -> bool: return True
@@ -295,8 +300,14 @@ def _request(self: RemoteStream):
     h = {"Accept-Encoding": "identity"}  # the bytes as stored: no gzip on the way
     if self.pos:
         h["Range"] = f"bytes={self.pos}-"
-        if self.version.startswith('"'): h["If-Range"] = self.version  # a strong ETag: other content comes whole
-    r = http_session().get(self.url, headers=h, stream=True, timeout=self.retries.timeout)
+        if self.version.startswith('"'):  # a strong ETag: other content comes whole (If-Range) or is refused (If-Match)
+            h["If-Range"] = h["If-Match"] = self.version
+    r = http_session().get(self.url, headers=h, stream=True, timeout=self.retries.timeout, auth=self.auth)
+    if r.status_code == 412:
+        r.close()
+        raise ObjectChanged(f"{self.name} changed while it was read: it no longer has ETag {self.version} (HTTP 412 "
+                            "to If-Match). The bytes read before and after the change do not belong together: the "
+                            "shard changed after indexing: build the loader again")
     if r.status_code not in (200, 206):
         text, after = r.text[:300] if r.status_code >= 400 else "", retry_after_seconds(r.headers.get("Retry-After"))
         r.close()
@@ -317,6 +328,7 @@ def _request(self: RemoteStream):
     while skip > 0:
         if not (got := r.raw.read(min(skip, 1 << 20))): raise http.client.IncompleteRead(b"", skip)
         skip -= len(got)
+    self.at = self.pos
     return r
 
 # %% ../nbs/01a_remote.ipynb
@@ -331,7 +343,7 @@ def _open(self: RemoteStream):
             if isinstance(e, HTTPAnswer) and e.status_code == 404 and self.pos:
                 cause = "HTTP 404 mid-read"  # it was there a moment ago: an AIStore target holding it may be down
             if cause is None:
-                if isinstance(e, HTTPAnswer): raise refusal(self.name, e.status_code, e.text) from None
+                if isinstance(e, HTTPAnswer): raise refused(self.auth, self.name, e.status_code, e.text) from None
                 if isinstance(e, RemoteError): raise
                 raise RemoteError(f"cannot read {self.name}: {type(e).__name__}: {e}") from None
             self.tries.fault(cause, started, _retry_after(e))
@@ -340,6 +352,8 @@ def _open(self: RemoteStream):
 def readinto(self: RemoteStream, b) -> int:
     "Bytes of the body into `b`, from where the last read stopped; faults resume it; 0 at its end."
     while True:
+        if self.size is not None and self.pos >= self.size: return 0  # at the end (a seek may land there)
+        if self.resp is not None and self.at != self.pos: self._catch_up()  # a seek moved `pos`
         if self.resp is None: self._open()
         started = time.monotonic()
         try: n = self.resp.raw.readinto(b)
@@ -348,33 +362,61 @@ def readinto(self: RemoteStream, b) -> int:
             self._drop(); self.tries.fault(cause, started); continue
         if n == 0 and len(b) and self.size is not None and self.pos < self.size:  # ended before its length
             self._drop(); self.tries.fault("connection cut", started); continue
-        if n: self.pos += n; self.tries.progress()
+        if n: self.pos += n; self.at = self.pos; self.tries.progress()
         return n
 
 def open_remote(url: str, retries: Retries | None = None, name: str | None = None, version: str = "",
-                size: int | None = None) -> io.BufferedReader:
+                size: int | None = None, auth=None) -> io.BufferedReader:
     "A buffered stream of the body at `url` that survives faults (`RemoteStream`, read 1 MB at a time)."
-    return io.BufferedReader(RemoteStream(url, retries, name, version, size), 1 << 20)
+    return io.BufferedReader(RemoteStream(url, retries, name, version, size, auth), 1 << 20)
 
 # %% ../nbs/01a_remote.ipynb
-def _answer(r: requests.Response, name: str, verb: str = "read", ok: tuple = (200,)) -> requests.Response:
+READ_THROUGH = 1 << 20  # a seek forward by at most this many bytes reads on; a longer one asks for a new range
+
+@patch
+def seekable(self: RemoteStream) -> bool: return self.size is not None
+
+@patch
+def tell(self: RemoteStream) -> int: return self.pos
+
+@patch
+def seek(self: RemoteStream, offset: int, whence: int = 0) -> int:
+    "Move to byte `offset` (from the start, the current byte or the end); the next read reads on or asks for a range."
+    if whence == 2 and self.size is None: raise io.UnsupportedOperation(f"{self.name}: its size is not known yet")
+    self.pos = max(offset + (0, self.pos, self.size or 0)[whence], 0)
+    return self.pos
+
+@patch
+def _catch_up(self: RemoteStream):
+    "Bring the open answer to `pos`: read through a short hop forward; else drop it (the next read asks afresh)."
+    gap = self.pos - self.at
+    try:
+        while 0 < gap <= READ_THROUGH and (got := self.resp.raw.read(min(gap, 1 << 16))): gap -= len(got)
+    except Exception as e:
+        if fault_cause(e) is None: raise
+    if gap: self._drop()  # backwards, too far, or cut on the way: a range from `pos`
+    else: self.at = self.pos
+
+# %% ../nbs/01a_remote.ipynb
+def answer_ok(r: requests.Response, name: str, verb: str = "read", ok: tuple = (200,), auth=None
+             ) -> requests.Response:
     "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx; else the refusal."
     if r.status_code in ok: return r
     if r.status_code in RETRIED_STATUS:
         raise HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:300])
-    raise refusal(name, r.status_code, r.text[:300], verb)
+    raise refused(auth, name, r.status_code, r.text[:300], verb)
 
 def read_range(url: str, start: int, end: int, retries: Retries | None = None, name: str | None = None,
-               version: str = "", size: int | None = None) -> bytes:
+               version: str = "", size: int | None = None, auth=None) -> bytes:
     "Bytes `start` to `end - 1` of the object at `url`, with one range GET retried through faults; as indexed."
     name, retries = name or url, as_retries(retries)
     def once():
         r = http_session().get(url, headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
-                               timeout=retries.timeout)
+                               timeout=retries.timeout, auth=auth)
         if r.status_code == 200:
             raise RemoteError(f"{name} does not answer range requests (HTTP 200 to a Range): read whole shards "
                               "instead (read='cache')")
-        _answer(r, name, ok=(206,))
+        answer_ok(r, name, ok=(206,), auth=auth)
         got = [(w, a, b) for w, a, b in (("version", version, content_version(r.headers)), ("size", size, _total(r)))
                if a and b and a != b]
         if got: raise ObjectChanged(f"{name} is now {got[0][0]} {got[0][2]}, indexed as {got[0][1]}: the shard "
@@ -384,23 +426,24 @@ def read_range(url: str, start: int, end: int, retries: Retries | None = None, n
     return retried(once, name, retries)
 
 # %% ../nbs/01a_remote.ipynb
-def remote_head(url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
+def remote_head(url: str, retries: Retries | None = None, name: str | None = None, auth=None) -> tuple[int, str]:
     "The size of the object at `url` (-1: not said) and its content version (`content_version`), from a HEAD."
     name, retries = name or url, as_retries(retries)
     def once():
-        r = _answer(http_session().head(url, allow_redirects=True, timeout=retries.timeout), name)
+        r = answer_ok(http_session().head(url, allow_redirects=True, timeout=retries.timeout, auth=auth), name,
+                      auth=auth)
         return int(r.headers.get("Content-Length", -1)), content_version(r.headers)
     return retried(once, name, retries)
 
-def remote_put(url: str, src: str | Path | bytes, retries: Retries | None = None, name: str | None = None
-              ) -> requests.Response:
+def remote_put(url: str, src: str | Path | bytes, retries: Retries | None = None, name: str | None = None,
+               auth=None) -> requests.Response:
     "Upload `src` (a file's path, or bytes) to `url` with a PUT; after a fault it is sent again, whole."
     name, retries = name or url, as_retries(retries)
     def once():
         if isinstance(src, (bytes, bytearray, memoryview)): body = src
         else: body = open(src, "rb")
-        try: return _answer(http_session().put(url, data=body, timeout=retries.timeout), name, "upload",
-                            ok=(200, 201, 204))
+        try: return answer_ok(http_session().put(url, data=body, timeout=retries.timeout, auth=auth), name,
+                              "upload", ok=(200, 201, 204), auth=auth)
         finally:
             if body is not src: body.close()
     return retried(once, name, retries, "uploading")
