@@ -14,7 +14,7 @@ import torch
 from braceexpand import braceexpand
 from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import LoaderError
-from ..store import open_store, shown_path
+from ..store import open_store, s3_shard_urls, shown_path
 
 # %% auto 0
 __all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name', 'epoch_shard_order', 'EpochShards',
@@ -22,7 +22,7 @@ __all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name
 
 # %% ../../nbs/21_sources.ipynb
 def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
-    "URLs of the shards in `sources`: a store, a store spec (directory, `ais://bucket`), a brace template, or URLs."
+    "URLs of the shards in `sources`: a store, a store spec (directory, `ais://`, `s3://`), a brace template, or URLs."
     if hasattr(sources, "urls") and hasattr(sources, "list"):
         names = sources.list(pattern)
         if not names:
@@ -31,6 +31,7 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
         return sources.urls(names)
     if isinstance(sources, (str, os.PathLike)):
         s = str(sources)
+        if s.startswith("s3://"): return s3_shard_urls(s, pattern)  # an object, a template or a prefix: one listing
         if "{" in s and s.startswith("ais://"):  # a template of a bucket's shards: their URLs in it
             spec, names = s.rsplit("/", 1)
             return shard_urls(open_store(spec), names)

@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 from ..errors import ShardkitError
 from ..remote import RemoteError, Retries, open_remote
+from ..s3 import s3_name, s3_open
 from ..store import LocalStore, open_store, shown_path
 from .fields import ShardError, split_key
 
@@ -188,8 +189,9 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
 
 # %% ../../nbs/04_read.ipynb
 def open_shard(url: str, retries: Retries | None = None):
-    "A stream of shard `url`: http(s) by `open_remote` (faults retried, cuts resumed); files, `pipe:` by `gopen`."
+    "A stream of shard `url`: http(s) and s3 through `shardkit.remote` (faults retried, cuts resumed); files, `pipe:` by `gopen`."
     if url.startswith(("http://", "https://")): return open_remote(url, retries, name=f"shard {url}")
+    if url.startswith("s3://"): return s3_open(url, retries, name=f"shard {s3_name(url)}")  # signed, the same rules
     from webdataset import gopen  # here, not at the top: webdataset imports torch
     return gopen(url)
 
