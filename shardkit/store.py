@@ -16,10 +16,20 @@ from typing import BinaryIO, Iterable
 import requests
 from braceexpand import braceexpand
 from fastcore.basics import patch
+from shardkit.s3 import (
+    S3Settings,
+    bucket_exists,
+    create_bucket,
+    list_objects,
+    parse_s3_url,
+    s3_delete,
+    s3_head,
+    s3_open,
+    s3_put,
+    s3_url,
+)
 from .errors import StoreError, UsageError
 from .remote import ObjectMissing, Retries, as_retries, open_remote, remote_put
-from .s3 import S3Settings, bucket_exists, create_bucket, list_objects, parse_s3_url, s3_delete, s3_head
-from .s3 import s3_open, s3_put, s3_url
 
 # %% auto 0
 __all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'LocalStore', 'ais_endpoint', 'ais_client',

@@ -189,7 +189,7 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
 
 # %% ../../nbs/04_read.ipynb
 def open_shard(url: str, retries: Retries | None = None):
-    "A stream of shard `url`: http(s) and s3 through `shardkit.remote` (faults retried, cuts resumed); files, `pipe:` by `gopen`."
+    "A stream of shard `url`: http(s), s3 through `shardkit.remote` (faults retried, cuts resumed); else `gopen`."
     if url.startswith(("http://", "https://")): return open_remote(url, retries, name=f"shard {url}")
     if url.startswith("s3://"): return s3_open(url, retries, name=f"shard {s3_name(url)}")  # signed, the same rules
     from webdataset import gopen  # here, not at the top: webdataset imports torch
