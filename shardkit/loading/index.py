@@ -18,9 +18,10 @@ import numpy as np
 from ..config import shardkit_home
 from ..errors import ShardkitError, UsageError
 from ..remote import Retries, open_remote, remote_head
+from ..s3 import s3_head, s3_name, s3_open, s3_stat
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
-from ..store import AISStore, open_store, shown_path
+from ..store import SHARD_SUFFIXES, AISStore, S3Store, open_store, shown_path
 from .sources import shard_urls
 
 # %% auto 0
@@ -105,8 +106,8 @@ def key_from_header(header: bytes, field: str, where: str) -> str:
 class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
     shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
-    kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs) or 'ais' (a bucket)
-    versions = None     # each shard's content version when indexed (AIStore: checksum/version; http: ETag), or None
+    kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs), 'ais' (a bucket), 's3' (s3:// URLs)
+    versions = None     # each shard's content version when indexed (AIStore: checksum/version; http, s3: ETag), or None
     def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
@@ -208,15 +209,18 @@ def file_lock(path: str | Path):
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../../nbs/26_sample_index.ipynb
-def index_url(url: str, cache: bool | str | Path = True, retries: Retries | None = None) -> tuple[dict, int, str]:
-    "The index of the tar at HTTP(S) `url` (one read through faults; cached by URL, size, version); size, version."
-    size, tag = remote_head(url, retries, f"shard {url}")
+def index_url(url: str, cache: bool | str | Path = True, retries: Retries | None = None,
+              head: tuple[int, str] | None = None) -> tuple[dict, int, str]:
+    "The index of the tar at http(s) or s3 `url` (its headers read through faults; cached by URL, size, version)."
+    s3 = url.startswith("s3://")
+    name, opener = (f"shard {s3_name(url)}", s3_open) if s3 else (f"shard {url}", open_remote)
+    size, tag = head or (s3_head(url, retries) if s3 else remote_head(url, retries, name))  # (size, version)
     key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
     cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
-    with open_remote(url, retries, f"shard {url}", tag, size if size >= 0 else None) as f:  # a cut read resumes
-        ents = [e for e in tar_entries(f, url, data=False) if e.is_file and not is_meta_member(e.name)]
+    with opener(url, retries, name, tag, size if size >= 0 else None) as f:  # a cut read resumes; members skipped
+        ents = [e for e in tar_entries(f, name[len("shard "):], data=False) if e.is_file and not is_meta_member(e.name)]
     g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
     if cfile is not None: _save_index(g, cfile, url)
     return g, size, tag
@@ -255,6 +259,13 @@ def sample_index(source,                                   # A directory, tar pa
     fields = _data_fields(fields)
     if isinstance(source, AISStore) or str(source).startswith("ais://"):
         return _bucket_index(open_store(source), fields, cache)
+    if isinstance(source, S3Store) or (str(source).startswith("s3://") and "{" not in str(source)
+                                       and not str(source).endswith(SHARD_SUFFIXES)):  # a prefix: its one listing
+        store = open_store(source)
+        if not (rows := store.listing(pattern)):
+            raise RandomAccessError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls)")
+        return _url_index([store.url(n) for n, _, _ in rows], fields, store.spec, cache, retries,
+                          [(n, t) for _, n, t in rows])
     paths = shard_urls(source, pattern)
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
     if any("://" in p for p in paths): return _url_index(paths, fields, name, cache, retries)
@@ -266,21 +277,26 @@ def sample_index(source,                                   # A directory, tar pa
     try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
     except OSError: return idx  # an unwritable cache: index_tar has warned
 
-def _url_index(paths: list[str], fields: Sequence[str], name: str, cache, retries: Retries | None) -> SampleIndex:
-    "The index of shards at http(s) URLs `paths`, kept on disk by URL, size and validator where every one has one."
-    if bad := [p for p in paths if not p.startswith(("http://", "https://"))]:
-        raise UsageError(f"random access reads local tars, http(s) URLs or ais:// buckets, not {bad[0]}")
-    heads = [remote_head(p, retries, f"shard {p}") for p in paths]
+def _url_index(paths: list[str], fields: Sequence[str], name: str, cache, retries: Retries | None,
+               heads: list[tuple[int, str]] | None = None) -> SampleIndex:
+    "The index of shards at http(s) or s3 URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
+    s3 = all(p.startswith("s3://") for p in paths)
+    if bad := [p for p in paths if not p.startswith(("s3://",) if s3 else ("http://", "https://"))]:
+        raise UsageError(f"random access reads local tars, http(s) or s3:// URLs (one kind in a source) or ais:// "
+                         f"buckets, not {bad[0]}")
+    if heads is None:  # s3: from the listings of their folders, not a HEAD each
+        heads = s3_stat(paths, retries) if s3 else [remote_head(p, retries, f"shard {p}") for p in paths]
     def build():
-        got = [index_url(p, cache, retries) for p in paths]
+        got = [index_url(p, cache, retries, h) for p, h in zip(paths, heads)]
         if [(n, t) for _, n, t in got] != heads:
             raise RandomAccessError(f"shards of {name} changed while they were indexed; run again")
         idx = _select([g for g, _, _ in got], paths, fields, source=name, keep_keys=True)
         idx.shard_bytes, idx.versions = np.array([n for n, _ in heads], np.int64), [t for _, t in heads]
-        idx.kind = "http"
+        idx.kind = "s3" if s3 else "http"
         return idx
     if not (cache and all(t for _, t in heads)): return build()  # without a validator, a change cannot be seen
-    return cached_index(remote_index_path(("http", tuple(fields), list(zip(paths, heads))), cache), build)
+    return cached_index(remote_index_path(("s3" if s3 else "http", tuple(fields), list(zip(paths, heads))), cache),
+                        build)
 
 # %% ../../nbs/26_sample_index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:

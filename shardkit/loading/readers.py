@@ -21,6 +21,7 @@ from fastcore.basics import patch
 from ..config import private_dir, shardkit_home
 from ..errors import UsageError
 from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
+from ..s3 import s3_name, s3_open, s3_range
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, tar_entries
 from ..store import open_store, parse_size, shown_path
@@ -139,18 +140,21 @@ class _HTTPFetch:
         "The URL of `shard`: itself, or its AIStore object URL."
         if self.endpoint is None: return shard
         return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
-    def name(self, shard: str) -> str: return shard if self.endpoint is None else f"ais://{self.bucket}/{shard}"
+    def name(self, shard: str) -> str:
+        if self.endpoint is None: return s3_name(shard) if shard.startswith("s3://") else shard
+        return f"ais://{self.bucket}/{shard}"
     def __call__(self, shard: str, dest: Path, version: str = ""):
         "Stream `shard` to `dest` (a cut read resumes); if `version` is given, refuse other content (rewritten since)."
+        opener = s3_open if shard.startswith("s3://") else open_remote  # s3: the same reader, each request signed
         try:
-            with open_remote(self.url(shard), self.retries, f"shard {self.name(shard)}", version) as src, \
+            with opener(self.url(shard), self.retries, f"shard {self.name(shard)}", version) as src, \
                  open(dest, "wb") as f: shutil.copyfileobj(src, f, 1 << 20)
         except ObjectChanged as e: raise RandomAccessError(str(e)) from None  # the error of a shard changed since
 
 def shard_fetcher(index: SampleIndex, retries: Retries | None = None):
     "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it over HTTP (AIStore too) or copies it."
     if index.kind == "ais": return _HTTPFetch(index.endpoint, index.source[len("ais://"):], retries)
-    return _HTTPFetch(retries=retries) if index.kind == "http" else _copy_file
+    return _HTTPFetch(retries=retries) if index.kind in ("http", "s3") else _copy_file
 
 # %% ../../nbs/26b_readers.ipynb
 def plain_members(buf, n: int) -> tuple[list, list, list] | None:
@@ -359,13 +363,15 @@ class RangeReader:
         url, (a, b), name = self.fetch.url(idx.shards[s]), _rows(idx, s), f"shard {self.fetch.name(idx.shards[s])}"
         if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
         else:
-            with open_remote(url, self.retries, name) as f:  # one streamed read of its headers, through faults
+            with (s3_open if url.startswith("s3://") else open_remote)(url, self.retries, name) as f:  # through faults
                 ents = [e for e in tar_entries(f, idx.shards[s], data=False)
                         if e.is_file and not is_meta_member(e.name)]
             where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
         ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
-        with retried(ask, name, self.retries) as r:
-            target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
+        if url.startswith("s3://"): target = url  # signed anew for each read (S3 redirects no GET)
+        else:
+            with retried(ask, name, self.retries) as r:
+                target = r.headers.get("Location", url) if r.is_redirect else url  # the target's URL, kept
         self.known[s] = (target, a, *where)
         return self.known[s]
 
@@ -376,7 +382,8 @@ class RangeReader:
             url, a, off, size = self._shard(idx, s := int(idx.shard[i]))
             o, n = off[i - a], size[i - a]
             lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
-            data = read_range(url, lo, hi, self.retries, f"shard {self.fetch.name(idx.shards[s])}",  # faults retried
+            read = s3_range if url.startswith("s3://") else read_range
+            data = read(url, lo, hi, self.retries, f"shard {self.fetch.name(idx.shards[s])}",  # faults retried
                               idx.versions[s] if idx.versions else "", int(idx.shard_bytes[s]))
             keys.append(idx.key(i)); out.append([data[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
         return keys, out
@@ -396,8 +403,9 @@ def shard_reader(index: SampleIndex,              # What to read
                  retries: Retries | None = None,  # How its remote reads retry faults, and their counts
                 ) -> tuple:                       # (the reader, the window of shards its order needs or None)
     "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
-    can = {"local": ("local", "cache"), "http": ("cache", "range"), "ais": ("cache", "range", "getbatch")}[index.kind]
-    if read == "auto": read = {"local": "local", "http": "cache", "ais": DEFAULT_AIS_READ}[index.kind]
+    can = {"local": ("local", "cache"), "http": ("cache", "range"), "s3": ("cache", "range"),
+           "ais": ("cache", "range", "getbatch")}[index.kind]
+    if read == "auto": read = {"local": "local", "http": "cache", "s3": "cache", "ais": DEFAULT_AIS_READ}[index.kind]
     if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")
     if read not in can:
         raise UsageError(f"read={read!r} cannot read {index.kind} shards ({index.source}); use one of {can}")
