@@ -306,7 +306,7 @@ def list_objects(bucket: str, prefix: str = "", settings: S3Settings | None = No
                  retries: Retries | None = None) -> Iterator[S3Object]:
     "Every object of `bucket` under `prefix`, in key order, from ListObjectsV2 pages of 1,000 (each retried)."
     client, retries, token, after = s3_client(settings), as_retries(retries), "", ""
-    auth, name = S3Auth(client, bucket), f"the listing of s3://{bucket}/{prefix}"
+    auth, name = S3Auth(client, bucket), f"s3://{bucket}/{prefix}"
     while True:
         q = {"list-type": 2, "max-keys": 1000, "prefix": prefix}
         if token: q["continuation-token"] = token
