@@ -98,7 +98,8 @@ class Retries:
                 raise UsageError(f"Retries({k}={v!r}): give a number of seconds" + (", more than 0" * (v == 0)))
         self.wait, self.connect_timeout, self.read_timeout = float(wait), float(connect_timeout), float(read_timeout)
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
-        self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()  # + seconds waited, reads given up
+        # + seconds waited, reads given up; a spawn context's lock, which forked and spawned workers alike can share
+        self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.get_context("spawn").Lock()
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
         self._reported = {True: list(self._mine), False: list(self._mine)}  # the counts at the last report
 
@@ -127,7 +128,7 @@ def __getstate__(self: Retries) -> dict:
 @patch
 def __setstate__(self: Retries, state: dict):
     self.__dict__.update(state)
-    if self._table is None: self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()
+    if self._table is None: self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.get_context("spawn").Lock()
 
 def as_retries(retry_wait: float | Retries | None = None) -> Retries:
     "A `Retries` from a loader's `retry_wait` option: seconds (the bound, other settings default), or a `Retries`."

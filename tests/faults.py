@@ -23,7 +23,7 @@ class FaultServer:
     "Serves `root` on 127.0.0.1 (a free port), playing the faults of its rules; `log` has every request."
     def __init__(self, root, etag: bool = True, s3: bool = False, keys: dict | None = None):
         self.root, self.etag, self.rules, self.log, self.gets = Path(root), etag, [], [], {}
-        self.s3, self.keys = s3, keys
+        self.s3, self.keys, self.listings = s3, keys, {}
         self.lock, self.quit = threading.Lock(), threading.Event()
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), (_s3_handler if s3 else _handler)(self))
         self.httpd.daemon_threads = True
@@ -130,9 +130,10 @@ _S3_FAULT_CODES = {500: "InternalError", 503: "SlowDown", 429: "SlowDown", 502: 
                    408: "RequestTimeout", 403: "AccessDenied", 404: "NoSuchKey"}
 
 
-def _signature_problem(server: FaultServer, h, method: str, url: str) -> str | None:
+def _signature_problem(server: FaultServer, h, method: str, url: str, body: bytes = b"") -> str | None:
     "None if the request's SigV4 signature is botocore's for it, else the S3 error code (shardkit's signer, checked)."
-    import datetime
+    import datetime, logging
+    logging.getLogger("botocore.auth").disabled = True  # the server's check logs what it signs, session token included
     from unittest import mock
     from botocore.auth import S3SigV4Auth
     from botocore.awsrequest import AWSRequest
@@ -143,7 +144,7 @@ def _signature_problem(server: FaultServer, h, method: str, url: str) -> str | N
     key_id, day, region = fields["Credential"].split("/")[:3]
     if key_id not in server.keys: return "InvalidAccessKeyId"
     signed = fields["SignedHeaders"].split(";")
-    req = AWSRequest(method, url, headers={k: h.headers[k] for k in signed if k != "host"})
+    req = AWSRequest(method, url, headers={k: h.headers[k] for k in signed if k != "host"}, data=body)
     when = datetime.datetime.strptime(h.headers["x-amz-date"], "%Y%m%dT%H%M%SZ")
     with mock.patch("botocore.auth.get_current_datetime", lambda: when):
         S3SigV4Auth(Credentials(key_id, server.keys[key_id], h.headers.get("x-amz-security-token")), "s3",
@@ -185,10 +186,10 @@ def _s3_handler(server: FaultServer):
             if f is not None and folder not in f.parents: return None
             return bucket, key, dict(urllib.parse.parse_qsl(u.query, keep_blank_values=True)), folder, f
 
-        def _refused(self) -> bool:
+        def _refused(self, body: bytes = b"") -> bool:
             if not server.keys: return False
             url = f"http://{self.headers['Host']}{self.path}"
-            try: why = _signature_problem(server, self, self.command, url)
+            try: why = _signature_problem(server, self, self.command, url, body)
             except (KeyError, ValueError): why = "AccessDenied"
             if why: self._error(403, why, body=self.command != "HEAD")
             return bool(why)
@@ -238,8 +239,11 @@ def _s3_handler(server: FaultServer):
         def _list(self, bucket: str, folder: Path, q: dict):
             prefix, most = q.get("prefix", ""), min(int(q.get("max-keys", 1000)), 1000)
             after = q.get("continuation-token") or q.get("start-after", "")
-            keys = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-            keys = [k for k in keys if k.startswith(prefix) and k > after]
+            if not q.get("continuation-token") or (folder, prefix) not in server.listings:  # a listing's snapshot
+                server.listings[folder, prefix] = sorted(
+                    os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
+                    if os.path.relpath(os.path.join(d, f), folder).startswith(prefix))
+            keys = [k for k in server.listings[folder, prefix] if k > after]
             page, more = keys[:most], len(keys) > most
             items = "".join(f"<Contents><Key>{escape(k)}</Key><Size>{(folder / k).stat().st_size}</Size>"
                             f"<ETag>&quot;{hashlib.md5((folder / k).read_bytes()).hexdigest()}&quot;</ETag></Contents>"
@@ -259,8 +263,9 @@ def _s3_handler(server: FaultServer):
             bucket, key, _, folder, f = w
             rule = server._pick(self.path.split("?", 1)[0], False)
             server.log.append(("PUT", self.path.split("?", 1)[0], None, rule and rule["kind"], time.monotonic()))
-            if self._refused(): return
-            if rule and isinstance(rule["kind"], int): return self._error(rule["kind"], _S3_FAULT_CODES.get(rule["kind"], "Fault"), rule["retry_after"])
+            if self._refused(data): return
+            if rule and isinstance(rule["kind"], int):
+                return self._error(rule["kind"], _S3_FAULT_CODES.get(rule["kind"], "Fault"), rule["retry_after"])
             sha = self.headers.get("x-amz-content-sha256", "UNSIGNED-PAYLOAD")
             if sha != "UNSIGNED-PAYLOAD" and sha != hashlib.sha256(data).hexdigest():
                 return self._error(400, "XAmzContentSHA256Mismatch")

@@ -14,7 +14,7 @@ import torch
 from braceexpand import braceexpand
 from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import LoaderError
-from ..store import open_store, s3_shard_urls, shown_path
+from ..store import NOT_YET, not_yet, open_store, s3_shard_urls, shown_path
 
 # %% auto 0
 __all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name', 'epoch_shard_order', 'EpochShards',
@@ -32,6 +32,7 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
     if isinstance(sources, (str, os.PathLike)):
         s = str(sources)
         if s.startswith("s3://"): return s3_shard_urls(s, pattern)  # an object, a template or a prefix: one listing
+        if s.startswith(NOT_YET): raise LoaderError(not_yet(s))
         if "{" in s and s.startswith("ais://"):  # a template of a bucket's shards: their URLs in it
             spec, names = s.rsplit("/", 1)
             return shard_urls(open_store(spec), names)
