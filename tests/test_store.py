@@ -69,7 +69,8 @@ def test_no_endpoint_says_what_to_set(monkeypatch):
     with pytest.raises(StoreError, match="set AIS_ENDPOINT"): open_store("ais://pets")
 
 
-@pytest.mark.parametrize("spec, msg", [("s3://bucket/x", "unsupported store"), ("ais://", "names no bucket"),
+@pytest.mark.parametrize("spec, msg", [("ftp://bucket/x", "unsupported store"), ("ais://", "names no bucket"),
+                                       ("s3:///x", "names no bucket"), ("gs://bucket/x", "gs:// is not supported yet"),
                                        ("/definitely/not/here", "does not exist; create it")])
 def test_bad_specs(spec, msg):
     with pytest.raises(StoreError, match=msg): open_store(spec)
