@@ -14,6 +14,7 @@ import random
 import ssl
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Callable
 import requests
@@ -237,10 +238,22 @@ def retried(call: Callable,                  # A whole request: it either succee
 
 # %% ../nbs/01a_remote.ipynb
 _SESSIONS: dict[int, requests.Session] = {}
+_PROXY_ENV = ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+              "NO_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+class _Session(requests.Session):
+    "A `requests.Session` that reads proxies and CA bundles from the environment once per host, not per request."
+    def merge_environment_settings(self, url, proxies, stream, verify, cert):
+        u, memo = urllib.parse.urlsplit(url), self.__dict__.setdefault("_env_memo", {})
+        key = (u.scheme, u.netloc, stream, verify, cert, tuple(sorted((proxies or {}).items())),
+               tuple(os.environ.get(k) for k in _PROXY_ENV))  # what requests reads, so a change is seen
+        if (got := memo.get(key)) is None:
+            got = memo[key] = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        return {**got, "proxies": dict(got["proxies"])}
 
 def http_session() -> requests.Session:
     "This process's `requests.Session` (a forked worker makes its own: a session's connections are not shared)."
-    if (s := _SESSIONS.get(os.getpid())) is None: _SESSIONS.clear(); s = _SESSIONS[os.getpid()] = requests.Session()
+    if (s := _SESSIONS.get(os.getpid())) is None: _SESSIONS.clear(); s = _SESSIONS[os.getpid()] = _Session()
     return s
 
 def content_version(headers) -> str:
