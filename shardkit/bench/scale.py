@@ -8,6 +8,7 @@ import gc
 import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +24,7 @@ from ..loading.index import sample_index
 from ..loading.random import create_random_loader
 from ..loading.readers import build_shard_index
 from ..loading.transforms import train_transform
+from ..s3 import S3Settings, s3_url
 from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards
 from ..store import open_store, shown_path
@@ -210,13 +212,26 @@ def _ais_cache(spec):
 def _ais_shard_index(spec):
     return lambda: dict(samples=spec["n"], job=build_shard_index(_bucket(spec, True)))
 
+def _s3(spec) -> str:
+    "The shuffled bucket as `s3://` through AIStore's S3 API (`/s3` on the same proxy): the same objects, signed GETs."
+    endpoint = open_store(_bucket(spec, True)).endpoint
+    return s3_url(_bucket(spec, True)[len("ais://"):], "", S3Settings(endpoint_url=f"{endpoint}/s3"))
+
+def _ais_s3_cache(spec):
+    "`ais cache`, the same bucket read as `s3://`: every shard fetched through the S3 API into the shard cache."
+    dl = create_random_loader(_s3(spec), fields=KEYS_ONLY, batch_size=spec["batch_size"], num_workers=spec["workers"],
+                              read="cache")
+    for f in dl.dataset.reader.cache.files(): f.unlink()
+    return lambda: dict(samples=_count_epoch(dl), window=dl.window)
+
 _STAGES = {"convert": _convert, "shuffle": _shuffle, "verify": _verify, "index": _index,
            "stream keys": lambda s: _stream(s, _work(s) / "shuffled"), "random keys": _random,
            "stream decoded": lambda s: _stream(s, _work(s) / "shuffled", **_decoded(s)),
            "random decoded": lambda s: _random(s, **_decoded(s)),
            "ais put": _ais_put, "ais dsort": _ais_dsort, "ais stream": lambda s: _stream(s, _bucket(s, True)),
            "ais cache": _ais_cache, "ais getbatch": _ais_getbatch, "ais shard-index": _ais_shard_index,
-           "ais getbatch+index": _ais_getbatch}
+           "ais getbatch+index": _ais_getbatch, "ais s3 stream": lambda s: _stream(s, _s3(s)),
+           "ais s3 cache": _ais_s3_cache}
 LOCAL_STAGES = [s for s in _STAGES if not s.startswith("ais")]
 AIS_STAGES = [s for s in _STAGES if s.startswith("ais")]
 
@@ -333,6 +348,22 @@ def _ais_ratios(rows: list[dict]) -> list[str]:
                            f"{g['requests']} requests of {g['request_kb']:.0f} KB (128 members); "
                            f"AIStore CPU {g['cluster_cpu_ms']:.2f} vs {s['cluster_cpu_ms']:.3f} ms/sample, "
                            f"client CPU {g['cpu_ms']:.2f} vs {s['cpu_ms']:.3f}")
+    return out + _s3_ratios(rows)
+
+def _s3_ratios(rows: list[dict]) -> list[str]:
+    "The bucket read as `s3://` against `ais://`, per size: medians of the runs of each stage (repeat them to compare)."
+    out = []
+    for n in sorted({r["n"] for r in rows}):
+        med = {st: {k: statistics.median(r[k] for r in rs) for k in ("rate", "cpu_ms", "cluster_cpu_ms")}
+               for st in ("ais stream", "ais s3 stream", "ais cache", "ais s3 cache")
+               if (rs := [r for r in rows if r["n"] == n and r["stage"] == st and "error" not in r])}
+        for ais, s3 in (("ais stream", "ais s3 stream"), ("ais cache", "ais s3 cache")):
+            if ais in med and s3 in med:
+                a, b, k = med[ais], med[s3], sum(r["stage"] == s3 and r["n"] == n for r in rows)
+                out.append(f"{s3} at {n:,}: {b['rate'] / a['rate']:.2f}x the rate of {ais} ({b['rate']:,.0f} vs "
+                           f"{a['rate']:,.0f} samples/s), client CPU {b['cpu_ms'] / a['cpu_ms']:.2f}x "
+                           f"({b['cpu_ms']:.4f} vs {a['cpu_ms']:.4f} ms/sample), AIStore CPU "
+                           f"{b['cluster_cpu_ms'] / a['cluster_cpu_ms']:.2f}x; medians of {k} runs each")
     return out
 
 # %% ../../nbs/43_bench_scale.ipynb
