@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 from .command import command
 from .errors import StoreError, UsageError
+from .s3 import parse_s3_url, s3_url
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
 from .shards.read import list_shards, read_samples
@@ -235,7 +236,12 @@ def view_data(loader, objects: int = 4, class_names=None, denormalize: bool | No
 
 # %% ../nbs/12_display.ipynb
 def _split_shard_spec(shard: str) -> tuple[str, str]:
-    "A shard given as a path or `ais://bucket/[prefix/]name` -> (store spec, object name)."
+    "A shard given as a path, `ais://bucket/[prefix/]name` or `s3://...` -> (store spec, object name)."
+    if shard.startswith("s3://"):
+        bucket, key, settings = parse_s3_url(shard)
+        head, _, base = key.rpartition("/")
+        if not base: raise StoreError(f"{shard!r} names no object; use s3://BUCKET/NAME.tar")
+        return s3_url(bucket, head, settings), base
     if shard.startswith("ais://"):
         bucket, _, name = shard[len("ais://"):].partition("/")
         if not bucket or not name: raise StoreError(f"{shard!r} names no object; use ais://BUCKET/NAME.tar")
@@ -260,7 +266,7 @@ def list_store(dest: str,               # Store (a directory, ais://bucket), or 
     return dict(spec=dest, rows=rows, warnings=incomplete_jobs(store))
 
 # %% ../nbs/12_display.ipynb
-def save_shard_images(shard: str,              # Shard: a .tar path or ais://bucket/name.tar
+def save_shard_images(shard: str,              # Shard: a .tar path, ais://bucket/name.tar or s3://bucket/name.tar
                       out: str = "shard.png",  # PNG file to write
                       objects: int = 4,        # Number of samples to draw
                       listing: bool = False,   # Also give the tar -tvf style listing

@@ -26,6 +26,7 @@ from ..loader import create_dataloader, create_dataset
 from ..loading.collate import PooledBatch, convert_batch
 from ..loading.transforms import train_transform
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
+from ..shards.read import first_sample, url_samples
 from ..store import shown_path
 from .core import BenchError
 
@@ -51,7 +52,7 @@ def _read_rgb(path: str) -> torch.Tensor:
 # %% ../../nbs/34_bench_peers.ipynb
 def shard_fields(url: str) -> dict:
     "The fields of the first sample of shard `url`: its JPEG image, its class label, and a trimap if it has one."
-    sample = next(iter(wds.WebDataset([url], shardshuffle=False)), None)
+    sample = first_sample(url)  # shardkit's reader: local, http(s), ais:// and s3:// alike
     if sample is None: raise BenchError(f"{url} holds no samples; give shards with JPEG images and class labels")
     keys = [k for k in sample if not k.startswith("__")]
     jpgs = [k for k in keys if k.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg")]
@@ -64,7 +65,7 @@ def shard_fields(url: str) -> dict:
 def extract_image_folder(urls: Sequence[str], root: str | Path, image: str = "image.jpg", label: str = "cls") -> int:
     "Write the images of `urls` as an ImageFolder tree `root/<cls>/<n>-<key>.jpg`; returns the number of images."
     n = 0
-    for s in wds.WebDataset(list(urls), shardshuffle=False):
+    for s in url_samples(dict(url=u) for u in urls):
         d = Path(root) / f"{int(s[label]):03d}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{n:07d}-{s['__key__'].replace('/', '_')}.jpg").write_bytes(s[image])
