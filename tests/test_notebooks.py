@@ -143,5 +143,6 @@ def test_flags_are_explicit():
     test_eq({_id(p): tutorial_backends(p) for p in TUTORIALS},
             {"tutorials/01_pets_shards.ipynb": "per backend", "tutorials/02_offload_etl.ipynb": "per backend",
              "tutorials/03_training_loader.ipynb": "per backend", "tutorials/04_webdataset_fundamentals.ipynb": "ais cells",
-             "tutorials/05_imagenet_training.ipynb": "per backend", "tutorials/06_where_time_goes.ipynb": "per backend"})
+             "tutorials/05_imagenet_training.ipynb": "per backend", "tutorials/06_where_time_goes.ipynb": "per backend",
+             "tutorials/07_s3_buckets.ipynb": "ais cells"})
     assert {_id(p) for p in FULL} >= {"07_cluster.ipynb", "39_demo.ipynb"}, sorted(_id(p) for p in FULL)
