@@ -234,6 +234,17 @@ def test_two_ranks_split_the_epoch(s3, tmp_path):
     assert not set(got[0]) & set(got[1]) and len(got[0]) + len(got[1]) == N_SHARDS * PER_SHARD
 
 
+def test_a_mix_of_s3_and_local_sources(s3, shard_dir):
+    "A mix by weight of an s3:// prefix and a local folder: both sources in the batches, each sample of s3:// once."
+    from shardkit.loader import create_dataloader, create_dataset
+    ds = create_dataset({"s3": "s3://data/", "local": str(shard_dir)}, weights={"s3": 1, "local": 1},
+                        fields=("__key__", "__source__"), seed=0, batch_size=16)
+    got = [(k, src) for b in create_dataloader(ds, num_workers=2) for k, src in zip(b[0], b[1])]
+    from_s3 = [k for k, src in got if src == "s3"]
+    assert sorted(from_s3) == sorted(f"s{s}_{i:02d}" for s in range(N_SHARDS) for i in range(PER_SHARD))
+    assert {src for _, src in got} == {"s3", "local"}
+
+
 def test_writers_and_commands_take_s3(s3, tmp_path):
     "write_shards, convert folder and the local shuffle write into s3://; ls and verify read it back."
     from conftest import main_cli
