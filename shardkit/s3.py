@@ -257,6 +257,9 @@ def s3_refusal(client: S3Client, bucket: str, name: str, status: int, text: str 
     if status == 404:
         return ObjectMissing(f"{head}: it is not there ({said}); check the name (shardkit ls s3://{bucket}/...); a "
                              "missing object is not retried")
+    if status == 409 and code == "BucketAlreadyExists":
+        return RemoteError(f"{head}: the name {bucket!r} is taken ({said}; on AWS by another account: bucket names are "
+                           "global); use another name, or the bucket that has it if it is yours")
     region = re.search(r"<Region>([^<]{1,40})</Region>", text or "")
     if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed") and region:
         where = f"region {region.group(1)!r}" if region else "another region"
