@@ -252,7 +252,7 @@ def _split_shard_spec(shard: str) -> tuple[str, str]:
         raise StoreError(f"no shard file {shown_path(p)}; give a path to a .tar or ais://BUCKET/NAME.tar")
     return str(p.resolve().parent), p.name
 
-def list_store(dest: str,               # Store (a directory, ais://bucket), or shards in one: DIR/x-{000..015}.tar
+def list_store(dest: str,               # Store (a directory, ais://, s3://), or shards in one: DIR/x-{000..015}.tar
                pattern: str = "*.tar",  # Which shards: glob, brace template or prefix
               ) -> dict:                # {"spec": the store as named, "rows": `list_shards` rows, "warnings": [...]}
     "The shards of a store with their samples and sizes, and warnings of jobs that did not finish; an error if none."

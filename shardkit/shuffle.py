@@ -279,8 +279,8 @@ def _shuffle_inputs(src, dest, input_template: str | None, output_prefix: str, b
     return names
 
 # %% ../nbs/11_shuffle.ipynb
-def shuffle_shards(src,                            # Input shards: a directory or ais://bucket[/prefix] (or a Store)
-                   dest,                           # Output: a directory or ais://bucket[/prefix], made if missing
+def shuffle_shards(src,                            # Input: a directory, ais:// or s3:// (or a Store)
+                   dest,                           # Output: a directory, ais:// or s3://, made if missing
                    shard_size: str | int = "100MB",  # Output shard size: bytes, or e.g. 100MB, 64MiB
                    seed: int = 0,                  # Shuffle seed: the same seed gives the same order (local)
                    input_template: str | None = None,  # Input shards: glob or brace template (default: all *.tar)

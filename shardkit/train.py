@@ -173,7 +173,7 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, num_workers, classes):
     return make_train, val_loader, classes, None
 
 # %% ../nbs/30b_train_script.ipynb
-def train(shards: str | list[str] | None = None,  # Training shards: a directory, ais://bucket, a brace template or URLs
+def train(shards: str | list[str] | None = None,  # Training shards: a directory, ais://, s3://, a template or URLs
           folder: str | None = None,       # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
           base: str = "",                  # Prefix of shard names: http://host:port/ or pipe:curl -s http://host:port/
           val_shards: str | list[str] | None = None, # Validation shards (a brace template or URLs, same base)

@@ -59,7 +59,7 @@ def profile_overhead(make_loader: Callable,         # Makes a fresh loader for e
 # %% ../../nbs/42b_profile_script.ipynb
 PIPELINES = ("default", "whole", "post", "gpu")
 
-def build_loader(src,                    # Shards: a directory, ais://bucket, a brace template, or URLs
+def build_loader(src,                    # Shards: a directory, ais://, s3://, a brace template, or URLs
                  pipeline: str = "default",  # default, whole, post, or gpu (PIPELINES)
                  num_workers: int = 2,   # Loader worker processes
                  batch_size: int = 64,   # Samples per batch
@@ -124,7 +124,7 @@ def profile_summary(res: dict) -> str:
     return "\n".join(lines + [f"pictures: {', '.join(str(f) for f in res['pictures'])}"])
 
 # %% ../../nbs/42b_profile_script.ipynb
-def profile_shards(src: str,                  # Shards: a directory, ais://bucket, a brace template, or a .tar
+def profile_shards(src: str,                  # Shards: a directory, ais://, s3://, a brace template, or a .tar
                    pipeline: str = "default", # Loader: default, whole (whole JPEGs), post (the AIStore post's), gpu
                    device: str = "auto",      # Where batches go and `gpu` decodes: cuda, cpu, auto (cuda if any)
                    num_workers: int = 2,      # Loader worker processes

@@ -231,7 +231,7 @@ def _checked_urls(sources, num_workers: int, repeats: int, samples: int) -> list
     return urls
 
 # %% ../../nbs/35_bench_loader.ipynb
-def bench_loader(sources,                           # Shards: a directory, ais://bucket, a brace template, or a .tar
+def bench_loader(sources,                           # Shards: a directory, ais://, s3://, a brace template, or a .tar
                  num_workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
                  repeats: int = 3,                  # Runs per loader, interleaved, each a fresh process; medians shown
                  samples: int = 2000,               # Samples per epoch at least (a small set is read several times)

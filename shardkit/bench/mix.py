@@ -52,7 +52,7 @@ def _epoch(make) -> tuple[int, float, float]:
     return n, wall, cpu
 
 # %% ../../nbs/36a_bench_mix.ipynb
-def bench_mix(src,                        # Shards: a directory, ais://bucket, a brace template or URLs (2 or more)
+def bench_mix(src,                        # Shards: a directory, ais://, s3://, a brace template or URLs (2 or more)
               repeats: int = 3,           # Rounds: each times one epoch of every contender
               batch_size: int = 64,       # Samples per batch
               num_workers: int = 2,       # Loader workers

@@ -147,7 +147,7 @@ def folder_prefix(src: str | Path) -> str:
 
 # %% ../../nbs/10_folder.ipynb
 def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROOT/train
-                   dest,                            # Store for the shards: a local directory or ais://bucket[/prefix]
+                   dest,                            # Store for the shards: a directory, ais:// or s3://bucket[/prefix]
                    prefix: str | None = None,       # Shard names: PREFIX000000.tar, ...; default: the tree's name
                    maxcount: int | None = None,     # Samples per shard; default: 16 shards or more (`auto_maxcount`)
                    maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (int, or e.g. 100MB)

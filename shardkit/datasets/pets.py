@@ -365,7 +365,7 @@ def _fingerprint(root: Path, split: str) -> str:
     return h.hexdigest()
 
 def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/images, ROOT/annotations)
-                 dest,                      # Store for the shards: a local directory or ais://bucket[/prefix]
+                 dest,                      # Store for the shards: a local directory, ais:// or s3://bucket[/prefix]
                  split: str = "all",        # 'all', 'trainval' or 'test'
                  prefix: str = "pets-",     # Shard names PREFIX00000.tar, ...
                  maxcount: int = 400,       # Most samples per shard (the AIStore post used 400)

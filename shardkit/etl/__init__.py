@@ -29,8 +29,8 @@ def etl_engine(name: str) -> Callable:
 
 # %% ../../nbs/19_etl.ipynb
 def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
-            src,                            # Source store: a directory or ais://bucket[/prefix]
-            dest,                           # Destination store (made if missing): a directory or ais://bucket[/prefix]
+            src,                            # Source store: a directory, ais:// or s3://bucket[/prefix]
+            dest,                           # Destination (made if missing): a directory, ais:// or s3://bucket[/prefix]
             pattern: str = "*.tar",         # Which shards: a glob, brace template or prefix
             workers: int = 2,               # Local worker processes (1: in this process)
             decode: str | None = "pil",     # Decoding of the function's input (None: raw bytes, as `raw`)

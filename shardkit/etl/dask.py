@@ -76,8 +76,8 @@ def _store(spec: str, endpoint: str | None = None):
     return _STORES[spec, endpoint]
 
 def transform_shard(shards: ShardTransform,  # The transform (pickled to the worker with the task)
-                    src: str,                # Source store spec: a directory or ais://bucket[/prefix]
-                    dest: str,               # Destination store spec: a directory or ais://bucket[/prefix]
+                    src: str,                # Source store spec: a directory, ais:// or s3://bucket[/prefix]
+                    dest: str,               # Destination store spec: a directory, ais:// or s3://bucket[/prefix]
                     name: str,               # The shard, in `src`; written under the same name to `dest`
                     src_endpoint: str | None = None,   # AIStore endpoint of `src`
                     dest_endpoint: str | None = None,  # AIStore endpoint of `dest`
@@ -121,8 +121,8 @@ def _run_tasks(client, shards: ShardTransform, src, dest, names: list[str], retr
 
 # %% ../../nbs/18_etl_dask.ipynb
 def run_etl_dask(fn: str | Callable,          # Sample function, 'module:function' or 'path/to/file.py:function'
-                 src,                         # Source store: a directory or ais://bucket[/prefix]
-                 dest,                        # Destination store: a directory or ais://bucket[/prefix]
+                 src,                         # Source store: a directory, ais:// or s3://bucket[/prefix]
+                 dest,                        # Destination store: a directory, ais:// or s3://bucket[/prefix]
                  pattern: str = "*.tar",      # Which shards: a glob, brace template or prefix
                  decode: str | None = "pil",  # Decoding of the function's input (None: raw bytes)
                  strict: bool = False,        # A failing sample fails its shard (else it is skipped and counted)

@@ -255,7 +255,7 @@ def sample_index(source,                                   # A directory, tar pa
                  pattern: str = "*.tar",                   # Which shards of a directory
                  retries: Retries | None = None,           # How reads of shards at URLs retry faults (and their counts)
                 ) -> SampleIndex:
-    "The index of every sample in `source` (a directory, tar paths, a brace template, or `ais://bucket`) for `fields`."
+    "The index of every sample in `source` (a directory, tar paths, a template, `ais://`, `s3://`) for `fields`."
     fields = _data_fields(fields)
     if isinstance(source, AISStore) or str(source).startswith("ais://"):
         return _bucket_index(open_store(source), fields, cache)

@@ -79,7 +79,7 @@ def _random_loader(sources, fields, transform, batch_size, seed, resampled, epoc
                                 allow_pickle=allow_pickle, retry_wait=retry_wait, weights=weights)
 
 # %% ../../nbs/27a_pipeline.ipynb
-def create_dataset(sources,                      # Shards: a store, a directory, ais://bucket, a brace template or URLs
+def create_dataset(sources,                      # Shards: a store, a directory, ais://, s3://, a brace template or URLs
                    fields: Sequence[str] | None = None,  # Fields of each sample, in this order; None: every sample's
                    transform=None,               # Applied to each sample's tuple; None: train_transform() for images
                    shuffle: int = 1000,          # Each worker's sample shuffle buffer (samples); 0: shard order

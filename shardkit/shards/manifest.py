@@ -105,7 +105,7 @@ def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str
     return counts, sum(recs[n]["samples"] for n in names)
 
 # %% ../../nbs/05_manifest.ipynb
-def verify_shards(dest,                  # Store to check: a directory or ais://bucket[/prefix]
+def verify_shards(dest,                  # Store to check: a directory, ais:// or s3://bucket[/prefix]
                   progress: bool = True, # Show a progress bar per manifest
                  ) -> list[str]:
     "Problems in `dest`: shards whose SHA-256, size or sample count differ from the manifest; missing or extra shards."

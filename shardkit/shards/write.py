@@ -235,7 +235,7 @@ def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcoun
 
 # %% ../../nbs/06_write.ipynb
 def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a fixed order
-                 dest,                     # Store: a local directory or ais://bucket[/prefix]
+                 dest,                     # Store: a local directory, ais:// or s3://bucket[/prefix]
                  prefix: str = "shard-",   # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json
                  maxcount: int | None = None,  # Most samples per shard; None: `auto_maxcount` of the sample count
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB (None: no limit)
