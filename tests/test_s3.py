@@ -122,7 +122,7 @@ def test_random_access_over_s3_is_exact_through_each_fault(read, s3, shard_dir, 
     of the same loader over the local files, every retry counted and reported."""
     local = random_keys(str(shard_dir), "cache" if read == "cache" else "local", workers=0)
     retries = fast()
-    dl = random_loader("s3://data", read, workers=0, retry_wait=retries)  # builds the index (clean)
+    dl = random_loader("s3://data", read, retry_wait=retries)  # 2 workers; builds the index (clean)
     s3.clear()
     for kind, pattern in (("cut", "data/f-00[012].tar"), (503, "data/f-00[34].tar"), (500, "data/f-005.tar"),
                           ("stall", "data/f-006.tar")):
