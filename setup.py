@@ -40,7 +40,7 @@ setuptools.setup(
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=['shardkit', 'shardkit.*']),
     include_package_data=True,
-    package_data={'shardkit.native': ['*.c']},  # the runtime build compiles the installed source
+    package_data={'shardkit.native': ['*.c', '*.npz']},  # the source the runtime build compiles; its check's pixels
     ext_modules=[jpeg_window],
     install_requires=requirements,
     extras_require=extras,
