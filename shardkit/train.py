@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchvision.datasets import ImageFolder
 from shardkit.train_loop import (
     CHECKPOINT_FORMAT,
     OPTIMIZERS,
@@ -166,7 +165,7 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, num_workers, classes):
     root = Path(folder)
     if not (root / "train").is_dir():
         raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
-    classes = classes or len(ImageFolder(str(root / "train")).classes)
+    classes = classes or len(KeyedImageFolder(root / "train").classes)
     make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, num_workers, True, epoch)
     val = root / "val"
     val_loader = folder_loader(val, val_tf, batch_size, num_workers, False) if val.is_dir() else None

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from .. import native
 from ..config import private_dir, shardkit_home, why_untrusted
-from ..errors import ShardkitError, UsageError
+from ..errors import DataError, ShardkitError, UsageError
 
 # %% auto 0
 __all__ = ['JPEG_REFERENCE', 'DCT_MODES', 'JpegError', 'torchvision_pixels', 'write_jpeg_reference', 'why_no_crop_decode',
@@ -52,7 +52,7 @@ def _why_untrusted_install(path: Path) -> str | None:
     return why_untrusted(path, path.parent, fix="reinstall shardkit where only you or root can write")
 
 # %% ../../nbs/22_jpeg.ipynb
-class JpegError(ShardkitError, ValueError):
+class JpegError(DataError, ValueError):
     "A JPEG that libjpeg cannot decode (corrupt, cut short, not a JPEG); the message is libjpeg's."
 
 _HINT = "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc libjpeg-dev)"
