@@ -129,16 +129,17 @@ def help_arguments(run) -> list[dict]:
         out[-1]["help"] = _help(o)
     return out
 
-def help_parser(prog: str, description: str, arguments: list[dict]) -> argparse.ArgumentParser:
-    "An argparse parser named `prog` with `arguments` (`help_arguments`'s): what `--help` prints, nothing it parses."
+def help_parser(prog: str, description: str, arguments: list[dict], epilog: str | None = None
+               ) -> argparse.ArgumentParser:
+    "A parser named `prog` with `arguments` (`help_arguments`'s) and `epilog` after them: what `--help` prints."
     width = min(120, shutil.get_terminal_size((120, 30)).columns)
     fmt = lambda prog: argparse.HelpFormatter(prog, max_help_position=36, width=width)
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=fmt)
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=fmt)
     for a in arguments: p.add_argument(*a["names"], **{k: v for k, v in a.items() if k != "names"})
     return p
 
-def command_parser(run, prog: str, description: str = "") -> argparse.ArgumentParser:
+def command_parser(run, prog: str, description: str = "", epilog: str | None = None) -> argparse.ArgumentParser:
     "An argparse parser for the command `run` (made by `command`), named `prog`: `help_parser`'s, with types, defaults."
     typed = [a if o.flag else {**a, "type": o.type, **({} if o.positional else {"default": o.default})}
              for o, a in zip(_ordered(run), help_arguments(run))]
-    return help_parser(prog, description or run.__doc__, typed)
+    return help_parser(prog, description or run.__doc__, typed, epilog)

@@ -17,8 +17,8 @@ from ..command import help_arguments, help_parser, write_json
 from ..errors import ShardkitError
 
 # %% auto 0
-__all__ = ['COMMANDS', 'HELP_TABLE', 'find_command', 'load_command', 'command_parser', 'command_help', 'write_help_table',
-           'kept_help', 'main']
+__all__ = ['COMMANDS', 'EXAMPLES', 'HELP_TABLE', 'find_command', 'load_command', 'command_parser', 'command_help',
+           'write_help_table', 'kept_help', 'main']
 
 # %% ../../nbs/99_cli.ipynb
 _DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards
@@ -84,6 +84,12 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
 }
 
+EXAMPLES = {  # shown after a command's options (`--help`): what its options alone do not say
+    ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train --shards myshards "
+                "(every rank takes equal steps; --pad repeats samples to fill the last one rather than leave it out)",
+}
+
+
 # %% ../../nbs/99_cli.ipynb
 def find_command(argv: list[str]) -> tuple[tuple[str, ...] | None, list[str]]:
     "The longest command in `COMMANDS` that `argv` starts with, and the arguments after it."
@@ -111,7 +117,7 @@ def load_command(cmd: tuple[str, ...]):
 # %% ../../nbs/99_cli.ipynb
 def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
     "An argparse parser for `cmd`: its function's parameters and docments are the options (`shardkit.command`)."
-    return build_parser(load_command(cmd), "shardkit " + " ".join(cmd), COMMANDS[cmd][1])
+    return build_parser(load_command(cmd), "shardkit " + " ".join(cmd), COMMANDS[cmd][1], EXAMPLES.get(cmd))
 
 # %% ../../nbs/99_cli.ipynb
 HELP_TABLE = Path(shardkit.__file__).parent / "apps" / "command_help.json"  # every command's `command_help`
@@ -183,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if not asked: print(_unknown(argv), file=sys.stderr)
         return 0 if asked else 2
     if _asks_help(rest) and (kept := kept_help(cmd)) is not None:  # the page, without importing the command
-        help_parser("shardkit " + " ".join(cmd), COMMANDS[cmd][1], kept["arguments"]).print_help()
+        page = help_parser("shardkit " + " ".join(cmd), COMMANDS[cmd][1], kept["arguments"], EXAMPLES.get(cmd))
+        page.print_help()
         return 0
     func = load_command(cmd)
     args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))
