@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
 from ..command import command
-from ..errors import DataError, ShardkitError, UsageError
+from ..errors import DataError, UsageError
 from ..shards.fields import SkipSample, check_image, image_size
 from ..shards.write import write_shards
 from ..store import parse_size, shown_path
