@@ -278,7 +278,8 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
     step = training_step(net, opt, dev, precision)
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world_size} rank{'s' * (world_size != 1)}, "
-               f"batch {batch_size} per rank, {num_workers} workers per rank, device {dev}, {precision}"
+               f"batch {batch_size} per rank, {num_workers} worker{'s' * (num_workers != 1)} per rank, "
+               f"device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
     hist = run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
                       world_size, keys_out, val_loader)[0]
