@@ -28,7 +28,7 @@ def write_shards(dest: Path, sizes, prefix="t-"):
 def torchrun(*args, nproc=2, timeout=120):
     "Run `shardkit train ARGS` under torchrun with `nproc` CPU ranks; the CompletedProcess."
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "shardkit.apps.cli", "train", *map(str, args)]
+           "-m", "shardkit", "train", *map(str, args)]  # `python -m shardkit`, as the README runs it
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
