@@ -75,6 +75,8 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",
                             "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
+    ("bench", "startup"):  ("shardkit.bench.startup:bench_startup_cli",
+                            "How long a fresh process takes to import, print --help and train, beside import torch"),
     ("train",):            ("shardkit.train:train_cli",
                             "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.apps.docs:docs_cli",
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if _asks_help(rest) and (kept := kept_help(cmd)) is not None:  # the page, without importing the command
         page = help_parser("shardkit " + " ".join(cmd), COMMANDS[cmd][1], kept["arguments"], EXAMPLES.get(cmd))
         page.print_help()
-        return 0
+        raise SystemExit(0)  # as argparse ends a --help
     func = load_command(cmd)
     args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))
     try:
