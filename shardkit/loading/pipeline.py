@@ -97,7 +97,7 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                    access: str = "stream",       # "stream": shards in order; "random": a global shuffle
                    retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError; or Retries
                    weights: dict[str, float] | None = None,  # With a dict of sources {name: source}: each one's share
-                   pad: bool = False,            # access='random' with ranks: repeat samples to fill an epoch's last step
+                   pad: bool = False,            # access='random', ranks: repeat samples to fill an epoch's last step
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `fields` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
