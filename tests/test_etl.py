@@ -344,7 +344,7 @@ def test_cli_bad_input(src, capsys, tmp_path):
     rc, out = shardkit(capsys, "etl", "run", "not-a-function-spec", src.root, tmp_path / "o")
     assert rc == 2 and "expected MODULE:FUNCTION" in out, out
     rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, tmp_path / "o", "--pattern", "nothing-*.tar")
-    assert rc == 1 and "no shards matching 'nothing-*.tar'" in out, out
+    assert rc == 2 and "no shards matching 'nothing-*.tar'" in out, out
 
 
 def _free_port():
