@@ -40,7 +40,8 @@ setuptools.setup(
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=['shardkit', 'shardkit.*']),
     include_package_data=True,
-    package_data={'shardkit.native': ['*.c']},  # the runtime build compiles the installed source
+    # the source the runtime build compiles and its check's pixels; every command's --help, kept (shardkit.apps.cli)
+    package_data={'shardkit.native': ['*.c', '*.npz'], 'shardkit.apps': ['command_help.json']},
     ext_modules=[jpeg_window],
     install_requires=requirements,
     extras_require=extras,

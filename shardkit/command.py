@@ -18,7 +18,8 @@ from fastcore.basics import AttrDict
 from fastcore.docments import docments
 
 # %% auto 0
-__all__ = ['SPELLINGS', 'OUTPUTS', 'Option', 'cli_type', 'function_options', 'write_json', 'command', 'command_parser']
+__all__ = ['SPELLINGS', 'OUTPUTS', 'Option', 'cli_type', 'function_options', 'write_json', 'command', 'help_arguments',
+           'help_parser', 'command_parser']
 
 # %% ../nbs/00a_command.ipynb
 SPELLINGS = {"num_workers": "workers"}  # a library name -> the shorter option that also spells it on the command line
@@ -115,16 +116,30 @@ def _help(o: Option) -> str:
     if o.flag == "off": return f"Turn off: {o.help[:1].lower()}{o.help[1:]}"
     return h + ("" if o.positional or o.flag or o.default in (None, "") else f" (default: {o.default})")
 
-def command_parser(run, prog: str, description: str = "") -> argparse.ArgumentParser:
-    "An argparse parser for the command `run` (made by `command`), named `prog`."
+def _ordered(run) -> list[Option]: return sorted(run.options, key=lambda o: not o.positional)
+
+def help_arguments(run) -> list[dict]:
+    "How `--help` shows the command `run`'s options, positionals first: each one's names and `add_argument` keywords."
+    out = []
+    for o in _ordered(run):
+        if o.flag: out.append(dict(names=o.spellings(), dest=o.name, action="store_" + str(o.flag == "on").lower()))
+        elif o.positional: out.append(dict(names=[o.name]))
+        else: out.append(dict(names=o.spellings(), dest=o.name,
+                              metavar=o.spellings()[-1].lstrip("-").replace("-", "_").upper()))
+        out[-1]["help"] = _help(o)
+    return out
+
+def help_parser(prog: str, description: str, arguments: list[dict], epilog: str | None = None
+               ) -> argparse.ArgumentParser:
+    "A parser named `prog` with `arguments` (`help_arguments`'s) and `epilog` after them: what `--help` prints."
     width = min(120, shutil.get_terminal_size((120, 30)).columns)
     fmt = lambda prog: argparse.HelpFormatter(prog, max_help_position=36, width=width)
-    p = argparse.ArgumentParser(prog=prog, description=description or run.__doc__, formatter_class=fmt)
-    for o in sorted(run.options, key=lambda o: not o.positional):
-        if o.flag: p.add_argument(*o.spellings(), dest=o.name, action="store_" + str(o.flag == "on").lower(),
-                                  help=_help(o))
-        elif o.positional: p.add_argument(o.name, type=o.type, help=_help(o))
-        else: p.add_argument(*o.spellings(), dest=o.name, type=o.type, default=o.default,
-                             metavar=o.spellings()[-1].lstrip("-").replace("-", "_").upper(),
-                             help=_help(o))
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=fmt)
+    for a in arguments: p.add_argument(*a["names"], **{k: v for k, v in a.items() if k != "names"})
     return p
+
+def command_parser(run, prog: str, description: str = "", epilog: str | None = None) -> argparse.ArgumentParser:
+    "An argparse parser for the command `run` (made by `command`), named `prog`: `help_parser`'s, with types, defaults."
+    typed = [a if o.flag else {**a, "type": o.type, **({} if o.positional else {"default": o.default})}
+             for o, a in zip(_ordered(run), help_arguments(run))]
+    return help_parser(prog, description or run.__doc__, typed, epilog)

@@ -6,16 +6,21 @@
 from __future__ import annotations
 
 # %% auto 0
-__all__ = ['ShardkitError', 'UsageError', 'StoreError', 'LoaderError']
+__all__ = ['ShardkitError', 'UsageError', 'DataError', 'StoreError', 'LoaderError']
 
 # %% ../nbs/00_errors.ipynb
 class ShardkitError(Exception):
     "The base of every error shardkit raises for a mistake or bad input; the message says what was wrong, what to do."
+    exit_status = 2  # what the command line exits with: a usage error, unless a subclass says otherwise
 
 class UsageError(ShardkitError, ValueError):
     "An argument with a value shardkit cannot use (a negative count, an unknown option value)."
 
-class StoreError(ShardkitError):
+class DataError(ShardkitError):
+    "What was named is missing, empty or unreadable (a path, a source without shards, a bad shard, a silent store)."
+    exit_status = 1
+
+class StoreError(DataError):
     "A store could not do what was asked; the message says why and what to do."
 
 class LoaderError(ShardkitError, ValueError):

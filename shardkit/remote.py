@@ -175,10 +175,15 @@ def report(self: Retries, what: str = "loader", epoch: int | None = None, worker
 
 DEFAULT_RETRIES = Retries()  # for reads made outside a loader (a store's `open`, an index, an upload)
 
-def say_line(line: str):
-    "Write `line` to stderr in one call, so that the lines of worker processes sharing it never run together."
-    sys.stderr.write(line + "\n")  # `print` writes the newline apart: unbuffered (PYTHONUNBUFFERED), two writes
-    sys.stderr.flush()
+def say_line(line: str, file=None):
+    "Write `line` to `file` (stderr) in one call, above this process's progress bars: no two lines run together."
+    file = file or sys.stderr
+    bars = sys.modules.get("tqdm")  # a bar is drawn only where tqdm is imported
+    if bars is not None and len(getattr(bars.tqdm, "_instances", ())):
+        bars.tqdm.write(line, file=file)  # the bars cleared, the line, the bars drawn again below it
+        return
+    file.write(line + "\n")  # `print` writes the newline apart: unbuffered (PYTHONUNBUFFERED), two writes
+    file.flush()
 
 # %% ../nbs/01a_remote.ipynb
 def _retry_after(e: BaseException) -> float | None:

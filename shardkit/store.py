@@ -5,6 +5,7 @@
 # %% ../nbs/02_store.ipynb 3
 from __future__ import annotations
 import dataclasses
+import difflib
 import fnmatch
 import os
 import re
@@ -14,7 +15,7 @@ import urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Iterable
 import requests
-from braceexpand import braceexpand
+from braceexpand import UnbalancedBracesError, braceexpand
 from fastcore.basics import patch
 from shardkit.s3 import (
     S3Settings,
@@ -32,14 +33,20 @@ from .errors import StoreError, UsageError
 from .remote import ObjectMissing, Retries, as_retries, open_remote, remote_put
 
 # %% auto 0
-__all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'LocalStore', 'ais_endpoint', 'ais_client',
-           'AISStore', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls']
+__all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'did_you_mean', 'LocalStore', 'ais_endpoint',
+           'ais_client', 'AISStore', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls']
 
 # %% ../nbs/02_store.ipynb
 def expand_names(names: str | Iterable[str]) -> list[str]:
     "Object names from a brace template (`x-{00..02}.tar`), a list of templates, or plain names."
     if isinstance(names, (str, os.PathLike)): names = [str(names)]
-    return [n for t in names for n in braceexpand(str(t))]
+    out = []
+    for t in map(str, names):
+        try: out += braceexpand(t)
+        except UnbalancedBracesError:
+            raise UsageError(f"unbalanced braces in {t!r}: a brace template looks like x-{{000000..000015}}.tar, "
+                             "each { closed by a }") from None
+    return out
 
 def _as_names(names: str | Iterable[str]) -> list[str]:
     "A template (one string) expanded; a list taken as names, as they are (a listed file may have braces in its name)."
@@ -95,6 +102,15 @@ def shown_path(p: str | os.PathLike) -> str:
     for q in forms:
         if (rel := _inside(q, home)) is not None: return "~" if rel == "." else f"~/{rel}"
     return s
+
+# %% ../nbs/02_store.ipynb
+def did_you_mean(path: str | os.PathLike) -> str:
+    "' (did you mean X?)' for the entry beside missing `path` whose name is closest to its name; else ''."
+    p = Path(path).expanduser()
+    try: names = [e.name for _, e in zip(range(10_000), os.scandir(p.parent if str(p.parent) else "."))]
+    except OSError: return ""  # its folder is missing or unreadable too
+    close = difflib.get_close_matches(p.name, names, n=1, cutoff=0.75)
+    return f" (did you mean {shown_path(p.with_name(close[0]))}?)" if close else ""
 
 # %% ../nbs/02_store.ipynb
 class LocalStore:
@@ -443,9 +459,9 @@ def open_store(spec: str | Path | LocalStore | AISStore | S3Store, create: bool 
     root = Path(spec).expanduser()
     if not root.is_dir():
         if root.exists(): raise StoreError(f"{shown_path(root)} is a file, not a directory of shards")
-        if not create:
-            raise StoreError(f"directory {shown_path(root)} does not exist; "
-                             f"create it (mkdir -p {shown_path(root)}) or pass create=True")
+        if not create:  # a store to read: a wrong path, not one to create
+            raise StoreError(f"directory {shown_path(root)} does not exist{did_you_mean(root)}; check the path "
+                             "(a store is a directory of shards, file:///path or ais://bucket)")
         root.mkdir(parents=True, exist_ok=True)
     return LocalStore(root)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchvision.datasets import ImageFolder
 from shardkit.train_loop import (
     CHECKPOINT_FORMAT,
     OPTIMIZERS,
@@ -41,13 +40,14 @@ from shardkit.train_step import (
     training_step,
 )
 from .command import command, write_json
+from .errors import DataError
 from .loader import create_dataloader, create_dataset
 from .loading.gpu import create_gpu_loader, why_no_gpu
 from .loading.transforms import eval_transform, train_transform
 from .shards.fields import ShardError
 
 # %% auto 0
-__all__ = ['train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError', 'expand_urls',
+__all__ = ['ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError', 'expand_urls',
            'count_samples_and_classes', 'setup_distributed', 'make_transform', 'rank_shards', 'example_loader',
            'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model', 'count_correct', 'evaluate',
            'pick_precision', 'training_step', 'train_epochs']
@@ -66,20 +66,28 @@ def _pick_device(device):
     return torch.device("cpu")
 
 # %% ../nbs/30b_train_script.ipynb
+class ShardReadError(TrainError, DataError):
+    "A training shard could not be read; the message names it and what to check."
+
 def _explain(e: Exception) -> str:
     "What went wrong reading shards, in one line, with the shard URL when webdataset names one."
     url = e.args[-1] if len(e.args) == 3 and isinstance(e.args[-1], str) else None  # webdataset adds (..., stream, url)
     reason = getattr(e, "strerror", None) or (e.args[0] if e.args else type(e).__name__)
     what = f"cannot read shard {url}: {reason}" if url else str(e)
+    if url and "://" not in url and not url.startswith("pipe:"):  # a file here: no URL, no --base to check
+        return what + "; check that it is a tar of samples (`tar tf FILE` lists it)"
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
 
 # %% ../nbs/30b_train_script.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size=64,
-                   pipeline="shardkit", decode="cpu", dev=None):
+                   pipeline="shardkit", decode="cpu", dev=None, pad=False):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
     random = pipeline == "shardkit" and decode == "cpu" and not any(u.startswith("pipe:") for u in urls)
+    if pad and not random:
+        raise TrainError("--pad fills the last step of the default loader (random access); with --pipeline example, "
+                         "--decode gpu or pipe: URLs every rank reads its own shards: drop --pad")
     if not random and len(urls) < world_size:
         raise TrainError(f"{len(urls)} shards cannot feed {world_size} ranks: split_by_node gives each rank whole "
                          "shards; write more, smaller shards (a smaller --maxsize) or use fewer ranks")
@@ -92,10 +100,14 @@ def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, c
         raise TrainError(f"{samples} samples are fewer than one batch per rank ({world_size} x {batch_size}); "
                          "lower --batch-size")
     nbatches = samples // (world_size * batch_size) if world_size > 1 and not random else None
+    if nbatches and (gone := samples - nbatches * world_size * batch_size):
+        log_rank0(rank, f"{world_size} ranks x batch {batch_size} take {samples - gone} of the {samples} samples an "
+                  f"epoch; the other {gone} make a last step the ranks cannot fill (the default pipeline's --pad "
+                  "repeats samples to fill it)")
     val_loader = _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev) if val_urls else None
     if random:
-        return _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size), val_loader, \
-            classes, None
+        return _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size, pad), \
+            val_loader, classes, None
     if pipeline == "example":
         tf, val_tf = make_transform(size, True), make_transform(size, False)
         make_train = lambda epoch: example_loader(urls, tf, batch_size, num_workers, nbatches, seed=seed + epoch)
@@ -119,10 +131,10 @@ def _cpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
     at.loader = loader
     return at
 
-def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size):
+def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size, pad=False):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=rank, world_size=world_size, access="random")
+                        seed=seed, rank=rank, world_size=world_size, access="random", pad=pad)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
@@ -166,7 +178,7 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, num_workers, classes):
     root = Path(folder)
     if not (root / "train").is_dir():
         raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
-    classes = classes or len(ImageFolder(str(root / "train")).classes)
+    classes = classes or len(KeyedImageFolder(root / "train").classes)
     make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, num_workers, True, epoch)
     val = root / "val"
     val_loader = folder_loader(val, val_tf, batch_size, num_workers, False) if val.is_dir() else None
@@ -196,6 +208,7 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
           pipeline: str = "shardkit",      # 'shardkit' (uint8 batches, resumable) or 'example' (WebDataset example's)
           decode: str = "cpu",             # Where JPEGs are decoded: 'cpu' (loader workers), 'gpu' (nvJPEG) or 'auto'
           precision: str | None = None,    # Precision: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)
+          pad: bool = False,               # Several ranks: repeat samples to fill each epoch's last step, not drop it
           ) -> list[dict]:                 # Per epoch: samples, steps, samples/s, loss, validation accuracy, waiting
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
     if (shards is None) == (folder is None):
@@ -204,7 +217,7 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
     try: return _train(**locals())  # every argument, and the device, rank and world size just set up
-    except (OSError, tarfile.TarError, ShardError) as e: raise TrainError(_explain(e)) from None
+    except (OSError, tarfile.TarError, ShardError) as e: raise ShardReadError(_explain(e)) from None
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
 
@@ -245,7 +258,7 @@ def _reading(shards, pipeline: str, decode: str, dev) -> str:
 
 # %% ../nbs/30b_train_script.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
-           classes, keys_out, json_out, device, threads, seed, checkpoint, every, pipeline, decode, precision,
+           classes, keys_out, json_out, device, threads, seed, checkpoint, every, pipeline, decode, precision, pad,
            dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":
@@ -255,7 +268,7 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
     if shards is not None:
         make_train, val_loader, classes, nbatches = _shard_loaders(
             shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size, pipeline,
-            decode, dev)
+            decode, dev, pad)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
             folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers, classes)
     ck = rank_checkpoint(checkpoint, rank, world_size) if checkpoint else None  # where this rank saves
@@ -265,7 +278,8 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
     step = training_step(net, opt, dev, precision)
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world_size} rank{'s' * (world_size != 1)}, "
-               f"batch {batch_size} per rank, {num_workers} workers per rank, device {dev}, {precision}"
+               f"batch {batch_size} per rank, {num_workers} worker{'s' * (num_workers != 1)} per rank, "
+               f"device {dev}, {precision}"
                + _reading(shards, pipeline, decode, dev))
     hist = run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
                       world_size, keys_out, val_loader)[0]

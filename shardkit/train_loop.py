@@ -5,6 +5,7 @@
 # %% ../nbs/30a_train_loop.ipynb 3
 from __future__ import annotations
 import os
+import sys
 import time
 from itertools import islice
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
 from .errors import LoaderError
+from .remote import say_line
 from .store import shown_path
 from .train_step import TrainError, count_correct, images_and_labels, training_step
 
@@ -22,8 +24,8 @@ __all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'rank_checkpoint', 'l
 
 # %% ../nbs/30a_train_loop.ipynb
 def log_rank0(rank: int, *args):
-    "Print `args` (flushed) on rank 0 only: one line per job, not one per rank."
-    if rank == 0: print(*args, flush=True)
+    "Print `args` on rank 0 only (one line per job, not one per rank), above a progress bar if one is drawn."
+    if rank == 0: say_line(" ".join(map(str, args)), sys.stdout)
 
 # %% ../nbs/30a_train_loop.ipynb
 def _keys_of(batch) -> list | None:

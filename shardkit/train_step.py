@@ -14,8 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import webdataset as wds
-from torchvision import transforms
-from torchvision.datasets import ImageFolder
 from .errors import ShardkitError
 from .loading.sources import rank_and_world, shard_urls
 from .loading.transforms import normalize_batch
@@ -57,6 +55,7 @@ def setup_distributed(device: torch.device) -> tuple[int, int]:
 # %% ../nbs/30_train.ipynb
 def make_transform(size: int, train: bool):
     "Torchvision transform for training (random crop + flip) or evaluation (resize + centre crop) at `size` pixels."
+    from torchvision import transforms  # here, where it is used: importing torchvision costs a second of start-up
     if train: ops = [transforms.RandomResizedCrop(size, scale=(0.5, 1.0)), transforms.RandomHorizontalFlip()]
     else: ops = [transforms.Resize(size), transforms.CenterCrop(size)]
     return transforms.Compose(ops + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -91,10 +90,17 @@ def example_loader(urls: list[str],             # Shard URLs (all of them: the l
     return loader.with_epoch(nbatches) if nbatches else loader
 
 # %% ../nbs/30_train.ipynb
-class KeyedImageFolder(ImageFolder):
+class KeyedImageFolder(torch.utils.data.Dataset):
     "torchvision `ImageFolder` that also returns each image's key (its path under the root, without extension)."
+    def __init__(self, root: str | Path, transform=None, **kw):  # ImageFolder's arguments
+        from torchvision.datasets import ImageFolder  # here, not at import: torchvision costs a second of start-up
+        self.folder = ImageFolder(str(root), transform=transform, **kw)
+    def __len__(self) -> int: return len(self.folder)
+    def __getattr__(self, name: str):  # root, classes, samples, ...: the ImageFolder's
+        if name == "folder": raise AttributeError(name)
+        return getattr(self.folder, name)
     def __getitem__(self, i):
-        x, y = super().__getitem__(i)
+        x, y = self.folder[i]
         return x, y, str(Path(self.samples[i][0]).relative_to(self.root).with_suffix(""))
 
 def folder_loader(root: str | Path, transform, batch_size: int = 32, num_workers: int = 2, train: bool = True,

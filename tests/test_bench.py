@@ -35,7 +35,7 @@ def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
     for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--plot", "--json", "shardkit[peers]"):
         assert opt in r.stdout, (opt, r.stdout)
     r = main_cli("bench", "loader", tmp_path / "nowhere")
-    assert r.returncode == 2 and "nowhere" in r.stderr and "do not exist" in r.stderr
+    assert r.returncode == 1 and "no file or directory" in r.stderr and "nowhere" in r.stderr
     r = main_cli("bench", "loader", tmp_path, "--repeats", "0")
     assert r.returncode == 2 and "repeats must be >= 1" in r.stderr
 

@@ -84,10 +84,10 @@ def test_ls_counts_and_uses_manifests(tmp_path, cli):
 
 def test_ls_errors(tmp_path):
     r = main_cli("ls", tmp_path / "missing")
-    assert r.returncode == 2 and "does not exist" in r.stderr
+    assert r.returncode == 1 and "does not exist; check the path" in r.stderr  # a data error: 1
     (tmp_path / "empty").mkdir()
     r = main_cli("ls", tmp_path / "empty")
-    assert r.returncode == 2 and "no shards matching '*.tar'" in r.stderr
+    assert r.returncode == 1 and "no shards matching '*.tar'" in r.stderr
 
 
 def test_count_samples_groups_like_webdataset(tmp_path):
@@ -108,13 +108,13 @@ def test_show_cli_writes_a_readable_png(tmp_path, cli, out_dir):
 
 def test_show_cli_errors(tmp_path):
     r = main_cli("show", tmp_path / "nope.tar", "--out", tmp_path / "x.png")
-    assert r.returncode == 2 and "no shard file" in r.stderr
+    assert r.returncode == 1 and "no shard file" in r.stderr
     (tmp_path / "junk.tar").write_text("not a tar at all")
     r = main_cli("show", tmp_path / "junk.tar", "--out", tmp_path / "x.png")
-    assert r.returncode == 2 and "junk.tar" in r.stderr and "not a readable tar" in r.stderr
+    assert r.returncode == 1 and "junk.tar" in r.stderr and "not a readable tar" in r.stderr
     assert not (tmp_path / "x.png").exists()
     r = main_cli("show", "ais://", "--out", tmp_path / "x.png")
-    assert r.returncode == 2 and "names no object" in r.stderr
+    assert r.returncode == 1 and "names no object" in r.stderr  # a StoreError: 1
 
 
 def test_shard_figure_titles_and_overlay(tmp_path):
@@ -213,4 +213,4 @@ def test_ais_views(ais_endpoint, tmp_path, cli, out_dir):
     assert r.returncode == 0, r.stdout + r.stderr
     assert Image.open(out).format == "PNG"
     r = cli("show", f"ais://{bucket}/sub/nope.tar", "--out", out)
-    assert r.returncode == 2 and "no object 'nope.tar'" in r.stderr
+    assert r.returncode == 1 and "no object 'nope.tar'" in r.stderr

@@ -338,7 +338,7 @@ def test_cli_bad_input(src, capsys, tmp_path):
     rc, out = shardkit(capsys, "etl", "serve", "nomodule_xyz:fn", "--source", src.root)
     assert rc == 2 and "cannot import 'nomodule_xyz'" in out, out
     rc, out = shardkit(capsys, "etl", "serve", "shardkit.etl.transforms:imagenet_val_npy", "--source", tmp_path / "missing")
-    assert rc == 2 and "does not exist" in out, out
+    assert rc == 1 and "does not exist" in out, out  # a data error: 1
     rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, src.root)
     assert rc == 2 and "same store" in out, out
     rc, out = shardkit(capsys, "etl", "run", "not-a-function-spec", src.root, tmp_path / "o")

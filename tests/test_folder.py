@@ -63,10 +63,10 @@ def test_convert_folder_no_shuffle_keeps_imagefolder_order(tree, tmp_path):
 
 
 def test_convert_folder_bad_input(tmp_path, capsys):
-    assert main(["convert", "folder", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert main(["convert", "folder", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1  # a data error
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "flat").mkdir(); (tmp_path / "flat" / "a.jpg").write_bytes(b"x")
-    assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out")]) == 2
+    assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out")]) == 1
     assert "class subfolders" in capsys.readouterr().err
     assert main(["convert", "folder", str(tmp_path / "flat"), str(tmp_path / "out"), "--maxcount", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err

@@ -247,9 +247,9 @@ def test_cli_bad_input(quirky, tmp_path, capsys):
     for argv, msg in cases:
         assert cli_main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
-    # a destination that holds another conversion: one line saying so, exit 2 like every user error
+    # a destination that holds another conversion: one line saying so, exit 1 as for data in the way (a StoreError)
     assert cli_main(["convert", "pets", str(root), str(tmp_path / "d"), "--maxcount", "30"]) == 0
-    assert cli_main(["convert", "pets", str(root), str(tmp_path / "d"), "--maxcount", "31"]) == 2
+    assert cli_main(["convert", "pets", str(root), str(tmp_path / "d"), "--maxcount", "31"]) == 1
     assert "other settings" in capsys.readouterr().err
 
 

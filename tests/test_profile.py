@@ -302,9 +302,9 @@ _TEMPLATES = {  # every sentence a verdict can say, by a fragment only it has
     "core waits": r"^the workers waited for a core", "rebatch": r"^the main process spends",
     "receive": r"^receiving the workers' batches", "one retry": r"^1 read was retried .* spent on it:",
     "retries": r"^\d+ reads were retried .* spent on them:", "opaque": r"^the loader's stages are not visible",
-    "files": r"^the DataLoader opens one file per sample",
+    "files": r"^the DataLoader opens one file per sample", "few batches": r"^only \d+ batch(es)? profiled",
 }
-_STARTS = ("no", "input-bound", "not", "copying", "receiving", "the", *SLOTS)  # lower-case first words a verdict may begin with
+_STARTS = ("no", "input-bound", "not", "copying", "receiving", "the", "only", *SLOTS)  # lower-case first words a verdict may begin with
 
 
 def _sentences(verdict: str) -> list[str]:

@@ -181,11 +181,11 @@ def test_cli(tmp_path, pets, cli):
     assert len(sample_digests(tmp_path / "out")) == 60
     # the rest through the same entry point in this process (no Python start-up per call)
     r = main_cli("shuffle", tmp_path / "src", tmp_path / "out")
-    assert r.returncode == 2 and "--overwrite" in r.stderr
+    assert r.returncode == 1 and "--overwrite" in r.stderr  # the destination holds other data: 1
     r = main_cli("shuffle", tmp_path / "src", tmp_path / "out", "--overwrite", "--shard-size", "1MB")
     assert r.returncode == 0 and open_store(tmp_path / "out").list("*.tar") == ["shuffled-00000.tar"]
     r = main_cli("shuffle", tmp_path / "missing", tmp_path / "out2")
-    assert r.returncode == 2 and "does not exist" in r.stderr
+    assert r.returncode == 1 and "does not exist; check the path" in r.stderr
     r = main_cli("shuffle", tmp_path / "src", tmp_path / "out3", "--shard-size", "lots")
     assert r.returncode == 2 and "cannot read size 'lots'" in r.stderr
     assert "--shard-size" in main_cli("shuffle", "--help").stdout

@@ -71,7 +71,7 @@ def test_no_endpoint_says_what_to_set(monkeypatch):
 
 @pytest.mark.parametrize("spec, msg", [("ftp://bucket/x", "unsupported store"), ("ais://", "names no bucket"),
                                        ("s3:///x", "names no bucket"), ("gs://bucket/x", "gs:// is not supported yet"),
-                                       ("/definitely/not/here", "does not exist; create it")])
+                                       ("/definitely/not/here", "does not exist; check the path")])
 def test_bad_specs(spec, msg):
     with pytest.raises(StoreError, match=msg): open_store(spec)
 

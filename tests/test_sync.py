@@ -6,8 +6,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The only files under shardkit/ that no notebook writes: the C source of the window decoder (22_jpeg reads it; setup.py
-# compiles it) and the empty __init__.py that makes its folder a package (nbdev adds __init__.py only beside .py files).
-HAND_WRITTEN = {"native/__init__.py", "native/jpeg_window.c"}
+# compiles it), the reference pixels its loading checks it against (22_jpeg's write_jpeg_reference writes them, its tests
+# check them against torchvision), every command's --help kept as data (99_cli's write_help_table writes it,
+# tests/test_cli.py checks it) and the empty __init__.py that makes its folder a package (nbdev adds __init__.py
+# only beside .py files).
+HAND_WRITTEN = {"native/__init__.py", "native/jpeg_window.c", "native/jpeg_reference.npz", "apps/command_help.json"}
 BUILT = ("__pycache__", "*.pyc", "*.so")  # what Python and `pip install -e .` leave in the tree; git ignores them
 
 

@@ -28,7 +28,7 @@ def write_shards(dest: Path, sizes, prefix="t-"):
 def torchrun(*args, nproc=2, timeout=120):
     "Run `shardkit train ARGS` under torchrun with `nproc` CPU ranks; the CompletedProcess."
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "shardkit.apps.cli", "train", *map(str, args)]
+           "-m", "shardkit", "train", *map(str, args)]  # `python -m shardkit`, as the README runs it
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
@@ -151,14 +151,14 @@ def test_train_over_http(tmp_path, capsys):
             assert (h["samples"], h["val_samples"]) == (24, 6)
             assert "samples/s" in out and "val acc" in out
             rc, out, err = shardkit(capsys, "train", "--base", base, "--shards", "missing-{00..01}.tar", "--size", 32)
-            assert rc == 2 and "cannot read shard" in err and "missing-00.tar" in err, err
+            assert rc == 1 and "cannot read shard" in err and "missing-00.tar" in err, err  # a data error: 1
 
 
 def test_bad_input(tmp_path, capsys):
     rc, out, err = shardkit(capsys, "train")
     assert rc == 2 and "exactly one" in err
     rc, out, err = shardkit(capsys, "train", "--shards", tmp_path / "nope-{0..1}.tar")
-    assert rc == 2 and "No such file" in err and "nope-0.tar" in err
+    assert rc == 1 and "2 of which do not exist" in err and "nope-0.tar" in err and "curl" not in err
     rc, out, err = shardkit(capsys, "train", "--folder", tmp_path)
     assert rc == 2 and "has no train/ folder" in err
     shards = write_shards(tmp_path / "shards", [4])

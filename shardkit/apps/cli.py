@@ -6,13 +6,19 @@
 from __future__ import annotations
 import argparse
 import difflib
+import hashlib
 import importlib
+import json
 import sys
+from pathlib import Path
+import shardkit
 from ..command import command_parser as build_parser
+from ..command import help_arguments, help_parser, write_json
 from ..errors import ShardkitError
 
 # %% auto 0
-__all__ = ['COMMANDS', 'find_command', 'load_command', 'command_parser', 'main']
+__all__ = ['COMMANDS', 'EXAMPLES', 'HELP_TABLE', 'find_command', 'load_command', 'command_parser', 'command_help',
+           'write_help_table', 'kept_help', 'main']
 
 # %% ../../nbs/99_cli.ipynb
 _DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards
@@ -69,6 +75,8 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",
                             "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
+    ("bench", "startup"):  ("shardkit.bench.startup:bench_startup_cli",
+                            "How long a fresh process takes to import, print --help and train, beside import torch"),
     ("train",):            ("shardkit.train:train_cli",
                             "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.apps.docs:docs_cli",
@@ -77,6 +85,12 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
     ("profile",):          ("shardkit.apps.profile:profile_cli",
                             "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
 }
+
+EXAMPLES = {  # shown after a command's options (`--help`): what its options alone do not say
+    ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train --shards myshards "
+                "(every rank takes equal steps; --pad repeats samples to fill the last one rather than leave it out)",
+}
+
 
 # %% ../../nbs/99_cli.ipynb
 def find_command(argv: list[str]) -> tuple[tuple[str, ...] | None, list[str]]:
@@ -105,7 +119,36 @@ def load_command(cmd: tuple[str, ...]):
 # %% ../../nbs/99_cli.ipynb
 def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
     "An argparse parser for `cmd`: its function's parameters and docments are the options (`shardkit.command`)."
-    return build_parser(load_command(cmd), "shardkit " + " ".join(cmd), COMMANDS[cmd][1])
+    return build_parser(load_command(cmd), "shardkit " + " ".join(cmd), COMMANDS[cmd][1], EXAMPLES.get(cmd))
+
+# %% ../../nbs/99_cli.ipynb
+HELP_TABLE = Path(shardkit.__file__).parent / "apps" / "command_help.json"  # every command's `command_help`
+
+def _digest(modules: list[str]) -> str:
+    "A digest of the source files of shardkit's `modules`, read without importing them."
+    root, h = Path(shardkit.__file__).parent, hashlib.sha256()
+    for m in modules:
+        base = root.joinpath(*m.split(".")[1:])
+        path = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        h.update(m.encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
+    return h.hexdigest()[:16]
+
+def command_help(cmd: tuple[str, ...]) -> dict:
+    "What `shardkit CMD --help` shows, as data: the arguments, the modules they come from and their digest."
+    run = load_command(cmd)
+    modules = sorted({run.__module__, run.function.__module__, "shardkit.command"})
+    return dict(arguments=help_arguments(run), modules=modules, digest=_digest(modules))
+
+def write_help_table(path: Path = HELP_TABLE) -> Path:
+    "Write every command's `command_help` to `path` (imports them all): run it after changing a command's options."
+    write_json(path, {" ".join(cmd): command_help(cmd) for cmd in COMMANDS})
+    return Path(path)
+
+def kept_help(cmd: tuple[str, ...], path: Path = HELP_TABLE) -> dict | None:
+    "`command_help(cmd)` as `path` keeps it, if the sources it was made from are unchanged; else None."
+    try: kept = json.loads(Path(path).read_text())[" ".join(cmd)]
+    except (OSError, ValueError, KeyError): return None
+    return kept if kept.get("digest") == _digest(kept.get("modules", [])) else None
 
 # %% ../../nbs/99_cli.ipynb
 def _hyphenate(arg: str) -> str:
@@ -134,6 +177,8 @@ def _unknown(argv: list[str]) -> str:
     return f"shardkit: unknown command {words!r}{hint} (`shardkit --help` lists every command)"
 
 # %% ../../nbs/99_cli.ipynb
+def _asks_help(args: list[str]) -> bool: return any(a in ("-h", "--help") for a in args)
+
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `shardkit` command: the one place where errors become a message and an exit status."
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -145,13 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         if asked or prefix: print(_usage(prefix))  # a group (bench): its commands; a wrong one in it: them, then why
         if not asked: print(_unknown(argv), file=sys.stderr)
         return 0 if asked else 2
+    if _asks_help(rest) and (kept := kept_help(cmd)) is not None:  # the page, without importing the command
+        page = help_parser("shardkit " + " ".join(cmd), COMMANDS[cmd][1], kept["arguments"], EXAMPLES.get(cmd))
+        page.print_help()
+        raise SystemExit(0)  # as argparse ends a --help
     func = load_command(cmd)
     args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))
     try:
         result = func(**args)
     except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback
         print(f"shardkit {' '.join(cmd)}: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from ..errors import StoreError, UsageError
 from ..etl.sidecar import Sidecar
 from ..loader import create_dataloader, create_dataset
 from ..loading.transforms import eval_transform, train_transform
+from ..remote import say_line
 from ..shuffle import shuffle_shards
 from ..store import open_store, shown_path
 from ..train import evaluate, small_cnn, train_epochs
@@ -72,7 +74,7 @@ class DemoState:
 
 # %% ../../nbs/39_demo.ipynb
 def _say(msg: str, quiet: bool):
-    if not quiet: print(msg, flush=True)
+    if not quiet: say_line(msg, sys.stdout)  # above the demo's progress bar, not into it
 
 def _n(count: int, noun: str) -> str:
     "`count noun`, plural when count is not 1: '1 shard', '4 shards'."

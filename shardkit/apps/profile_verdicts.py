@@ -60,8 +60,10 @@ def _stage_advice(p: Profile,  # The profile
     elif idle >= 0.5 and p.workers < p.cores * (2 if b == "read" else 1):
         todo.insert(0, f"Add workers ({idle:.1f} of {p.cores} cores are idle): "
                        f"about {p.capacity * (p.workers + idle) / p.workers:,.0f} samples/s.")
-    elif idle < 0.5 and b != "read":
-        todo.append(f"More workers would not help: {idle:.1f} of {p.cores} cores are idle.")
+    elif idle < 0.5 and b != "read":  # said with whose work keeps the cores busy: this job's, or others' too
+        others = f", other work the rest: load average {p.load:.1f}" if p.load > p.cores_busy + 0.5 else ""
+        todo.append(f"More workers would not help: no core is idle (this job keeps {p.cores_busy:.1f} of {p.cores} "
+                    f"busy{others}).")
     return todo
 
 
@@ -162,6 +164,10 @@ def verdicts(p: Profile) -> list[str]:
         out.append("the loader's stages are not visible to the profiler (not a webdataset pipeline, a map-style "
                    "DataLoader nor the GPU loader): only the waiting, the step and the CPU are measured.")
     if p.files: out.append(_files_verdict(p))
+    if p.batches < 10:  # a start-up and a few batches: each figure above is a rough one
+        out.append(f"only {p.batches} batch{'es' * (p.batches != 1)} profiled ({p.samples:,} samples), the first with "
+                   f"the start-up in it ({p.first_batch:.2f} s): the figures above are rough; profile 10 batches or "
+                   "more (more data, or a smaller batch size) before acting on them.")
     return out
 
 

@@ -20,8 +20,6 @@ from typing import Sequence
 import numpy as np
 import torch
 import webdataset as wds
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
-from torchvision.transforms import v2
 from ..loader import create_dataloader, create_dataset
 from ..loading.collate import PooledBatch, convert_batch
 from ..loading.transforms import train_transform
@@ -39,14 +37,17 @@ __all__ = ['PEER_LOADERS', 'LOADER_ROWS', 'LOADER_MAKERS', 'plain_transform', 'd
 @functools.lru_cache(maxsize=None)
 def plain_transform(size: int = 224):
     "The augmentation every torch row applies: v2 RandomResizedCrop(`size`, antialiased) and a random horizontal flip."
+    from torchvision.transforms import v2  # here, where a peer's row needs it: shard_fields and friends do not
     return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
 
 def decode_augment(data: bytes) -> torch.Tensor:
     "JPEG bytes -> uint8 3 x 224 x 224: torchvision's decode_jpeg, then `plain_transform()`."
+    from torchvision.io import ImageReadMode, decode_jpeg
     return plain_transform()(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
 
 def _read_rgb(path: str) -> torch.Tensor:
     "ImageFolder's loader: the file decoded by torchvision to uint8 RGB."
+    from torchvision.io import ImageReadMode, decode_image
     return decode_image(path, mode=ImageReadMode.RGB)
 
 # %% ../../nbs/34_bench_peers.ipynb

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
 from ..command import command
-from ..errors import ShardkitError, UsageError
+from ..errors import DataError, UsageError
 from ..shards.fields import SkipSample, check_image, image_size
 from ..shards.write import write_shards
 from ..store import parse_size, shown_path
@@ -60,7 +60,7 @@ def synthesize_folder(root: str | Path,        # Folder to write train/ and val/
     return root
 
 # %% ../../nbs/10_folder.ipynb
-class FolderError(ShardkitError):
+class FolderError(DataError):
     "An ImageFolder tree is missing or holds no class folders or images; the message says what to do."
 
 class FolderListing(Sequence):

@@ -13,11 +13,8 @@ from functools import partial
 from typing import NamedTuple, Sequence
 import numpy as np
 import torch
-import torchvision
 from fastcore.basics import patch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms.v2 import functional as F
 from ..errors import ShardkitError
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size, is_image_key, is_jpeg_key
 from .pipeline import ahead, create_dataloader, shard_dataset
@@ -40,6 +37,8 @@ def why_no_gpu(device: str = "cuda") -> str | None:
     "None if `device` decodes JPEGs (CUDA is there and torchvision has nvJPEG), else the reason it does not."
     if torch.version.cuda is None: return f"torch {torch.__version__} is built without CUDA"
     if not torch.cuda.is_available(): return "no CUDA device (torch.cuda.is_available() is False)"
+    import torchvision  # here, past the checks a machine without CUDA fails: importing it costs a second
+    from torchvision.io import ImageReadMode, decode_jpeg
     try: decode_jpeg([_tiny_jpeg()], mode=ImageReadMode.RGB, device=device)
     except (RuntimeError, AssertionError) as e:
         return f"torchvision {torchvision.__version__} cannot decode JPEGs on {device}: {str(e).splitlines()[0]}"
@@ -66,6 +65,7 @@ def augment_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any
                   scale=(0.08, 1.0),               # RandomResizedCrop's range of crop areas
                  ) -> torch.Tensor:                # uint8 B x 3 x size x size
     "The per-image reference: random-resized-crop and flip each image, seeded by (seed, epoch, key)."
+    from torchvision.transforms.v2 import functional as F
     out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=images[0].device)
     for i, (img, key) in enumerate(zip(images, keys)):
         top, left, h, w, flip = draw_crop(img.shape[-2], img.shape[-1], seed_for(seed, epoch, "augment", key), scale)
@@ -79,6 +79,7 @@ def decode_batch(blobs: Sequence[torch.Tensor],  # JPEG bytes, 1-D uint8 CPU ten
                  device="cuda",                  # Where to decode: cuda (nvJPEG) or cpu (libjpeg-turbo)
                 ) -> list[torch.Tensor]:         # uint8 3 x H x W RGB images on `device`
     "Decode a batch of JPEGs in one `decode_jpeg` call (one batched nvJPEG call on CUDA)."
+    from torchvision.io import ImageReadMode, decode_jpeg
     if torch.device(device).type == "cuda":  # nvJPEG may write before queued work has run (pytorch/vision#9606)
         torch.cuda.current_stream(device).synchronize()
     try: return decode_jpeg(list(blobs), mode=ImageReadMode.RGB, device=device)

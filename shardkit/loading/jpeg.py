@@ -23,15 +23,13 @@ from pathlib import Path
 from typing import NamedTuple
 import numpy as np
 import torch
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
-from torchvision.transforms.v2 import functional as F
 from .. import native
 from ..config import private_dir, shardkit_home, why_untrusted
-from ..errors import ShardkitError, UsageError
+from ..errors import DataError, ShardkitError, UsageError
 
 # %% auto 0
-__all__ = ['DCT_MODES', 'JpegError', 'why_no_crop_decode', 'why_no_window_decode', 'window_decoder_path', 'decode_window',
-           'dct_scale', 'decode_crop', 'EncodedJpeg']
+__all__ = ['JPEG_REFERENCE', 'DCT_MODES', 'JpegError', 'torchvision_pixels', 'write_jpeg_reference', 'why_no_crop_decode',
+           'why_no_window_decode', 'window_decoder_path', 'decode_window', 'dct_scale', 'decode_crop', 'EncodedJpeg']
 
 # %% ../../nbs/22_jpeg.ipynb
 _NATIVE = Path(native.__file__).parent  # shardkit/native: the C source, and the extension pip built from it
@@ -54,7 +52,7 @@ def _why_untrusted_install(path: Path) -> str | None:
     return why_untrusted(path, path.parent, fix="reinstall shardkit where only you or root can write")
 
 # %% ../../nbs/22_jpeg.ipynb
-class JpegError(ShardkitError, ValueError):
+class JpegError(DataError, ValueError):
     "A JPEG that libjpeg cannot decode (corrupt, cut short, not a JPEG); the message is libjpeg's."
 
 _HINT = "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc libjpeg-dev)"
@@ -151,7 +149,7 @@ def _call_crop(native: _Native, data: bytes, box, size, flip: bool, scale: int, 
 
 # %% ../../nbs/22_jpeg.ipynb
 def _probe_jpeg() -> bytes:
-    "A 61 x 45 photo-like JPEG with 4:2:0 chroma, whose edges and odd size exercise the window's margins."
+    "A 61 x 45 photo-like JPEG with 4:2:0 chroma, whose edges and odd size exercise the window's margins (from PIL)."
     from PIL import Image
     y, x = np.mgrid[0:45, 0:61]
     rgb = np.stack([x * 4, y * 5, (x * y) % 256], -1) + np.random.default_rng(0).integers(0, 40, (45, 61, 3))
@@ -159,33 +157,65 @@ def _probe_jpeg() -> bytes:
     Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=80, subsampling=2)
     return buf.getvalue()
 
-_PROBES = [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)]
+_PROBES = [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)]  # windows: (top, left, height, width)
+_SIZES, _FLIPS = [(24, 24), (40, 36), (16, 16), (3, 2)], [False, True, True, False]  # each one's crop: down, up
+
+def _resized(x: torch.Tensor, size) -> torch.Tensor:
+    "torchvision's antialiased bilinear resize of uint8 3 x H x W `x` to `size` (torchvision imported here, if used)."
+    from torchvision.transforms.v2 import functional as F
+    return F.resize_image(x, list(size), antialias=True)
+
+def torchvision_pixels(probe: bytes) -> dict[str, np.ndarray]:
+    "torchvision's pixels for the JPEG `probe`: its whole decode (`full`), and each probe window resized and flipped."
+    from torchvision.io import ImageReadMode, decode_jpeg
+    full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    out = dict(full=full.numpy())
+    for i, ((t, left, h, w), size, flip) in enumerate(zip(_PROBES, _SIZES, _FLIPS)):
+        x = _resized(full[:, t:t + h, left:left + w], size)
+        out[f"crop{i}"] = (x.flip(-1) if flip else x).numpy()
+    return out
+
+# %% ../../nbs/22_jpeg.ipynb
+JPEG_REFERENCE = _NATIVE / "jpeg_reference.npz"  # the probe JPEG and torchvision's pixels for it, shipped with shardkit
+
+def write_jpeg_reference(path: Path = JPEG_REFERENCE) -> Path:
+    "Write the probe JPEG and this torchvision's pixels for it to `path`: what loading checks the decoder against."
+    import torchvision
+    probe = _probe_jpeg()
+    np.savez(path, probe=np.frombuffer(probe, np.uint8), torchvision=np.array(torchvision.__version__),
+             **torchvision_pixels(probe))
+    return Path(path)
+
+@functools.cache
+def _reference() -> dict[str, np.ndarray]:
+    "The probe JPEG (bytes as uint8), the torchvision version and its pixels, as `write_jpeg_reference` wrote them."
+    with np.load(JPEG_REFERENCE, allow_pickle=False) as f: return {k: f[k] for k in f.files}
 
 def _agrees(native: _Native) -> bool:
-    probe = _probe_jpeg()
-    full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    "Whether the window decoder gives the reference's pixels for the probe's windows, the whole image among them."
+    ref = _reference()
+    probe, full = ref["probe"].tobytes(), torch.from_numpy(ref["full"])
     return all(torch.equal(_call(native, probe, top, left, h, w), full[:, top:top + h, left:left + w])
                for top, left, h, w in _PROBES)
 
 def _crop_agrees(native: _Native) -> bool:
-    "Whether sk_decode_crop resizes (down and up) and flips the probe's crops exactly as torchvision does here."
-    probe = _probe_jpeg()
-    full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    sizes, flips = [(24, 24), (40, 36), (16, 16), (3, 2)], [False, True, True, False]
-    for (top, left, h, w), size, flip in zip(_PROBES, sizes, flips):
-        want = F.resize_image(full[:, top:top + h, left:left + w], list(size), antialias=True)
-        got = _call_crop(native, probe, (top, left, h, w), size, flip, 8, torch.empty((3, *size), dtype=torch.uint8))
-        if not torch.equal(got, want.flip(-1) if flip else want): return False
+    "Whether sk_decode_crop resizes (down and up) and flips the probe's windows to the reference's pixels."
+    ref = _reference()
+    for i, (box, size, flip) in enumerate(zip(_PROBES, _SIZES, _FLIPS)):
+        got = _call_crop(native, ref["probe"].tobytes(), box, size, flip, 8, torch.empty((3, *size), dtype=torch.uint8))
+        if not torch.equal(got, torch.from_numpy(ref[f"crop{i}"])): return False
     return True
 
 def _load(path: Path):
-    "(the C functions, None) if the library at `path` loads and decodes as torchvision does; else (None, why)."
+    "(the C functions, None) if the library at `path` loads and decodes to the reference's pixels; else (None, why)."
+    if not JPEG_REFERENCE.is_file():
+        return None, f"the window decoder's reference pixels {JPEG_REFERENCE} are missing: reinstall shardkit"
     lib = None
     try:
         lib = ctypes.CDLL(str(path))
         if _agrees(native := _bind(lib)): return native if _crop_agrees(native) else native._replace(crop=None), None
-        why = ("this machine's libjpeg decodes to other pixels than torchvision's; whole images are decoded "
-               "so that crops stay the same")
+        why = (f"this machine's libjpeg decodes to other pixels than torchvision {_reference()['torchvision']}'s; "
+               "whole images are decoded so that crops stay the same")
     except (OSError, AttributeError) as e: why = f"the window decoder could not be loaded ({e}): {_HINT}"
     except JpegError as e: why = f"the window decoder failed on a test JPEG ({e})"
     if lib is not None: _ctypes.dlclose(lib._handle)  # else loading a new file at this path would return this one
@@ -300,7 +330,7 @@ def decode_crop(data: bytes,             # A JPEG
         return _call_crop(native, data, (top, left, height, width), size, flip, scale, out)
     x = _call(native, data, top, left, height, width)
     if x is None: return None
-    x = F.resize_image(x, list(size), antialias=True)
+    x = _resized(x, size)
     return out.copy_(x.flip(-1) if flip else x)
 
 # %% ../../nbs/22_jpeg.ipynb
@@ -324,6 +354,7 @@ class EncodedJpeg:
         "The whole image as uint8 3 x H x W RGB, from torchvision's decoder."
         # the message as libjpeg says it
         if not len(self.data): raise JpegError("cannot decode this JPEG: Empty input file (0 bytes)")
+        from torchvision.io import ImageReadMode, decode_image  # here, where it is used: not at start-up
         try: return decode_image(torch.frombuffer(bytearray(self.data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         except RuntimeError as e: raise JpegError(f"cannot decode this JPEG: {str(e).splitlines()[-1]}") from None
 
@@ -343,6 +374,6 @@ class EncodedJpeg:
         if why_no_window_decode() is None:
             x = decode_crop(self.data, top, left, height, width, size, flip, dct, out)
             if x is not None: return x
-        x = F.resize_image(self.window(top, left, height, width), list(size), antialias=True)
+        x = _resized(self.window(top, left, height, width), size)
         x = x.flip(-1) if flip else x
         return x if out is None else out.copy_(x)

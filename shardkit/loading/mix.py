@@ -4,6 +4,7 @@
 
 # %% ../../nbs/26c_mix.ipynb 3
 from __future__ import annotations
+import numbers
 from itertools import chain
 from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
@@ -40,6 +41,10 @@ def mixed_sources(sources,                          # One source, or a dict {nam
     weights = dict.fromkeys(names, 1) if weights is None else dict(weights)
     if set(weights) != set(names):
         raise UsageError(f"weights= names {sorted(weights)}, the sources are {names}: give one weight per source")
+    bad = {n: w for n, w in weights.items() if not isinstance(w, numbers.Real) or not 0 < w < float("inf")}
+    if bad:  # here, when the loader is made: not in a worker at the first batch, nor only in one access mode
+        raise UsageError(f"weights must be positive numbers, got {bad}; a source of weight 0 would never be read: "
+                         "leave it out of the dict of sources instead")
     return sources[names[0]], dict(names=names, weights=[float(weights[n]) for n in names],
                                    sources=[sources[n] for n in names[1:]])
 

@@ -67,7 +67,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
 
 # %% ../../nbs/27a_pipeline.ipynb
 def _random_loader(sources, fields, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
-                   allow_pickle, retry_wait, weights):
+                   allow_pickle, retry_wait, weights, pad):
     "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
     if resampled or epoch_samples:
         raise UsageError("access='random' reads every sample once per epoch; drop resampled/epoch_samples")
@@ -76,7 +76,8 @@ def _random_loader(sources, fields, transform, batch_size, seed, resampled, epoc
         transform = train_transform(normalize=normalize)
     return create_random_loader(sources, fields=fields, transform=transform, batch_size=batch_size or 64, num_workers=0,
                                 seed=0 if seed is None else seed, rank=rank, world_size=world_size,
-                                allow_pickle=allow_pickle, retry_wait=retry_wait, weights=weights)
+                                allow_pickle=allow_pickle, retry_wait=retry_wait, weights=weights,
+                                pad=pad)
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataset(sources,                      # Shards: a store, a directory, ais://, s3://, a brace template or URLs
@@ -96,11 +97,15 @@ def create_dataset(sources,                      # Shards: a store, a directory,
                    access: str = "stream",       # "stream": shards in order; "random": a global shuffle
                    retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError; or Retries
                    weights: dict[str, float] | None = None,  # With a dict of sources {name: source}: each one's share
+                   pad: bool = False,            # access='random', ranks: repeat samples to fill an epoch's last step
                   ) -> ShardDataset | RandomAccessLoader:  # A pipeline for `create_dataloader` (or the random loader)
     "A WebDataset pipeline from shards to batches of `fields` tuples, in exact seeded epochs (or random access)."
     if access not in ("stream", "random"): raise UsageError(f"access must be 'stream' or 'random', not {access!r}")
     if access == "stream" and resampled and not epoch_samples:
         raise LoaderError("resampled=True draws shards forever: give epoch_samples=N, the samples per epoch of the job")
+    if access == "stream" and pad:
+        raise UsageError("pad=True fills the last step of random access, whose ranks take equal steps: pass "
+                         "access='random' too (streaming ranks each read their own shards to the end)")
     if access == "stream" and epoch_samples and not resampled:
         raise LoaderError(f"epoch_samples={epoch_samples} needs resampled=True; else an epoch is every sample once")
     given, (sources, mix) = sources, mixed_sources(sources, weights)
@@ -109,7 +114,8 @@ def create_dataset(sources,                      # Shards: a store, a directory,
     for other in (mix or {}).get("sources", ()): data_fields(other, shard_urls(other), fields, check=handler == "raise")
     if not fields: raise LoaderError("fields is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
     if access == "random": return _random_loader(given, fields, transform, batch_size, seed, resampled, epoch_samples,
-                                                 rank, world_size, normalize, allow_pickle, retry_wait, weights)
+                                                 rank, world_size, normalize, allow_pickle, retry_wait, weights,
+                                                 pad)
     handler = error_handler(handler)
     if transform is None and any(map(is_image_key, fields)):
         transform = train_transform(normalize=normalize)

@@ -22,10 +22,11 @@ from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
 from .sources import LoaderError, rank_and_world, shard_urls
+from .stream import worker_errors
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
-__all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'create_random_loader', 'loader_memory']
+__all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'left_out', 'create_random_loader', 'loader_memory']
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -107,6 +108,7 @@ class RandomAccessLoader:
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)
         self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
         self.start = 0  # where this epoch's batches start in its order: not 0 after a resume on another step size
+        self.told = False  # whether the samples that several ranks leave out of an epoch were said (once, by rank 0)
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property
@@ -136,11 +138,21 @@ class _Todo:
     def __len__(self): return len(self.b) - self.first
     def __iter__(self): return ((self.epoch, self.b[i]) for i in range(self.first, len(self.b)))
 
+def left_out(batches: EpochBatches, world_size: int) -> str | None:
+    "One line on the samples an epoch of several ranks leaves out (a last step they cannot fill), and how to keep them."
+    gone = batches.n - batches.steps * batches.step
+    if world_size < 2 or batches.partial or gone <= 0: return None
+    return (f"shardkit loader: {world_size} ranks x batch {batches.batch_size} take {batches.steps * batches.step} of "
+            f"the {batches.n} samples an epoch; the other {gone} (other ones each epoch) make a last step the ranks "
+            "cannot fill: pad=True (shardkit train --pad) repeats samples to fill it")
+
 @patch
 def __iter__(self: RandomAccessLoader):
     if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # stopped at the end
     epoch, todo = self.epoch, _Todo(self.epoch, self.batches(self.epoch), self.batch)
     self._restored = False
+    if not self.told and self.rank == 0 and (line := left_out(todo.b, self.world_size)): say_line(line)
+    self.told = True
     if len(todo):
         workers = min(self.num_workers, len(todo))
         # the workers collate into shared buffers they reuse (the streaming loader's pool)
@@ -148,7 +160,7 @@ def __iter__(self: RandomAccessLoader):
         MAPPED_BUFFERS.clear()  # new workers, new buffers: unmap the last epoch's
         dl = DataLoader(self.dataset, sampler=todo, batch_size=None, collate_fn=convert_batch, num_workers=workers,
                         **self.kw)
-        for b in dl:
+        for b in worker_errors(dl):  # a shardkit error in a worker: its own message first
             self.batch += 1
             yield b.unpool() if isinstance(b, PooledBatch) else b
     self.epoch, self.batch, self.start = epoch + 1, 0, 0

@@ -11,23 +11,54 @@ from itertools import islice
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Sequence
 import torch
-from braceexpand import braceexpand
 from torch.utils.data import IterableDataset, get_worker_info
-from ..errors import LoaderError
-from ..store import NOT_YET, not_yet, open_store, s3_shard_urls, shown_path
+from ..errors import DataError, LoaderError
+from ..store import NOT_YET, did_you_mean, expand_names, not_yet, open_store, s3_shard_urls, shown_path
 
 # %% auto 0
-__all__ = ['shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name', 'epoch_shard_order', 'EpochShards',
-           'split_count', 'take_share', 'buffer_shuffle', 'shuffle_samples', 'drop_planned']
+__all__ = ['SOURCE_FORMS', 'MissingShards', 'shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name',
+           'epoch_shard_order', 'EpochShards', 'split_count', 'take_share', 'buffer_shuffle', 'shuffle_samples',
+           'drop_planned']
+
+# %% ../../nbs/21_sources.ipynb
+class MissingShards(LoaderError, DataError):
+    "A source names no shard, or shards that are not there; the message says which, and what a source can be."
+
+SOURCE_FORMS = ("a directory of .tar shards, ais://bucket, a brace template such as data/x-{000000..000015}.tar, "
+                "or a list of shard paths or URLs")
+
+def _no_shards(spec: str, pattern: str) -> str:
+    "Why an empty store gives no shards, and how shards are made for any data."
+    where = shown_path(spec)
+    return (f"no shards matching {pattern!r} in {where}; write some first: `shardkit convert folder SRC {where}` "
+            f"from an ImageFolder tree, or write_shards(samples, {where!r}) from Python")
+
+def _missing(urls: list[str], given: str | None = None) -> str | None:
+    "Why the local files among `urls` (from `given`, a path or template) are not all there; None when they are."
+    gone = [u for u in urls if "://" not in u and not u.startswith("pipe:") and not Path(u).is_file()]
+    if not gone: return None
+    if given is not None and "{" not in given:  # one path: not there, or one letter off
+        return f"no file or directory {shown_path(given)}{did_you_mean(given)}: a source is {SOURCE_FORMS}"
+    named = shown_path(gone[0]) + (f" .. {Path(gone[-1]).name}" if len(gone) > 1 else "")
+    what = (f"{given!r} names {len(urls)} shards" if given else f"{len(urls)} shards are named") + \
+           f", {len(gone)} of which do not exist ({named})"
+    folder = Path(gone[0]).parent
+    there = sorted(p.name for p in folder.glob("*.tar")) if folder.is_dir() else []
+    if not there: return f"{what}; check the paths (a source is {SOURCE_FORMS})"
+    return (f"{what}; {shown_path(folder)} holds {len(there)} shards ({there[0]} .. {there[-1]}): fix the "
+            f"template's range or the names, or pass the directory {shown_path(folder)}")
 
 # %% ../../nbs/21_sources.ipynb
 def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
     "URLs of the shards in `sources`: a store, a store spec (directory, `ais://`, `s3://`), a brace template, or URLs."
     if hasattr(sources, "urls") and hasattr(sources, "list"):
         names = sources.list(pattern)
-        if not names:
-            raise LoaderError(f"no shards matching {pattern!r} in {shown_path(sources.spec)}; "
-                              "convert some first (shardkit convert pets)")
+        if not names: raise MissingShards(_no_shards(sources.spec, pattern))
+        if "{" in pattern and len(names) < len(wanted := expand_names(pattern)):  # a template past the objects
+            gone = sorted(set(wanted) - set(names))
+            raise MissingShards(f"{pattern!r} names {len(wanted)} shards, {len(gone)} of which are not in "
+                                f"{shown_path(sources.spec)} ({gone[0]} .. {gone[-1]}); it holds {names[0]} .. "
+                                f"{names[-1]} of them: fix the template's range")
         return sources.urls(names)
     if isinstance(sources, (str, os.PathLike)):
         s = str(sources)
@@ -36,12 +67,15 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
         if "{" in s and s.startswith("ais://"):  # a template of a bucket's shards: their URLs in it
             spec, names = s.rsplit("/", 1)
             return shard_urls(open_store(spec), names)
-        if "{" in s: return list(braceexpand(s))
-        if s.startswith("ais://") or Path(s).is_dir(): return shard_urls(open_store(s), pattern)
-        return [s]
+        if "{" in s: urls = expand_names(s)
+        elif s.startswith("ais://") or Path(s).is_dir(): return shard_urls(open_store(s), pattern)
+        else: urls = [s]
+        if why := _missing(urls, s): raise MissingShards(why)  # here, not in a worker at the first batch
+        return urls
     urls = [str(u) for u in sources]
     if not urls:
         raise LoaderError("no shards: `sources` is an empty list; pass a store, a directory, a brace template or URLs")
+    if why := _missing(urls): raise MissingShards(why)
     return urls
 
 # %% ../../nbs/21_sources.ipynb

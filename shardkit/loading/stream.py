@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
-from ..errors import UsageError
+from ..errors import ShardkitError, UsageError
 from ..remote import Retries, as_retries, say_line
 from .collate import LENT, MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
 from .elastic import checked_plan, merge_states, next_plan
@@ -22,8 +22,8 @@ from .resume import check_resumable, saved_count
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'skip_resumed', 'check_position',
-           'shards_digest']
+__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'worker_error', 'worker_errors',
+           'skip_resumed', 'check_position', 'shards_digest']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -137,10 +137,41 @@ class ShardLoader(wds.WebLoader):
         return source
 
 # %% ../../nbs/25_stream.ipynb
+def _worker_said(e: BaseException) -> tuple[str, str] | None:
+    "(the message, which worker) of an error torch's DataLoader re-raised from a worker; None for any other error."
+    head, sep, tb = str(e).partition("\nOriginal Traceback (most recent call last):\n")
+    if not sep or not head.startswith("Caught "): return None
+    where = head.split(" ", 2)[-1].rstrip(".")  # "in DataLoader worker process 1"
+    for name in (f"{type(e).__module__}.{type(e).__qualname__}", type(e).__qualname__):
+        if (i := tb.rfind(f"\n{name}: ")) >= 0: return tb[i + len(name) + 3:].rstrip("\n"), where
+    return None
+
+def worker_error(e: ShardkitError) -> ShardkitError:
+    "`e` as its DataLoader worker raised it (same type, its own message; torch's error as `__cause__`); else `e`."
+    said = _worker_said(e)
+    if said is None: return e
+    try: err = type(e)(said[0])
+    except Exception: return e  # a type made from other arguments: torch's error as it is
+    err.__cause__ = e
+    if hasattr(err, "add_note"): err.add_note(f"(raised {said[1]}; its traceback is above)")
+    return err
+
+def worker_errors(items):
+    "The items of a DataLoader (or anything), with shardkit's errors from its workers as `worker_error` gives them."
+    it = iter(items)
+    while True:
+        try: x = next(it)
+        except StopIteration: return
+        except ShardkitError as e:
+            if (err := worker_error(e)) is e: raise
+            raise err from e
+        yield x
+
+# %% ../../nbs/25_stream.ipynb
 @patch
 def _counted(self: ShardLoader, items):
     "The workers' batches, each counted for the worker that made it; the epoch ends when they do."
-    for t in items:
+    for t in worker_errors(items):  # a shardkit error in a worker: its own message first
         if isinstance(t, WorkerTagged):
             self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
         LENT.give_back()  # the buffers of earlier batches the loop has let go of

@@ -7,15 +7,13 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shlex
+import sys
 import threading
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Sequence
 import torch
 from torch.utils.data import get_worker_info
-from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
-from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as F
 from shardkit.shards.fields import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -41,8 +39,15 @@ __all__ = ['decode_rgb', 'decode_value', 'TrainTransform', 'train_transform', 'c
            'MissingField', 'sample_to_tuple', 'data_fields']
 
 # %% ../../nbs/23_transforms.ipynb
+def _tv():
+    "torchvision's `tv_tensors` and v2 `functional`, imported where first used: importing torchvision costs a second."
+    from torchvision import tv_tensors
+    from torchvision.transforms.v2 import functional as F
+    return tv_tensors, F
+
 def decode_rgb(data: bytes) -> torch.Tensor:
     "Image bytes (JPEG, PNG, ... whatever the name says) as a uint8 3 x H x W tensor."
+    from torchvision.io import ImageReadMode, decode_image
     return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = MAX_PIXELS):
@@ -50,26 +55,37 @@ def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = M
     if key.startswith("__") or not isinstance(data, (bytes, bytearray)): return data
     if is_image_key(key):
         image_size(data, max_pixels)  # a decompression bomb is refused before its pixels are allocated
+        tv_tensors, _ = _tv()
         if is_mask_key(key):
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            return tv_tensors.Mask(decode_image(raw, mode=ImageReadMode.GRAY))
+            from torchvision.io import ImageReadMode, decode_image
+            return tv_tensors.Mask(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                                mode=ImageReadMode.GRAY))
         return tv_tensors.Image(decode_rgb(data))
     value = decode_field(key, data, allow_pickle)  # webdataset's basic decoders, pickles refused unless allowed
     return data if value is None else value
 
 # %% ../../nbs/23_transforms.ipynb
-class TrainTransform(v2.Compose):
-    "RandomResizedCrop, flip, optional normalising: a v2 pipeline, direct for Image/Mask tuples (same pixels)."
-    def __init__(self, size: int = 224,                       # Output side, pixels
+class TrainTransform(torch.nn.Module):
+    "RandomResizedCrop, flip, optional normalising: direct for Image/Mask tuples and encoded JPEGs, else v2's pipeline."
+    def __init__(self, size: int | Sequence[int] = 224,           # Output side, pixels (or (height, width))
                  scale: tuple[float, float] = (0.08, 1.0),    # Range of the crop's share of the image area
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), # Range of the crop's aspect ratio
                  normalize: bool = False,                     # Return float32, ImageNet-normalised images
                  window: bool = True,                         # JPEGs handed over encoded: decode only the crop
                  dct: str = "off"):                           # Decode large crops at M/8 scale: "off", "pow2", "any"
-        tfs = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True), v2.RandomHorizontalFlip()]
-        if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-        super().__init__(tfs)
+        super().__init__()
+        self.size = [size, size] if isinstance(size, int) else list(size)  # as v2.RandomResizedCrop keeps it
+        self.scale, self.ratio, self.p = tuple(scale), tuple(ratio), 0.5  # p: the flip's probability
         self.normalize, self.window, self.dct = normalize, window, dct
+
+    @property
+    def transforms(self) -> list:
+        "The same steps as torchvision v2 transforms, for v2's own path (torchvision is imported at the first call)."
+        from torchvision.transforms import v2
+        tfs = [v2.RandomResizedCrop(self.size, scale=self.scale, ratio=self.ratio, antialias=True),
+               v2.RandomHorizontalFlip(self.p)]
+        if self.normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        return tfs
 
     def takes_encoded(self) -> bool:
         "Whether to hand it JPEGs undecoded (`EncodedJpeg`): `window` is on and this machine decodes windows."
@@ -80,13 +96,18 @@ class TrainTransform(v2.Compose):
         one = isinstance(values, (torch.Tensor, EncodedJpeg))
         direct = one or isinstance(values, (tuple, list))
         out = _crop_flip(self, (values,) if one else tuple(values)) if direct else None
-        # anything else (boxes, plain tensors, dicts): v2's own path
-        if out is None: return super().forward(*_decoded(inputs))
+        if out is None:  # anything else (boxes, plain tensors, dicts): v2's own path
+            from torchvision.transforms import v2
+            return v2.Compose(self.transforms)(*_decoded(inputs))
         return out[0] if one else list(out) if isinstance(values, list) else out
+
+    def extra_repr(self) -> str:
+        return (f"size={self.size}, scale={self.scale}, ratio={tuple(round(r, 4) for r in self.ratio)}, "
+                f"normalize={self.normalize}, window={self.window}, dct={self.dct!r}")
 
 def _decoded(values):
     "`values` with every EncodedJpeg (at the top level or in one tuple or list) decoded to an Image, for v2's own path."
-    one = lambda v: tv_tensors.Image(v.decode()) if isinstance(v, EncodedJpeg) else v
+    one = lambda v: _tv()[0].Image(v.decode()) if isinstance(v, EncodedJpeg) else v
     return type(values)(type(v)(map(one, v)) if isinstance(v, (tuple, list)) else one(v) for v in values)
 
 def train_transform(size: int = 224,                     # Output side, pixels
@@ -97,7 +118,6 @@ def train_transform(size: int = 224,                     # Output side, pixels
                    ) -> TrainTransform:
     "The post's training augmentation of (image, trimap, ...) tuples: one crop and flip for all, optional normalising."
     return TrainTransform(size, scale, normalize=normalize, window=window, dct=dct)
-
 
 # %% ../../nbs/23_transforms.ipynb
 @functools.lru_cache(maxsize=None)
@@ -130,43 +150,43 @@ def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
     return (height - h) // 2, (width - w) // 2, h, w
 
 # %% ../../nbs/23_transforms.ipynb
-def _bilinear(mode) -> bool:
-    "Whether an interpolation (an InterpolationMode, or the string v2 may keep) is bilinear."
-    return getattr(mode, "value", mode) == "bilinear"
+def _tv_types() -> tuple:
+    "(tv_tensors.Image, tv_tensors.Mask) once torchvision is imported; before that (None, None): no value is one."
+    tv = sys.modules.get("torchvision.tv_tensors")
+    return (tv.Image, tv.Mask) if tv is not None else (None, None)
 
 def _crop_flip(tf: TrainTransform, values: tuple, wrap: bool = True) -> tuple | None:
     "TrainTransform's direct path (Image/Mask types if `wrap`); None unless the images are Images/Masks/EncodedJpegs."
+    Image, Mask = _tv_types()
     images = [v for v in values if isinstance(v, (torch.Tensor, EncodedJpeg))]
-    if not images or any(type(t) not in (tv_tensors.Image, tv_tensors.Mask, EncodedJpeg) or t.ndim != 3
+    if not images or any(type(t) not in (Image, Mask, EncodedJpeg) or t.ndim != 3
                          or t.shape[-2:] != images[0].shape[-2:] for t in images): return None
-    rrc, flip = tf.transforms[0], tf.transforms[1]
-    top, left, h, w = crop_box(*images[0].shape[-2:], rrc.scale, rrc.ratio)
-    flipped = torch.rand(1).item() < flip.p  # RandomHorizontalFlip's draw
+    top, left, h, w = crop_box(*images[0].shape[-2:], tf.scale, tf.ratio)
+    flipped = torch.rand(1).item() < tf.p  # RandomHorizontalFlip's draw
     out = []
     for v in values:
-        if type(v) in (tv_tensors.Image, EncodedJpeg):
-            if type(v) is EncodedJpeg and _bilinear(rrc.interpolation) and rrc.antialias:
-                x = v.crop(top, left, h, w, rrc.size, flipped, tf.dct)  # decoded, resized and flipped in one pass
-            else:  # only the box is decoded; resizing it is what resized_crop_image does after cropping
-                x = (F.resize_image(v.window(top, left, h, w), rrc.size, interpolation=rrc.interpolation,
-                                    antialias=rrc.antialias) if type(v) is EncodedJpeg else
-                     F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size,
-                                          interpolation=rrc.interpolation, antialias=rrc.antialias))
+        if type(v) is EncodedJpeg or (Image is not None and type(v) is Image):
+            if type(v) is EncodedJpeg: x = v.crop(top, left, h, w, tf.size, flipped, tf.dct)  # decoded, cut, flipped
+            else:
+                F = _tv()[1]
+                x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, tf.size, antialias=True)
                 if flipped: x = F.horizontal_flip_image(x)
             if tf.normalize:
+                F = _tv()[1]
                 x = F.normalize_image(F.to_dtype_image(x, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
-            v = x.as_subclass(tv_tensors.Image) if wrap else x
-        elif type(v) is tv_tensors.Mask:
-            x = F.resized_crop_mask(v.as_subclass(torch.Tensor), top, left, h, w, rrc.size)
+            v = x.as_subclass(_tv()[0].Image) if wrap else x
+        elif Mask is not None and type(v) is Mask:
+            F = _tv()[1]
+            x = F.resized_crop_mask(v.as_subclass(torch.Tensor), top, left, h, w, tf.size)
             x = F.horizontal_flip_mask(x) if flipped else x
-            v = x.as_subclass(tv_tensors.Mask) if wrap else x
+            v = x.as_subclass(Mask) if wrap else x
         out.append(v)
     return tuple(out)
-
 
 # %% ../../nbs/23_transforms.ipynb
 def eval_transform(size: int = 224, normalize: bool = False):
     "The evaluation counterpart: resize the short side to size*256/224, then center-crop `size`."
+    from torchvision.transforms import v2
     tfs = [v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size)]
     if normalize: tfs += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     return v2.Compose(tfs)
@@ -178,7 +198,6 @@ def normalize_batch(images: torch.Tensor, device=None, mean=IMAGENET_MEAN, std=I
     m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255
     s = torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255
     return x.sub_(m).div_(s)
-
 
 # %% ../../nbs/23_transforms.ipynb
 class _seeded:
@@ -248,6 +267,14 @@ def _store_of(sources):
 
 def _local(url: str) -> bool: return "://" not in url and not url.startswith("pipe:") and Path(url).is_file()
 
+def _url_name(url: str) -> str:
+    "The file name a shard URL ends with; for a `pipe:` command, that of the first URL in it (else the command)."
+    if url.startswith("pipe:"):
+        try: words = shlex.split(url[5:])
+        except ValueError: words = url[5:].split()  # unbalanced quotes: the words as they stand
+        url = next((w for w in words if "://" in w), url)
+    return PurePosixPath(url.split("?")[0]).name or url
+
 def data_fields(sources,                        # What create_dataset was given: a store, a directory, a template, URLs
               urls: Sequence[str],            # The shards' URLs, `shard_urls(sources)`
               fields: Sequence[str] | None = None,  # The fields asked for; None: those every sample holds
@@ -273,7 +300,7 @@ def data_fields(sources,                        # What create_dataset was given:
     if known: have, where = [k for k, c in known[0].items() if c == known[1]], "every sample has"
     else:
         s = first_sample(urls[0], retries) or {}
-        have, where = [k for k in s if not k.startswith("__")], f"the first sample of {Path(urls[0]).name} has"
+        have, where = [k for k in s if not k.startswith("__")], f"the first sample of {_url_name(urls[0])} has"
     fields = tuple(sorted(k for k in have if allow_pickle or field_ext(k) not in PICKLE_EXTS))
     if not fields: raise MissingField(f"no field to load: {where} {sorted(have) or 'none'}; pass fields=")
     print(f"fields={fields}: the fields {where}; pass fields= to choose")

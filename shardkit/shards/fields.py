@@ -6,7 +6,7 @@
 from __future__ import annotations
 import io
 from typing import Callable, Sequence
-from ..errors import ShardkitError, UsageError
+from ..errors import DataError, ShardkitError, UsageError
 
 # %% auto 0
 __all__ = ['IMAGE_EXTS', 'JPEG_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_STD', 'PICKLE_EXTS', 'MAX_PIXELS', 'ShardError',
@@ -14,7 +14,7 @@ __all__ = ['IMAGE_EXTS', 'JPEG_EXTS', 'MASK_WORDS', 'IMAGENET_MEAN', 'IMAGENET_S
            'refuse_pickle', 'decode_field', 'field_decoder', 'image_size', 'load_image_decoder', 'check_image']
 
 # %% ../../nbs/03_fields.ipynb
-class ShardError(ShardkitError):
+class ShardError(DataError):
     "A shard is not a readable tar of samples; the message names it and says what to do."
 
 class SkipSample(ShardkitError):
