@@ -439,7 +439,10 @@ def not_yet(spec: str) -> str:
             f"command the streaming loader runs: {read}")
 
 # %% ../nbs/02_store.ipynb
-def open_store(spec: str | Path | LocalStore | AISStore | S3Store, create: bool = False, endpoint: str | None = None):
+def open_store(spec: str | Path | LocalStore | AISStore | S3Store,  # A directory, file://, ais://, s3://, or a store
+               create: bool = False,        # Make the directory or bucket if it is missing (a store to write into)
+               endpoint: str | None = None,  # ais:// or s3://: the server, in place of AIS_ENDPOINT or AWS_ENDPOINT_URL
+              ):                            # A LocalStore, AISStore or S3Store
     "The store named by `spec`: a local directory, `file://...`, `ais://bucket[/prefix]` or `s3://bucket[/prefix]`."
     if isinstance(spec, (LocalStore, AISStore, S3Store)): return spec
     spec = str(spec)

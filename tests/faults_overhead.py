@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys, time, gc
 import shardkit
-from shardkit.loader import create_dataset, create_dataloader
+from shardkit import create_dataset, create_dataloader
 from shardkit.bench.core import cpu_seconds
 bucket, epochs, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ds = create_dataset(bucket, fields=("__key__", "cls"), seed=0, batch_size=64, shuffle=0)

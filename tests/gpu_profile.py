@@ -19,7 +19,7 @@ from itertools import islice
 import torch
 
 from shardkit.bench.gpu import make_step
-from shardkit.loader import create_dataloader, create_dataset
+from shardkit import create_dataloader, create_dataset
 from shardkit.loading.gpu import create_gpu_loader
 from shardkit.loading.transforms import train_transform
 

@@ -1,5 +1,5 @@
 """Benchmarks: the loader benchmark's command line, and one peer row where that peer is installed. The full runs
-(every loader row, the converter's and the ETL's benchmarks) are nbs/35_bench_loader's, flagged slow."""
+(every loader row, the converter's and the ETL's benchmarks) are nbs/35_bench.loader's, flagged slow."""
 import importlib.util
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ def shards(tmp_path_factory):
 
 
 def test_bench_loader_cli_reads_well_and_refuses_bad_input(tmp_path):
-    "The command line around `bench_loader_cli`; a full run of it (every row, --peers, the chart) is nbs/35_bench_loader's."
+    "The command line around `bench_loader_cli`; a full run of it (every row, --peers, the chart) is nbs/35_bench.loader's."
     r = main_cli("bench", "loader", "--help")
     assert r.returncode == 0, r.stderr
     for opt in ("--workers", "--repeats", "--samples", "--peers", "--cold", "--max-shards", "--cache", "--plot", "--json", "shardkit[peers]"):

@@ -10,7 +10,7 @@ FILES = ("samples.png", "loss.png", "bench-loader.txt", "bench-loader.png", "sum
 # learning check with a margin (6.5x chance measured; 74 images and 1 epoch reach only 2x, so the check was printed
 # "not met" and not asserted). The loader's speed goal is not asserted here: 111 samples read once, in one run on two
 # shared cores, say nothing about speed. `shardkit bench loader SRC --peers --repeats 3` is where it is measured
-# (nbs/35_bench_loader: its "Measured here" table and goal verdicts).
+# (nbs/35_bench.loader: its "Measured here" table and goal verdicts).
 N, EPOCHS = 296, 3
 
 

@@ -55,7 +55,7 @@ def reported(err: str) -> dict[str, int]:
 
 def stream_keys(urls, workers=2, **kw) -> list[str]:
     "The keys of one streaming epoch (seed 0, batches of 16) in the order the training loop sees them."
-    from shardkit.loader import create_dataloader, create_dataset
+    from shardkit import create_dataloader, create_dataset
     ds = create_dataset(urls, fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50, **kw)
     return [k for b in create_dataloader(ds, num_workers=workers, batch_size=16) for k in b[0]]
 
@@ -222,7 +222,7 @@ def test_a_shard_rewritten_between_attempts_is_refused(server):
 
 def test_a_state_taken_while_a_read_is_retried_resumes_exactly(server, clean_stream):
     "A 503 with Retry-After on every shard's first GET; the state taken while a worker waits for its retry resumes exactly."
-    from shardkit.loader import create_dataloader, create_dataset
+    from shardkit import create_dataloader, create_dataset
     def make():
         ds = create_dataset(server.urls(NAMES), fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50,
                             retry_wait=fast())
@@ -241,8 +241,8 @@ def test_a_state_taken_while_a_read_is_retried_resumes_exactly(server, clean_str
 
 
 def test_profile_shows_the_retries_and_their_wait(server):
-    from shardkit.loader import create_dataloader, create_dataset
-    from shardkit.apps.profile import profile_pipeline, verdicts
+    from shardkit import create_dataloader, create_dataset
+    from shardkit.profile import profile_pipeline, verdicts
     server.fault("cut")
     ds = create_dataset(server.urls(NAMES), fields=("__key__", "cls"), seed=0, batch_size=16, retry_wait=fast())
     p = profile_pipeline(create_dataloader(ds, num_workers=2, batch_size=16), device=None)

@@ -97,7 +97,7 @@ def test_a_target_killed_mid_epoch_and_restarted(ais_cluster, ais_endpoint, buck
     clean = stream_keys([str(src / n) for n in NAMES])
     target = late_target(ais_endpoint, name, clean)
     retries = Retries(backoff=0.1, max_backoff=1.0, wait=60)
-    from shardkit.loader import create_dataloader, create_dataset
+    from shardkit import create_dataloader, create_dataset
     ds = create_dataset(f"ais://{name}", fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50, retry_wait=retries)
     capfd.readouterr()
     assert _epoch_through_a_kill(create_dataloader(ds, num_workers=2, batch_size=16), ais_cluster["root"], target) == clean

@@ -4,7 +4,7 @@ import pytest
 import torch
 import webdataset as wds
 from shardkit.errors import UsageError
-from shardkit.loader import create_dataloader, create_dataset
+from shardkit import create_dataloader, create_dataset
 from shardkit.loading.transforms import MissingField, train_transform
 from shardkit.loading.sources import split_count
 from conftest import write_pet_shards
@@ -185,7 +185,7 @@ def test_device_cpu_gives_the_plain_loaders_batches_and_epochs(shards):
 
 
 def test_device_moves_tensors_and_passes_other_values():
-    from shardkit.loader import DeviceLoader
+    from shardkit.loading.pipeline import DeviceLoader
     batches = [(torch.arange(3), ["a", "b", "c"], {"x": torch.ones(2)}, 7)] * 3
     out = list(DeviceLoader(batches, "cpu"))
     assert len(out) == 3 and out[0][1] == ["a", "b", "c"] and out[0][3] == 7 and torch.equal(out[0][2]["x"], torch.ones(2))

@@ -1,4 +1,4 @@
-"""The pipeline profiler (nbs/41_stage_timing, nbs/42_profile): stage times that add up, verdicts that name the stage a pipeline was built
+"""The pipeline profiler (nbs/41_profile.timing, nbs/42_profile.measure): stage times that add up, verdicts that name the stage a pipeline was built
 to be limited by (decoding, reading over a slow HTTP source), the same samples in the same order, and a bounded
 overhead. Everything is real: webdataset, torch, a local HTTP server on 127.0.0.1, shards written here."""
 import functools, http.server, json, re, shutil, threading, time
@@ -8,13 +8,13 @@ import pytest
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, Dataset
-from shardkit.loader import create_dataloader, create_dataset
+from shardkit import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 from dataclasses import replace
 from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
 from shardkit.loading.jpeg import why_no_window_decode
-from shardkit.apps.profile import Profile, build_loader, profile_overhead, profile_pipeline, report, suggested_change, verdicts
-from shardkit.apps.stage_timing import SLOTS
+from shardkit.profile import Profile, build_loader, profile_overhead, profile_pipeline, report, suggested_change, verdicts
+from shardkit.profile.timing import SLOTS
 from conftest import main_cli, write_pet_shards
 
 

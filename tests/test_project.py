@@ -1,5 +1,5 @@
 """Project-level promises: the installed set is consistent, and the README's two commands are what CI runs."""
-import ast, re, subprocess, sys
+import ast, json, re, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -84,9 +84,9 @@ def test_imports_only_point_down_the_reading_order():
              if _notebook_of(m) and _notebook_of(d) and _notebook_of(d) >= _notebook_of(m)]
     assert not wrong, "imports pointing up (move the shared part down, or dispatch from above): " + \
         ", ".join(f"{m} ({_notebook_of(m)}) -> {d} ({_notebook_of(d)})" for m, d in wrong)
-    assert "loading.random" not in deps["loading.stream"] and "loader" not in deps["loading.random"]
-    assert not any(d.startswith("bench") for m in deps if not m.startswith(("bench", "apps.")) for d in deps[m]), \
-        "only the bench and the applications (apps/: the demo, the profiler, the command line) use the benchmarks"
+    assert "loading.random" not in deps["loading.stream"] and "loading.pipeline" not in deps["loading.random"]
+    assert not any(d.startswith("bench") for m in deps if not m.startswith(("bench", "apps.", "profile")) for d in deps[m]), \
+        "only the benchmarks, the profiler (their clock and table) and the applications (apps/) use the benchmarks"
 
 
 def test_ruff_is_clean():
@@ -139,3 +139,115 @@ def test_xdist_groups_take_effect(request):
         pytest.skip("checks pytest-xdist's --dist loadgroup: python -m pytest -n 2 --dist loadgroup")
     assert request.node.nodeid.endswith("@grouping-check"), \
         f"{request.node.nodeid}: xdist groups are ignored (pytest {pytest.__version__}); pin pytest<9.2 (settings.ini)"
+
+
+def _undocumented(fn) -> list[str]:
+    """The parameters of `fn` without a docment: fastcore's `docments` for the named ones; for `*args`/`**kwargs`, whose
+    docment fastcore 1.8 does not read, the comment on their own line of the signature."""
+    import inspect
+    from fastcore.docments import docments
+    docs, params = docments(fn), inspect.signature(fn).parameters
+    star = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s*\*{1,2}(\w+),?\s*#(.*)$", inspect.getsource(fn), re.M)}
+    return [k for k, p in params.items()
+            if not (star.get(k) if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) else docs.get(k))]
+
+
+def test_the_front_api_is_documented():
+    """Every parameter of every name in `shardkit.__all__` has a docment (a class: its own `__init__`'s), and the
+    package's docstring is its one-line description, settings.ini's."""
+    import configparser, inspect
+    import shardkit
+    missing = {}
+    for name in shardkit.__all__:
+        obj = getattr(shardkit, name)
+        if isinstance(obj, type):  # a class documents the parameters of an `__init__` it defines
+            obj = obj.__dict__.get("__init__")
+            if not inspect.isfunction(obj): continue
+        if undocumented := [p for p in _undocumented(obj) if p != "self"]: missing[name] = undocumented
+    assert not missing, f"front API parameters without a docment (a comment beside each, in its notebook): {missing}"
+    ini = configparser.ConfigParser(); ini.read(ROOT / "settings.ini")
+    assert shardkit.__doc__ == ini["DEFAULT"]["description"], shardkit.__doc__
+
+
+def test_undocumented_finds_what_lacks_a_docment(tmp_path):
+    "The check itself: a parameter without a comment, and a `**kw` without one, are found; documented ones are not."
+    import importlib.util
+    path = tmp_path / "undocumented_probe.py"
+    path.write_text("def f(a,  # the a\n      b=1,\n      **kw,  # more\n     ): pass\n\n"
+                    "def g(a,  # the a\n      **kw): pass\n")
+    spec = importlib.util.spec_from_file_location("undocumented_probe", path)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    assert _undocumented(mod.f) == ["b"] and _undocumented(mod.g) == ["kw"]
+
+
+def test_no_module_only_re_exports():
+    """A module has a job of its own: one that only imports and re-exports names would be a second path to them (the
+    front is `from shardkit import ...`, the other path each name's home). Packages' `__init__.py` may re-export."""
+    def own(stmt) -> bool:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)): return False
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant): return False  # the docstring
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else []
+        return not (targets and all(isinstance(t, ast.Name) and t.id in ("__all__", "_all_") for t in targets))
+    only = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "shardkit").rglob("*.py"))
+            if p.name not in ("__init__.py", "_modidx.py") and not any(map(own, ast.parse(p.read_text()).body))]
+    assert not only, f"modules that only re-export (give the names one home; the package's __init__ re-exports): {only}"
+
+
+def notebook_name_problem(notebook: str, module: str) -> str | None:
+    """Why `notebook` (a file name) is not named after `module` (its `default_exp`), or None. After its number (`NN_`,
+    `NNa_`) a notebook is named by its module's dotted path (`30_train.step` for `train.step`) or last part
+    (`03_fields` for `shards.fields`); a package's `__init__` by the package (`19_etl`), the top one's `shardkit`;
+    `__main__` is `main`."""
+    m = re.match(r"^\d\d[a-z]?_(.+)\.ipynb$", notebook)
+    if not m: return "its name does not start with a number, NN_ or NNa_, that places it in the reading order"
+    parts = module.split(".")
+    if parts[-1] == "__init__": parts = parts[:-1] or ["shardkit"]
+    if parts[-1] == "__main__": parts[-1] = "main"
+    if m.group(1) in (".".join(parts), parts[-1]): return None
+    return f"exports {module}: name it NN_{'.'.join(parts)}.ipynb or NN_{parts[-1]}.ipynb"
+
+
+def test_notebook_name_rule():
+    "The rule itself, on names that keep it and names that break it."
+    assert [notebook_name_problem(n, m) is None for n, m in [
+        ("30_train.step.ipynb", "train.step"), ("03_fields.ipynb", "shards.fields"), ("19_etl.ipynb", "etl.__init__"),
+        ("97_shardkit.ipynb", "__init__"), ("99a_main.ipynb", "__main__"), ("26_loading.index.ipynb", "loading.index"),
+        ("30_train.ipynb", "train_step"), ("42_profile.ipynb", "profile.measure"), ("97_api.ipynb", "__init__"),
+        ("31_bench_core.ipynb", "bench.core"), ("train.ipynb", "train.__init__")]] == [True] * 6 + [False] * 5
+
+
+def test_notebooks_are_named_after_their_modules():
+    """Every library notebook's `default_exp` matches its name (`notebook_name_problem`), and no two notebooks make the
+    same page (nbdev drops the number: `13_transforms` and `23_transforms` would both be transforms.html)."""
+    wrong, pages = [], {}
+    for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
+        pages.setdefault(re.sub(r"^\d+[a-zA-Z0-9]*_", "", nb.name.lower()), []).append(nb.name)
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        exp = [m.group(1) for c in cells if c["cell_type"] == "code"
+               for m in [re.search(r"^#\|\s*default_exp\s+(\S+)", "".join(c["source"]), re.M)] if m]
+        if exp and (problem := notebook_name_problem(nb.name, exp[0])): wrong.append(f"nbs/{nb.name}: {problem}")
+    assert not wrong, "notebooks not named after their modules (git mv them; fix the links):\n" + "\n".join(wrong)
+    shared = {page: names for page, names in pages.items() if len(names) > 1}
+    assert not shared, f"notebooks that would make the same docs page: {shared}"
+
+
+def test_the_readme_tables_every_library_notebook_under_its_package():
+    "The README's table of packages and notebooks names every library notebook once, in the row of its module's package."
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| package | notebooks (module) |"):].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [(set(re.findall(r"`(shardkit[\w.]*)`", r.split("|")[1])), re.findall(r"`(\d\d[a-z]?_[\w.]+)`", r.split("|")[2]))
+            for r in table]
+    listed = [n for _, names in rows for n in names]
+    library = sorted(p.stem for p in (ROOT / "nbs").glob("*.ipynb") if p.name != "index.ipynb")
+    assert sorted(listed) == library, f"missing: {sorted(set(library) - set(listed))}, " \
+        f"not notebooks: {sorted(set(listed) - set(library))}, twice: {sorted({n for n in listed if listed.count(n) > 1})}"
+    wrong = []
+    for packages, names in rows:
+        for name in names:
+            cells = json.loads((ROOT / "nbs" / f"{name}.ipynb").read_text())["cells"]
+            m = re.search(r"^#\|\s*default_exp\s+(\S+)", "".join(cells[0]["source"]) if cells else "", re.M)
+            if not m: continue  # a page that exports nothing sits beside the modules it is about
+            parts = ["shardkit", *m.group(1).split(".")]
+            package = ".".join(parts[:-1])
+            if package not in packages: wrong.append(f"{name} ({package})")
+    assert not wrong, f"notebooks in a row of another package: {wrong}"

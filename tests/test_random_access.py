@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from shardkit.loader import create_dataset
+from shardkit import create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_index
 from shardkit.loading.order import epoch_batches

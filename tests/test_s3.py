@@ -71,7 +71,7 @@ def reported(err: str) -> dict[str, int]:
 
 def stream_keys(urls, workers=2, **kw) -> list[str]:
     "The keys of one streaming epoch (seed 0, batches of 16) in the order the training loop sees them."
-    from shardkit.loader import create_dataloader, create_dataset
+    from shardkit import create_dataloader, create_dataset
     ds = create_dataset(urls, fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50,
                         **{k: v for k, v in kw.items() if k == "retry_wait"})
     loader = create_dataloader(ds, num_workers=workers, batch_size=16,
@@ -222,7 +222,7 @@ def test_workers_each_make_their_own_client_and_never_hang(workers, context, s3,
 
 def test_two_ranks_split_the_epoch(s3, tmp_path):
     "Two ranks (two processes, RANK/WORLD_SIZE), 2 workers each, read s3://: every sample once between them."
-    code = ("import json, sys; from shardkit.loader import create_dataloader, create_dataset\n"
+    code = ("import json, sys; from shardkit import create_dataloader, create_dataset\n"
             "ds = create_dataset('s3://data/', fields=('__key__',), seed=0, batch_size=8)\n"
             "print(json.dumps([k for b in create_dataloader(ds, num_workers=2, timeout=60) for k in b[0]]))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -236,7 +236,7 @@ def test_two_ranks_split_the_epoch(s3, tmp_path):
 
 def test_a_mix_of_s3_and_local_sources(s3, shard_dir):
     "A mix by weight of an s3:// prefix and a local folder: both sources in the batches, each sample of s3:// once."
-    from shardkit.loader import create_dataloader, create_dataset
+    from shardkit import create_dataloader, create_dataset
     ds = create_dataset({"s3": "s3://data/", "local": str(shard_dir)}, weights={"s3": 1, "local": 1},
                         fields=("__key__", "__source__"), seed=0, batch_size=16)
     got = [(k, src) for b in create_dataloader(ds, num_workers=2) for k, src in zip(b[0], b[1])]
@@ -272,7 +272,7 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
     state_dict, manifest, pickled loader, CLI output or committed notebook output."""
     from conftest import ROOT, main_cli
     from shardkit import write_shards
-    from shardkit.loader import create_dataloader, create_dataset
+    from shardkit import create_dataloader, create_dataset
     from shardkit.loading.random import create_random_loader
     from shardkit.s3 import s3_client
     from shardkit.store import open_store
@@ -307,7 +307,7 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
 
 def test_other_clouds_and_a_missing_botocore_say_what_to_do(tmp_path):
     "gs:// and az:// say they are not supported yet and how to read them today; without botocore, the extra is named."
-    from shardkit.loader import create_dataset
+    from shardkit import create_dataset
     from shardkit.store import open_store
     with pytest.raises(Exception, match="gs:// is not supported yet.*AIStore.*pipe:gcloud storage cat"):
         open_store("gs://bucket/train")

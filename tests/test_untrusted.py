@@ -108,7 +108,7 @@ def test_decompression_bomb_is_a_counted_skip(pets, tmp_path):
 @pytest.mark.timed
 def test_listed_names_are_not_templates(tmp_path):
     "A file literally named odd-{0..3000000}.tar is one shard, not three million."
-    from shardkit.loader import create_dataset
+    from shardkit import create_dataset
     d = tmp_path / "odd"
     d.mkdir()
     (d / "odd-{0..3000000}.tar").write_bytes(_tar(_sample_members("a", 3)))
@@ -275,7 +275,7 @@ def test_sidecar_port_is_checked_fast(etl_src):
 
 def test_loader_and_etl_refuse_pickles(tmp_path):
     import pickle
-    from shardkit.loader import create_dataset
+    from shardkit import create_dataset
     from shardkit.etl.core import ShardTransform, ETLError
     marker = tmp_path / "pwned"
     (tmp_path / "p.tar").write_bytes(_tar(_sample_members("a", 1) + [("a.meta.pyd", "file", pickle.dumps(_Marker(marker)))]))

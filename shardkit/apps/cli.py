@@ -79,10 +79,10 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "How long a fresh process takes to import, print --help and train, beside import torch"),
     ("train",):            ("shardkit.train:train_cli",
                             "Train a classifier from shards (or an ImageFolder tree)"),
-    ("docs",):             ("shardkit.apps.docs:docs_cli",
+    ("docs",):             ("shardkit.docs:docs_cli",
                             "Render the documentation site (Quarto, or offline with mkdocs)"),
     ("lab",):              ("shardkit.apps.lab:lab_cli",               "Open the tutorials in JupyterLab on 127.0.0.1"),
-    ("profile",):          ("shardkit.apps.profile:profile_cli",
+    ("profile",):          ("shardkit.profile:profile_cli",
                             "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
 }
 

@@ -24,7 +24,7 @@ from ..datasets.pets import CLASS_NAMES, convert_pets, pet_records, synthesize_p
 from ..display import display_loader_images
 from ..errors import StoreError, UsageError
 from ..etl.sidecar import Sidecar
-from ..loader import create_dataloader, create_dataset
+from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.transforms import eval_transform, train_transform
 from ..remote import say_line
 from ..shuffle import shuffle_shards

@@ -139,9 +139,9 @@ def create_dataloader(dataset: ShardDataset,         # from create_dataset
         return dataset if device is None else DeviceLoader(dataset, device)
     if not isinstance(dataset, ShardDataset):
         raise UsageError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
-    if "shuffle" in kw:  # its name until 2026-11
-        raise UsageError("create_dataloader(shuffle=N) is now shuffle_across=N (create_dataset's shuffle is each "
-                         "worker's buffer)")
+    if "shuffle" in kw:  # create_dataset's word for each worker's buffer, easily passed here
+        raise UsageError("create_dataloader(shuffle=N): the shuffle across workers is shuffle_across=N "
+                         "(create_dataset's shuffle is each worker's buffer)")
     batch_size = batch_size or dataset.batch_size
     if shuffle_across and not dataset.batch_size:
         raise LoaderError("shuffle_across=N unbatches the workers' batches: the dataset must batch (batch_size > 0)")

@@ -215,13 +215,25 @@ def _window(window, fits: int | None, shards: int) -> int | None:
     return window
 
 # %% ../../nbs/27_random.ipynb
-def create_random_loader(source, fields: Sequence[str] | None = None, transform=None, batch_size: int = 64,
-                         num_workers: int = 2, seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                         pad: bool = False, drop_last: bool | None = None, allow_pickle: bool = False,
-                         index_cache: bool | str | Path = True, read: str = "auto", shard_cache: int | str = 16,
-                         window: int | None | str = "auto", retry_wait: float | Retries = 120,
-                         weights: dict[str, float] | None = None,
-                         **kw) -> RandomAccessLoader:
+def create_random_loader(source,                 # Shards (as for create_dataset), or {name: source} to mix
+                         fields: Sequence[str] | None = None,  # Fields of each sample, in order; None: every sample's
+                         transform=None,         # Applied to each sample's tuple; None: train_transform() for images
+                         batch_size: int = 64,   # Samples per batch
+                         num_workers: int = 2,   # DataLoader worker processes that read and decode
+                         seed: int = 0,          # Seed of every epoch's order and of the crops
+                         rank: int | None = None,  # This process's rank; None: from torch.distributed (or 0)
+                         world_size: int | None = None,  # Ranks sharing every step; None: from torch.distributed
+                         pad: bool = False,      # With ranks: repeat samples to fill an epoch's last step
+                         drop_last: bool | None = None,  # Drop a last partial batch; None: only with several ranks
+                         allow_pickle: bool = False,  # Decode .pyd/.pickle fields (only for shards you trust)
+                         index_cache: bool | str | Path = True,  # Keep the sample index on disk (in this folder)
+                         read: str = "auto",     # How samples are read: one of READ_MODES, or 'auto' (the source's)
+                         shard_cache: int | str = 16,  # The shard cache's bound: shards (an int) or bytes ('2GB')
+                         window: int | None | str = "auto",  # Shards per window; None: one order; 'auto': the cache's
+                         retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError
+                         weights: dict[str, float] | None = None,  # With a dict of sources: each one's share
+                         **kw,                   # More DataLoader arguments
+                        ) -> RandomAccessLoader:
     "A resumable loader of `fields` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, seeded order."
     first, mix = mixed_sources(source, weights)  # a dict of sources: mixed by `weights`, the first makes the epoch
     retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker

@@ -14,10 +14,10 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent.parent))
 from shardkit.bench.peers import post_loader
 from shardkit.datasets.folder import synthesize_folder
-from shardkit.loader import create_dataloader, create_dataset
+from shardkit import create_dataloader, create_dataset
 from shardkit.loading.gpu import create_gpu_loader
 from shardkit.loading.transforms import train_transform
-from shardkit.apps.profile import profile_pipeline
+from shardkit.profile import profile_pipeline
 sys.path.insert(0, str(HERE.parent.parent / "tests"))
 from conftest import write_pet_shards
 

@@ -8,7 +8,7 @@ import shutil
 import sys
 from importlib.util import find_spec
 from pathlib import Path
-from shardkit.apps.docs_pages import (
+from shardkit.docs.pages import (
     PACKAGES,
     DocsError,
     clean_notebook,
@@ -20,7 +20,7 @@ from shardkit.apps.docs_pages import (
     project_root,
     site_nav,
 )
-from shardkit.apps.docs_render import (
+from shardkit.docs.render import (
     committed_executed,
     execute_notebook,
     execute_notebooks,
@@ -33,7 +33,7 @@ from shardkit.apps.docs_render import (
 )
 from ..command import command
 from ..errors import UsageError
-from .docs_checks import broken_links, external_refs, out_problem, strip_external
+from .checks import broken_links, external_refs, out_problem, strip_external
 
 # %% auto 0
 __all__ = ['DOCS_MODULES', 'OFFLINE_MODULES', 'docs_missing', 'docs_deps_problem', 'build_docs', 'docs_cli', 'pipeline_diagram',
@@ -105,11 +105,11 @@ def docs_cli(res, args):
     return 0
 
 # %% ../../nbs/98_docs.ipynb
-_USAGE = ("usage: python -m shardkit.apps.docs execute NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]\n"
-          "       python -m shardkit.apps.docs shrink NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]")
+_USAGE = ("usage: python -m shardkit.docs execute NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]\n"
+          "       python -m shardkit.docs shrink NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]")
 
 def _main(argv: list[str] | None = None) -> int:
-    "`python -m shardkit.apps.docs execute|shrink NOTEBOOK...`: execute notebooks in place, or shrink their figures."
+    "`python -m shardkit.docs execute|shrink NOTEBOOK...`: execute notebooks in place, or shrink their figures."
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] not in ("execute", "shrink"):
         print(_USAGE, file=sys.stderr)
