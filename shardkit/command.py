@@ -5,7 +5,6 @@
 # %% ../nbs/00a_command.ipynb 2
 from __future__ import annotations
 import argparse
-import functools
 import inspect
 import json
 import os
@@ -38,6 +37,7 @@ class Option:
     default: object       # The value when it is not given; `inspect.Parameter.empty`: a positional argument
     help: str             # The parameter's docment
     flag: str = ""        # "on": `--NAME` sets True; "off": `--no-NAME` sets False (the parameter defaults to True)
+    many: bool = False    # A list: it takes one value or more (`nargs="+"`), each parsed to `type`
 
     @property
     def positional(self) -> bool: return self.default is inspect.Parameter.empty
@@ -52,6 +52,7 @@ class Option:
 def cli_type(anno, default) -> tuple[type | None, str]:
     "How a command line gives a parameter annotated `anno`: (the type its value is parsed to, the flag kind)."
     if anno is bool: return None, "off" if default is True else "on"
+    if typing.get_origin(anno) is list: return cli_type(typing.get_args(anno)[0], None)  # each value's (`Option.many`)
     args = [a for a in typing.get_args(anno) if a is not type(None)]
     if isinstance(anno, types.UnionType) or typing.get_origin(anno) is typing.Union:
         if str in args or Path in args: return str, ""  # a size such as 1GB, a path: the function parses it
@@ -73,7 +74,8 @@ def function_options(fn, hide=()) -> list[Option]:
         if name in hide or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD): continue
         if not docs.get(name): raise TypeError(f"{fn.__qualname__}({name}=...) has no docment to be its option's help")
         typ, flag = cli_type(p.annotation, p.default)
-        opts.append(Option(name, typ, False if flag == "on" else p.default, docs[name], flag))
+        opts.append(Option(name, typ, False if flag == "on" else p.default, docs[name], flag,
+                           many=typing.get_origin(p.annotation) is list))
     return opts
 
 # %% ../nbs/00a_command.ipynb
@@ -90,6 +92,12 @@ def write_json(path, obj):
         os.replace(tmp, path)  # a kill leaves the old file or the new one, never half of one
     finally: tmp.unlink(missing_ok=True)
 
+def _signature(opts: list[Option]) -> inspect.Signature:
+    "The signature of a command taking `opts`: each a keyword-only parameter, its type and default (none: required)."
+    P = inspect.Parameter
+    anno = lambda o: bool if o.flag else list[o.type] if o.many else o.type
+    return inspect.Signature([P(o.name, P.KEYWORD_ONLY, default=o.default, annotation=anno(o)) for o in opts])
+
 def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
     """Make the decorated `report(result, args)` a command over `fn`: its options are `fn`'s parameters (defaults,
     docments) but those hidden or `fixed`, plus the `OUTPUTS` named; it calls `fn`, then `report` with the result.
@@ -97,7 +105,6 @@ def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
     fixed = dict(fixed or {})
     opts = function_options(fn, {*hide, *fixed}) + [Option(o, *OUTPUTS[o]) for o in outputs]
     def decorate(report):
-        @functools.wraps(report)
         def run(**args):
             given, args = {o.name: args[o.name] for o in opts if o.name not in outputs}, AttrDict(args)
             res = fn(**given, **fixed)
@@ -105,7 +112,9 @@ def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
             if args.get("json"):
                 write_json(args.json, res if as_json is None else as_json(res, args)); print(f"json: {args.json}")
             return out
-        run.options, run.function = opts, fn
+        for a in ("__module__", "__name__", "__qualname__", "__doc__"): setattr(run, a, getattr(report, a))
+        run.__signature__ = _signature(opts)  # what `run` takes: the options, by name
+        run.options, run.function, run.report = opts, fn, report
         return run
     return decorate
 
@@ -126,6 +135,7 @@ def help_arguments(run) -> list[dict]:
         elif o.positional: out.append(dict(names=[o.name]))
         else: out.append(dict(names=o.spellings(), dest=o.name,
                               metavar=o.spellings()[-1].lstrip("-").replace("-", "_").upper()))
+        if o.many: out[-1]["nargs"] = "+"
         out[-1]["help"] = _help(o)
     return out
 
@@ -138,8 +148,8 @@ def help_parser(prog: str, description: str, arguments: list[dict], epilog: str 
     for a in arguments: p.add_argument(*a["names"], **{k: v for k, v in a.items() if k != "names"})
     return p
 
-def command_parser(run, prog: str, description: str = "", epilog: str | None = None) -> argparse.ArgumentParser:
+def command_parser(run, prog: str, epilog: str | None = None) -> argparse.ArgumentParser:
     "An argparse parser for the command `run` (made by `command`), named `prog`: `help_parser`'s, with types, defaults."
     typed = [a if o.flag else {**a, "type": o.type, **({} if o.positional else {"default": o.default})}
              for o, a in zip(_ordered(run), help_arguments(run))]
-    return help_parser(prog, description or run.__doc__, typed, epilog)
+    return help_parser(prog, run.__doc__, typed, epilog)

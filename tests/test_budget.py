@@ -1,7 +1,7 @@
 """The repository's notebooks stay light: everyone who clones the project downloads them, and every docs reader
 loads their figures. Budgets: no image output over 200 KB, no notebook over 1 MB, all of them under 6 MB, and
-figures stored at the size they are shown (not at 2x, "retina"). `python -m shardkit.docs execute` keeps
-to this by itself; `python -m shardkit.docs shrink NOTEBOOK...` brings committed outputs back under it.
+figures stored at the size they are shown (not at 2x, "retina"). `shardkit docs execute` keeps
+to this by itself; `shardkit docs shrink NOTEBOOK...` brings committed outputs back under it.
 
 Committed outputs are also what docs readers see, so they carry no path of the machine that executed them: no
 checkout, temp or home folder, no site-packages path from a warning. And a library page that shows examples is
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NBS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb")
              if not any(part.startswith((".", "_")) or part == "data" for part in p.relative_to(ROOT / "nbs").parts))
 IMAGE_KB, NOTEBOOK_MB, TOTAL_MB = 200, 1, 6
-FIX = "run `python -m shardkit.docs shrink NOTEBOOK.ipynb` (or re-execute it with `python -m shardkit.docs execute`)"
+FIX = "run `shardkit docs shrink NOTEBOOK.ipynb` (or re-execute it with `shardkit docs execute`)"
 
 
 def _images(nb: Path):
@@ -87,7 +87,7 @@ def _machine_paths() -> re.Pattern:
 MACHINE_PATHS = _machine_paths()
 PATH_FIX = ("show paths with `shardkit.store.shown_path` (relative to the working directory), write scratch data under "
             "the notebook's git-ignored data/ folder instead of a temp folder, fix or precisely silence warnings that print "
-            "a library's path; then re-execute it with `python -m shardkit.docs execute NOTEBOOK.ipynb`")
+            "a library's path; then re-execute it with `shardkit docs execute NOTEBOOK.ipynb`")
 
 
 @pytest.mark.parametrize("nb", NBS, ids=[p.relative_to(ROOT / "nbs").as_posix() for p in NBS])
@@ -99,7 +99,7 @@ def test_outputs_show_no_machine_paths(nb):
 
 
 # Library notebooks committed without outputs, each with why. Every other library notebook runs with no server and is
-# committed executed (`python -m shardkit.docs execute nbs/NN_name.ipynb`: 1x figures, nbdev_clean's form), so that its
+# committed executed (`shardkit docs execute nbs/NN_name.ipynb`: 1x figures, nbdev_clean's form), so that its
 # page shows what its examples print and draw.
 NEEDS_SERVER = {"07_cluster.ipynb": "its examples build aisnode with Go and start a local AIStore cluster (a server)"}
 SHOWS_NOTHING = {  # checked below: no cell of theirs prints, draws or ends in a value
@@ -138,7 +138,7 @@ def test_library_notebook_committed_with_outputs(nb):
     "A library page whose examples need no server is committed executed; the exceptions are listed above, with why."
     rel = nb.relative_to(ROOT)
     assert _has_outputs(nb), (f"{rel} is committed without outputs, so its page shows none of its examples' results: "
-                              f"run `python -m shardkit.docs execute {rel}` (test-sized where the full size is slow, "
+                              f"run `shardkit docs execute {rel}` (test-sized where the full size is slow, "
                               f"saying so on the page) and commit it; a notebook that needs a server goes in "
                               f"NEEDS_SERVER in {Path(__file__).name}, with why")
 

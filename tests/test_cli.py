@@ -4,7 +4,7 @@ command (the last test checks the suite for it), so deleting an entry from the t
 import inspect, json, re
 from pathlib import Path
 import pytest
-from shardkit.apps.cli import COMMANDS, command_parser, find_command, load_command
+from shardkit.apps.cli import COMMANDS, command_description, find_command, load_command, parser_of
 from conftest import main_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ SHARDKIT_COMMANDS = {
     ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
     ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "mix"),
     ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("bench", "startup"), ("train",), ("docs",),
-    ("lab",), ("profile",),
+    ("docs", "execute"), ("docs", "shrink"), ("lab",), ("profile",),
 }
 
 
@@ -32,7 +32,7 @@ def test_each_command_imports_and_parses(cmd):
     "The function behind each command imports, and `--help` builds its parser from the signature and answers 0."
     assert cmd in COMMANDS, f"`shardkit {' '.join(cmd)}` is not in cli.COMMANDS"
     assert callable(load_command(cmd))
-    command_parser(cmd)
+    parser_of(cmd)
     r = main_cli(*cmd, "--help")
     assert r.returncode == 0 and f"usage: shardkit {' '.join(cmd)}" in r.stdout, (r.stdout, r.stderr)
 
@@ -125,7 +125,7 @@ def test_no_test_edits_the_command_table():
 def test_help_has_no_placeholders_and_version_answers():
     "`--help` names each value the way the option reads (`--try TRY`, not `TRY_`); `--version` says the version."
     for cmd in COMMANDS:  # every command's help, built in this process (each parser is what `--help` prints)
-        text = command_parser(cmd).format_help()
+        text = parser_of(cmd).format_help()
         odd = re.findall(r"\b[A-Z][A-Z0-9_]*_\b|default: None|%\(\w+\)|\bTODO\b", text)
         assert not odd, f"`shardkit {' '.join(cmd)} --help` shows {odd}:\n{text}"
         assert f"usage: shardkit {' '.join(cmd)}" in text and len(text.splitlines()) >= 4, text
@@ -145,12 +145,46 @@ def test_every_command_takes_its_options_from_its_function():
     for cmd in COMMANDS:
         run = load_command(cmd)
         assert hasattr(run, "options"), f"`shardkit {' '.join(cmd)}` is not made with shardkit.command.command"
-        report = run.__wrapped__
+        report = run.report
         lines = inspect.getsource(report).rstrip().splitlines()
         if len(lines) > 10: long.append(f"{report.__name__} ({len(lines)} lines)")
         if len(inspect.signature(report).parameters) != 2: own.append(report.__name__)
-        bare += [f"{' '.join(cmd)} {a.option_strings or a.dest}" for a in command_parser(cmd)._actions
+        bare += [f"{' '.join(cmd)} {a.option_strings or a.dest}" for a in parser_of(cmd)._actions
                  if not (a.help or "").strip()]
     assert not long, f"*_cli functions over 10 lines (move the work into the library function): {long}"
     assert not own, f"*_cli functions with parameters of their own (take them from the function): {own}"
     assert not bare, f"options without help (give the library parameter a docment): {bare}"
+
+
+def test_each_command_has_one_description():
+    """A command's description is its function's docstring, one line: what its `--help` starts with, what `shardkit
+    --help` lists beside it (from the kept table, without importing it) and what the README's command list says."""
+    from shardkit.apps.cli import _usage
+    usage = _usage()
+    for cmd in COMMANDS:
+        run, name = load_command(cmd), " ".join(cmd)
+        doc = run.__doc__ or ""
+        assert doc.strip() and "\n" not in doc.strip(), f"`shardkit {name}`: give {run.__name__} a one-line docstring"
+        assert command_description(cmd) == doc, name
+        assert parser_of(cmd).description == doc, name
+        assert re.search(rf"^  {re.escape(name)} +{re.escape(doc)}$", usage, re.M), f"`shardkit --help` on {name}"
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("<!-- command-list"):]
+    block = block[:block.index("```", block.index("```") + 3)]
+    lines = {find_command(line.split()[1:])[0]: line for line in block.splitlines() if line.startswith("shardkit ")}
+    wrong = [f"shardkit {' '.join(cmd)}: {lines.get(cmd)!r}" for cmd in COMMANDS
+             if not (lines.get(cmd) or "").endswith(" " + command_description(cmd))]
+    assert not wrong, "the README's command list: each command on a line of its own, ending in its description " \
+                      "(its function's docstring):\n" + "\n".join(wrong)
+
+
+def test_a_commands_signature_tells_the_truth():
+    "`inspect.signature` of a command shows what it takes: its options, by keyword, with their defaults."
+    for cmd in COMMANDS:
+        run = load_command(cmd)
+        params = inspect.signature(run).parameters
+        assert [p for p in params] == [o.name for o in run.options], cmd
+        assert all(p.kind is p.KEYWORD_ONLY for p in params.values()), cmd
+        assert [p.default for p in params.values()] == [o.default for o in run.options], cmd
+    train = inspect.signature(load_command(("train",)))
+    assert "shards" in train.parameters and "hist" not in train.parameters, train

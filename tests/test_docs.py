@@ -1,5 +1,5 @@
 """The docs site: `shardkit docs` builds it offline, and headless Chromium finds a page for every notebook,
-every image loaded, and nothing fetched from another host. Also `python -m shardkit.docs execute`."""
+every image loaded, and nothing fetched from another host. Also `shardkit docs execute`."""
 import base64, functools, http.server, io, json, os, re, shutil, subprocess, sys, threading
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -153,7 +153,7 @@ def test_no_page_over_budget(built):
     weights = {p.relative_to(site).as_posix(): page_weight(site, p) for p in site.rglob("*.html")}
     assert len(weights) > 5 and max(weights.values()) > 10_000
     heavy = {p: f"{w / 1e6:.2f} MB" for p, w in weights.items() if w > PAGE_MB * 1e6}
-    assert not heavy, f"pages over {PAGE_MB} MB: {heavy}; shrink the notebooks' figures: python -m shardkit.docs shrink NOTEBOOK.ipynb"
+    assert not heavy, f"pages over {PAGE_MB} MB: {heavy}; shrink the notebooks' figures: shardkit docs shrink NOTEBOOK.ipynb"
 
 
 @pytest.mark.slow
@@ -221,12 +221,12 @@ def _nb(path, *sources):
 
 
 def _run_execute(*args):
-    return subprocess.run([sys.executable, "-m", "shardkit.docs", "execute", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "shardkit", "docs", "execute", *map(str, args)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def test_execute_in_place(tmp_path):
-    """`python -m shardkit.docs execute` saves outputs (figures too), with the notebook's folder as working directory;
+    """`shardkit docs execute` saves outputs (figures too), with the notebook's folder as working directory;
     a notebook with a failing cell is left as it was and the exit code says so."""
     (tmp_path / "data.txt").write_text("from the notebook's folder")
     good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
@@ -249,11 +249,12 @@ def test_execute_in_place(tmp_path):
 
 
 def test_execute_bad_input(tmp_path, capsys):
-    from shardkit.docs import _main
-    assert _main(["execute", str(tmp_path / "missing.ipynb")]) == 2
-    assert "no such notebook" in capsys.readouterr().err
-    assert _main(["run", "x.ipynb"]) == 2
-    assert "usage: python -m shardkit.docs execute" in capsys.readouterr().err
+    "`shardkit docs execute` refuses a path that is not a notebook before executing anything; a wrong word is a usage error."
+    from shardkit.apps.cli import main
+    assert main(["docs", "execute", str(tmp_path / "missing.ipynb")]) == 2
+    assert "shardkit docs execute: no such notebook" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e: main(["docs", "run", "x.ipynb"])
+    assert e.value.code == 2 and "usage: shardkit docs" in capsys.readouterr().err
 
 
 def test_quarto_renderer_when_quarto_exists(tmp_path, monkeypatch, capsys):
@@ -280,7 +281,7 @@ def test_quarto_renderer_when_quarto_exists(tmp_path, monkeypatch, capsys):
 
 
 def test_shrink_cli(tmp_path):
-    "`python -m shardkit.docs shrink` brings a committed retina photo figure down to its shown size, as JPEG, in place."
+    "`shardkit docs shrink` brings a committed retina photo figure down to its shown size, as JPEG, in place."
     import nbformat
     import numpy as np
     from PIL import Image
@@ -292,7 +293,7 @@ def test_shrink_cli(tmp_path):
     p = tmp_path / "retina.ipynb"
     nbformat.write(nb, p)
     before = p.stat().st_size
-    r = subprocess.run([sys.executable, "-m", "shardkit.docs", "shrink", str(p)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "shardkit", "docs", "shrink", str(p)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "MB ->" in r.stdout
     out = nbformat.read(p, as_version=4).cells[0].outputs[0]

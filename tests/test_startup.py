@@ -55,12 +55,13 @@ def test_train_with_the_default_pipeline_imports_no_torchvision(own_shards):
 
 
 def test_every_help_imports_no_torch_and_shows_the_commands_own_page():
-    "Every command's --help in one fresh process: no torch, no command module imported; each page is the live one."
-    from shardkit.apps.cli import COMMANDS, EXAMPLES, command_parser
+    """Every command's --help, and `shardkit --help`'s list of every command with its description, in one fresh process:
+    no torch, no command module imported; each page is the live one."""
+    from shardkit.apps.cli import COMMANDS, EXAMPLES, _usage, parser_of
     r = fresh("import contextlib, io, json, sys\n"
               "from shardkit.apps.cli import COMMANDS, main\n"
               "pages = {}\n"
-              "for cmd in COMMANDS:\n"
+              "for cmd in [*COMMANDS, ()]:\n"
               "    out = io.StringIO()\n"
               "    with contextlib.redirect_stdout(out):\n"
               "        try: main([*cmd, '--help'])\n"
@@ -76,9 +77,10 @@ def test_every_help_imports_no_torch_and_shows_the_commands_own_page():
     os.environ["COLUMNS"] = "120"  # the same width as the fresh process's pages
     try:
         for cmd in COMMANDS:
-            assert got["pages"][" ".join(cmd)] == command_parser(cmd).format_help(), cmd
+            assert got["pages"][" ".join(cmd)] == parser_of(cmd).format_help(), cmd
     finally: del os.environ["COLUMNS"]
     assert "torchrun --nproc_per_node 2 -m shardkit train" in got["pages"]["train"] and ("train",) in EXAMPLES
+    assert got["pages"][""] == _usage() + "\n" and "  train " in got["pages"][""]  # `shardkit --help`: the list
 
 
 def test_the_kept_help_is_current():

@@ -12,78 +12,52 @@ import json
 import sys
 from pathlib import Path
 import shardkit
-from ..command import command_parser as build_parser
-from ..command import help_arguments, help_parser, write_json
+from ..command import command_parser, help_arguments, help_parser, write_json
 from ..errors import ShardkitError
 
 # %% auto 0
-__all__ = ['COMMANDS', 'EXAMPLES', 'HELP_TABLE', 'find_command', 'load_command', 'command_parser', 'command_help',
-           'write_help_table', 'kept_help', 'main']
+__all__ = ['COMMANDS', 'EXAMPLES', 'HELP_TABLE', 'find_command', 'load_command', 'parser_of', 'command_help', 'write_help_table',
+           'kept_help', 'command_description', 'main']
 
 # %% ../../nbs/99_cli.ipynb
-_DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards
-    ("demo",):             ("shardkit.apps.demo:demo_cli",
-                            "Run the whole pipeline end to end on the embedded default (or AIS_ENDPOINT)"),
-    ("ais", "up"):         ("shardkit.apps.cluster:ais_up_cli",
-                            "Build AIStore and start a local cluster on 127.0.0.1"),
-    ("ais", "down"):       ("shardkit.apps.cluster:ais_down_cli",       "Stop the local cluster that `ais up` started"),
-    ("ais", "status"):     ("shardkit.apps.cluster:ais_status_cli",
-                            "Show the local cluster's nodes, capacity and endpoint"),
-    ("ais", "build"):      ("shardkit.apps.cluster:ais_build_cli",
-                            "Build the aisnode binary (and the ais CLI) without starting anything"),
-    ("ais", "put"):        ("shardkit.apps.cluster:ais_put_cli",
-                            "Upload local shards into an AIStore bucket; faults are retried and counted"),
-    ("synth", "pets"):     ("shardkit.datasets.pets:synth_pets_cli",
-                            "Write a synthetic data set in the Oxford-IIIT Pet layout"),
-    ("download", "pets"):  ("shardkit.datasets.pets:download_pets_cli", "Download the real Oxford-IIIT Pet data set"),
-    ("convert", "pets"):   ("shardkit.datasets.pets:convert_pets_cli",
-                            "Convert an Oxford-IIIT Pet folder into WebDataset shards"),
-    ("synth", "folder"):   ("shardkit.datasets.folder:synth_folder_cli",
-                            "Write a synthetic ImageFolder tree (train/ and val/)"),
-    ("convert", "folder"): ("shardkit.datasets.folder:convert_folder_cli",
-                            "Convert an ImageFolder tree into WebDataset shards"),
-    ("shuffle",):          ("shardkit.shuffle:shuffle_cli",
-                            "Shuffle shards into new shards (AIStore dSort or a local equivalent)"),
-    ("ls",):               ("shardkit.display:ls_cli",
-                            "List the shards in a store with their samples and sizes"),
-    ("show",):             ("shardkit.display:show_cli",           "Draw the first samples of a shard into a PNG"),
-    ("verify",):           ("shardkit.shards.manifest:verify_cli",
-                            "Check every shard in a store against its manifest (SHA-256, size, samples)"),
+_DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards: each runs this function
+    ("demo",):             "shardkit.apps.demo:demo_cli",
+    ("ais", "up"):         "shardkit.apps.cluster:ais_up_cli",
+    ("ais", "down"):       "shardkit.apps.cluster:ais_down_cli",
+    ("ais", "status"):     "shardkit.apps.cluster:ais_status_cli",
+    ("ais", "build"):      "shardkit.apps.cluster:ais_build_cli",
+    ("ais", "put"):        "shardkit.apps.cluster:ais_put_cli",
+    ("synth", "pets"):     "shardkit.datasets.pets:synth_pets_cli",
+    ("download", "pets"):  "shardkit.datasets.pets:download_pets_cli",
+    ("convert", "pets"):   "shardkit.datasets.pets:convert_pets_cli",
+    ("synth", "folder"):   "shardkit.datasets.folder:synth_folder_cli",
+    ("convert", "folder"): "shardkit.datasets.folder:convert_folder_cli",
+    ("shuffle",):          "shardkit.shuffle:shuffle_cli",
+    ("ls",):               "shardkit.display:ls_cli",
+    ("show",):             "shardkit.display:show_cli",
+    ("verify",):           "shardkit.shards.manifest:verify_cli",
 }
 
 # %% ../../nbs/99_cli.ipynb
 COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the applications
-    ("etl", "serve"):      ("shardkit.etl.sidecar:etl_serve_cli",
-                            "Serve a sample transform as an ETL sidecar in front of a store"),
-    ("etl", "run"):        ("shardkit.etl:etl_run_cli",
-                            "Transform every shard of a store into another store"),
-    ("bench", "convert"):  ("shardkit.bench.convert:bench_convert_cli",
-                            "Benchmark the Pet converter against a plain ShardWriter loop"),
-    ("bench", "etl"):      ("shardkit.bench.etl:bench_etl_cli",
-                            "Benchmark client-side against offloaded (sidecar) transforms"),
-    ("bench", "dask-etl"): ("shardkit.bench.dask:bench_dask_etl_cli",
-                            "Benchmark the Dask ETL engine against the local one"),
-    ("bench", "random"):   ("shardkit.bench.random:bench_random_cli",
-                            "Benchmark the random-access loader (local or ais://; --shard-index)"),
-    ("bench", "mix"):      ("shardkit.bench.mix:bench_mix_cli",
-                            "Benchmark a mix of two sources against the same shards as one (stream, random)"),
-    ("bench", "loader"):   ("shardkit.bench.loader:bench_loader_cli",
-                            "Benchmark shardkit's loaders against their peers on the same work"),
-    ("bench", "train"):    ("shardkit.bench.train:bench_train_cli",
-                            "Benchmark `shardkit train` against the same model fed straight from the loader"),
-    ("bench", "gpu"):      ("shardkit.bench.gpu:bench_gpu_cli",
-                            "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
-    ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",
-                            "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
-    ("bench", "startup"):  ("shardkit.bench.startup:bench_startup_cli",
-                            "How long a fresh process takes to import, print --help and train, beside import torch"),
-    ("train",):            ("shardkit.train:train_cli",
-                            "Train a classifier from shards (or an ImageFolder tree)"),
-    ("docs",):             ("shardkit.docs:docs_cli",
-                            "Render the documentation site (Quarto, or offline with mkdocs)"),
-    ("lab",):              ("shardkit.apps.lab:lab_cli",               "Open the tutorials in JupyterLab on 127.0.0.1"),
-    ("profile",):          ("shardkit.profile:profile_cli",
-                            "Profile a training input pipeline: time per stage, waiting, verdicts, --try a change"),
+    ("etl", "serve"):      "shardkit.etl.sidecar:etl_serve_cli",
+    ("etl", "run"):        "shardkit.etl:etl_run_cli",
+    ("bench", "convert"):  "shardkit.bench.convert:bench_convert_cli",
+    ("bench", "etl"):      "shardkit.bench.etl:bench_etl_cli",
+    ("bench", "dask-etl"): "shardkit.bench.dask:bench_dask_etl_cli",
+    ("bench", "random"):   "shardkit.bench.random:bench_random_cli",
+    ("bench", "mix"):      "shardkit.bench.mix:bench_mix_cli",
+    ("bench", "loader"):   "shardkit.bench.loader:bench_loader_cli",
+    ("bench", "train"):    "shardkit.bench.train:bench_train_cli",
+    ("bench", "gpu"):      "shardkit.bench.gpu:bench_gpu_cli",
+    ("bench", "scale"):    "shardkit.bench.scale:bench_scale_cli",
+    ("bench", "startup"):  "shardkit.bench.startup:bench_startup_cli",
+    ("train",):            "shardkit.train:train_cli",
+    ("docs",):             "shardkit.docs:docs_cli",
+    ("docs", "execute"):   "shardkit.docs:docs_execute_cli",
+    ("docs", "shrink"):    "shardkit.docs:docs_shrink_cli",
+    ("lab",):              "shardkit.apps.lab:lab_cli",
+    ("profile",):          "shardkit.profile:profile_cli",
 }
 
 EXAMPLES = {  # shown after a command's options (`--help`): what its options alone do not say
@@ -100,26 +74,15 @@ def find_command(argv: list[str]) -> tuple[tuple[str, ...] | None, list[str]]:
     return None, argv
 
 # %% ../../nbs/99_cli.ipynb
-def _usage(prefix: tuple[str, ...] = ()) -> str:
-    "The command overview, limited to the commands under `prefix`."
-    rows = [(" ".join(k), v[1]) for k, v in COMMANDS.items() if k[:len(prefix)] == prefix]
-    width = max(len(r[0]) for r in rows)
-    lines = ["usage: shardkit COMMAND [options]   (shardkit COMMAND --help for a command's options)", "",
-             "Fast training-data pipelines for PyTorch: WebDataset shards on a local disk or in AIStore.", "",
-             "commands:"]
-    lines += [f"  {name:<{width}}  {summary}" for name, summary in rows]
-    return "\n".join(lines)
-
-# %% ../../nbs/99_cli.ipynb
 def load_command(cmd: tuple[str, ...]):
     "Import the function that runs `cmd`."
-    mod, fn = COMMANDS[cmd][0].split(":")
+    mod, fn = COMMANDS[cmd].split(":")
     return getattr(importlib.import_module(mod), fn)
 
 # %% ../../nbs/99_cli.ipynb
-def command_parser(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
-    "An argparse parser for `cmd`: its function's parameters and docments are the options (`shardkit.command`)."
-    return build_parser(load_command(cmd), "shardkit " + " ".join(cmd), COMMANDS[cmd][1], EXAMPLES.get(cmd))
+def parser_of(cmd: tuple[str, ...]) -> argparse.ArgumentParser:
+    "The parser of `shardkit CMD`: `command_parser` over the function that runs it, named after it, with its example."
+    return command_parser(load_command(cmd), "shardkit " + " ".join(cmd), EXAMPLES.get(cmd))
 
 # %% ../../nbs/99_cli.ipynb
 HELP_TABLE = Path(shardkit.__file__).parent / "apps" / "command_help.json"  # every command's `command_help`
@@ -134,10 +97,10 @@ def _digest(modules: list[str]) -> str:
     return h.hexdigest()[:16]
 
 def command_help(cmd: tuple[str, ...]) -> dict:
-    "What `shardkit CMD --help` shows, as data: the arguments, the modules they come from and their digest."
+    "What `shardkit CMD --help` shows, as data: the description and arguments, their modules and the modules' digest."
     run = load_command(cmd)
     modules = sorted({run.__module__, run.function.__module__, "shardkit.command"})
-    return dict(arguments=help_arguments(run), modules=modules, digest=_digest(modules))
+    return dict(description=run.__doc__, arguments=help_arguments(run), modules=modules, digest=_digest(modules))
 
 def write_help_table(path: Path = HELP_TABLE) -> Path:
     "Write every command's `command_help` to `path` (imports them all): run it after changing a command's options."
@@ -149,6 +112,20 @@ def kept_help(cmd: tuple[str, ...], path: Path = HELP_TABLE) -> dict | None:
     try: kept = json.loads(Path(path).read_text())[" ".join(cmd)]
     except (OSError, ValueError, KeyError): return None
     return kept if kept.get("digest") == _digest(kept.get("modules", [])) else None
+
+# %% ../../nbs/99_cli.ipynb
+def command_description(cmd: tuple[str, ...]) -> str:
+    "`cmd`'s description, its function's docstring: from the kept table, or the function where the table is stale."
+    return (kept_help(cmd) or command_help(cmd))["description"]
+
+def _usage(prefix: tuple[str, ...] = ()) -> str:
+    "The command overview, limited to the commands under `prefix`."
+    rows = [(" ".join(k), command_description(k)) for k in COMMANDS if k[:len(prefix)] == prefix]
+    width = max(len(r[0]) for r in rows)
+    lines = ["usage: shardkit COMMAND [options]   (shardkit COMMAND --help for a command's options)", "",
+             shardkit.__doc__, "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, summary in rows]
+    return "\n".join(lines)
 
 # %% ../../nbs/99_cli.ipynb
 def _hyphenate(arg: str) -> str:
@@ -167,7 +144,7 @@ def _version() -> str:
 def _unknown(argv: list[str]) -> str:
     "The error for a command line that names no command: the closest commands, and where the whole list is."
     words, firsts = " ".join(argv[:2]), sorted({k[0] for k in COMMANDS})
-    swapped = tuple(argv[1::-1])  # `pets synth`, the older order of `synth pets`
+    swapped = tuple(argv[1::-1])  # `pets synth`: the words of `synth pets` the other way round
     close = [" ".join(swapped)] if swapped in COMMANDS else \
         difflib.get_close_matches(words, [" ".join(k) for k in COMMANDS], n=3, cutoff=0.75)
     if not close:  # a misspelt first word: the commands under the words it is close to (a right one: listed above)
@@ -191,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         if not asked: print(_unknown(argv), file=sys.stderr)
         return 0 if asked else 2
     if _asks_help(rest) and (kept := kept_help(cmd)) is not None:  # the page, without importing the command
-        page = help_parser("shardkit " + " ".join(cmd), COMMANDS[cmd][1], kept["arguments"], EXAMPLES.get(cmd))
+        page = help_parser("shardkit " + " ".join(cmd), kept["description"], kept["arguments"], EXAMPLES.get(cmd))
         page.print_help()
         raise SystemExit(0)  # as argparse ends a --help
     func = load_command(cmd)
-    args = vars(command_parser(cmd).parse_args([_hyphenate(a) for a in rest]))
+    args = vars(parser_of(cmd).parse_args([_hyphenate(a) for a in rest]))
     try:
         result = func(**args)
     except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback

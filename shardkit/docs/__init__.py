@@ -29,6 +29,7 @@ from shardkit.docs.render import (
     render_quarto,
     shrink_image,
     shrink_notebook,
+    shrink_notebooks,
     shrink_outputs,
 )
 from ..command import command
@@ -36,19 +37,19 @@ from ..errors import UsageError
 from .checks import broken_links, external_refs, out_problem, strip_external
 
 # %% auto 0
-__all__ = ['DOCS_MODULES', 'OFFLINE_MODULES', 'docs_missing', 'docs_deps_problem', 'build_docs', 'docs_cli', 'pipeline_diagram',
-           'save_pipeline_diagram', 'PACKAGES', 'find_notebooks', 'notebook_title', 'page_path', 'site_nav',
-           'clean_notebook', 'DocsError', 'project_root', 'process_notebook', 'mkdocs_config', 'external_refs',
-           'strip_external', 'broken_links', 'out_problem', 'render_offline', 'process_notebooks', 'render_quarto',
-           'execute_notebook', 'execute_notebooks', 'committed_executed', 'shrink_image', 'shrink_outputs',
-           'shrink_notebook']
+__all__ = ['DOCS_MODULES', 'OFFLINE_MODULES', 'docs_missing', 'docs_deps_problem', 'build_docs', 'docs_cli', 'docs_execute_cli',
+           'docs_shrink_cli', 'pipeline_diagram', 'save_pipeline_diagram', 'PACKAGES', 'find_notebooks',
+           'notebook_title', 'page_path', 'site_nav', 'clean_notebook', 'DocsError', 'project_root', 'process_notebook',
+           'mkdocs_config', 'external_refs', 'strip_external', 'broken_links', 'out_problem', 'render_offline',
+           'process_notebooks', 'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed',
+           'shrink_image', 'shrink_outputs', 'shrink_notebook', 'shrink_notebooks']
 
 # %% ../../nbs/98_docs.ipynb
 _all_ = ["PACKAGES", "find_notebooks", "notebook_title", "page_path", "site_nav",
          "clean_notebook", "DocsError", "project_root", "process_notebook", "mkdocs_config",
          "external_refs", "strip_external", "broken_links", "out_problem", "render_offline", "process_notebooks",
          "render_quarto", "execute_notebook", "execute_notebooks", "committed_executed", "shrink_image",
-         "shrink_outputs", "shrink_notebook"]
+         "shrink_outputs", "shrink_notebook", "shrink_notebooks"]
 
 # %% ../../nbs/98_docs.ipynb
 DOCS_MODULES = {"nbdev": "nbdev", "execnb": "execnb", "pkg_resources": "setuptools<81", "yaml": "pyyaml"}
@@ -105,28 +106,16 @@ def docs_cli(res, args):
     return 0
 
 # %% ../../nbs/98_docs.ipynb
-_USAGE = ("usage: python -m shardkit.docs execute NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]\n"
-          "       python -m shardkit.docs shrink NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]")
+@command(execute_notebooks)
+def docs_execute_cli(failed, args):
+    "Execute notebooks in place, each in a fresh Python process, saving their outputs (figures at 1x)."
+    return 1 if failed else 0
 
-def _main(argv: list[str] | None = None) -> int:
-    "`python -m shardkit.docs execute|shrink NOTEBOOK...`: execute notebooks in place, or shrink their figures."
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[0] not in ("execute", "shrink"):
-        print(_USAGE, file=sys.stderr)
-        return 2
-    missing = [p for p in argv[1:] if not Path(p).is_file()]
-    if missing:
-        print(f"no such notebook: {missing[0]!r}", file=sys.stderr)
-        return 2
-    if argv[0] == "execute": return 1 if execute_notebooks(argv[1:]) else 0
-    for p in argv[1:]:
-        before, after = shrink_notebook(p)
-        print(f"{p}: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB")
+@command(shrink_notebooks)
+def docs_shrink_cli(sizes, args):
+    "Shrink the figures of notebooks in place to the size they are shown at (nothing executed)."
+    for path, (before, after) in sizes.items(): print(f"{path}: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB")
     return 0
-
-# %% ../../nbs/98_docs.ipynb
-#| eval: false
-if __name__ == "__main__": sys.exit(_main())
 
 # %% ../../nbs/98_docs.ipynb
 def pipeline_diagram():

@@ -33,8 +33,8 @@ from ..errors import UsageError
 from .checks import broken_links, external_refs, out_problem, strip_external
 
 # %% auto 0
-__all__ = ['process_notebooks', 'render_offline', 'render_quarto', 'execute_notebook', 'execute_notebooks', 'committed_executed',
-           'shrink_image', 'shrink_outputs', 'shrink_notebook']
+__all__ = ['process_notebooks', 'render_offline', 'render_quarto', 'execute_notebook', 'existing_notebooks', 'execute_notebooks',
+           'committed_executed', 'shrink_image', 'shrink_outputs', 'shrink_notebook', 'shrink_notebooks']
 
 # %% ../../nbs/97c_docs.render.ipynb
 _CSS = """/* shardkit docs: wider content, notebook outputs sized to the page */
@@ -127,14 +127,17 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
 # %% ../../nbs/97c_docs.render.ipynb
 def render_quarto(nbs: str | Path, out: str | Path) -> Path:
     "Build the docs site with nbdev's pipeline and Quarto (`quarto` must be on PATH) into `out`."
-    from nbdev.quarto import _pre_docs
+    from nbdev.config import get_config
+    from nbdev.quarto import nbdev_proc_nbs
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
     if out_problem(out, nbs):
         raise UsageError(f"cannot build the site into {out}: it {out_problem(out, nbs)}; pass a new or empty folder")
     with in_project(project_root(nbs)):
-        cache, cfg, _ = _pre_docs(nbs, n_workers=0)
+        nbdev_proc_nbs.__wrapped__(path=nbs, n_workers=0)  # the command's function, as nbdev calls its own commands
+        cfg = get_config()
+        cache = cfg.config_path / "_proc"  # where nbdev_proc_nbs processes the notebooks (nbdev.serve.proc_nbs)
         subprocess.run(["quarto", "render", "--no-cache"], cwd=cache, check=True)
-        built = Path(cache) / cfg.doc_path.name
+        built = cache / cfg.doc_path.name
         if out != built:
             shutil.rmtree(out, ignore_errors=True)
             shutil.copytree(built, out)
@@ -169,9 +172,16 @@ def execute_notebook(path: str | Path) -> bool:
     return True
 
 # %% ../../nbs/97c_docs.render.ipynb
-def execute_notebooks(paths: list[str | Path]) -> int:
+def existing_notebooks(paths: list[str | Path]) -> list[Path]:
+    "`paths` as `Path`s, once each is known to be a file: a UsageError names the first that is not."
+    if missing := [p for p in paths if not Path(p).is_file()]:
+        raise UsageError(f"no such notebook: {str(missing[0])!r}; give the paths of .ipynb files")
+    return [Path(p) for p in paths]
+
+def execute_notebooks(paths: list[str | Path],  # Notebooks to execute in place, each in a fresh Python process
+                     ) -> int:                 # How many failed (each says FAILED and why on stderr)
     "Execute each notebook in `paths` in place, each in a fresh Python process; the number that failed."
-    failed = 0
+    paths, failed = existing_notebooks(paths), 0
     for i, p in enumerate(paths, 1):
         print(f"[{i}/{len(paths)}] executing {p} ...", flush=True)
         code = ("import sys; from shardkit.docs import execute_notebook; "
@@ -230,7 +240,9 @@ def shrink_outputs(nb: dict, quality: int = 85) -> int:
     return saved
 
 # %% ../../nbs/97c_docs.render.ipynb
-def shrink_notebook(path: str | Path, quality: int = 85) -> tuple[int, int]:
+def shrink_notebook(path: str | Path,    # The notebook file, shrunk in place
+                    quality: int = 85,   # JPEG quality of the figures re-encoded as JPEG
+                   ) -> tuple[int, int]:  # Its size in bytes before and after
     "Shrink the image outputs of the notebook file at `path` in place (nothing executed); its size before and after."
     path = Path(path)
     before = path.stat().st_size
@@ -240,3 +252,10 @@ def shrink_notebook(path: str | Path, quality: int = 85) -> tuple[int, int]:
         from nbdev.clean import nbdev_clean
         with in_project(path.resolve().parent): nbdev_clean.__wrapped__(fname=str(path))
     return before, path.stat().st_size
+
+# %% ../../nbs/97c_docs.render.ipynb
+def shrink_notebooks(paths: list[str | Path],  # Notebook files, shrunk in place (nothing executed)
+                     quality: int = 85,        # JPEG quality of the figures re-encoded as JPEG
+                    ) -> dict[str, tuple[int, int]]:  # Each notebook's size in bytes, before and after
+    "Shrink the figures of each notebook in `paths` in place (`shrink_notebook`); each one's size before and after."
+    return {str(p): shrink_notebook(p, quality) for p in existing_notebooks(paths)}
