@@ -251,3 +251,47 @@ def test_the_readme_tables_every_library_notebook_under_its_package():
             package = ".".join(parts[:-1])
             if package not in packages: wrong.append(f"{name} ({package})")
     assert not wrong, f"notebooks in a row of another package: {wrong}"
+
+
+# Words that tell history rather than what is (test_history_words_are_found lists them): the date a name or a rule
+# held until, the round of work, an issue's number, a commit id. Prose says what is and why; git says what was; a
+# measured figure keeps its date and machine.
+HISTORY = re.compile(r"\buntil 20\d\d|\b(?:before|since) 20\d\d-\d\d|\bthis round\b|\bissues? #?\d+|\bthe issue's\b|"
+                     r"\bcommit [0-9a-f]{7,40}\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", re.I)
+HISTORY_ALLOWED = {}  # (file, the words matched): why they stay
+
+
+def _comments(source: str) -> list[str]:
+    "The comments of Python `source` (none if it does not tokenize, as a cell of shell magic may not)."
+    import io, tokenize
+    try: return [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, IndentationError, SyntaxError): return []
+
+
+def _prose_and_comments():
+    "(file, text) for the README, every notebook's markdown cells and code comments, and the comments of the package and tests."
+    yield "README.md", (ROOT / "README.md").read_text()
+    for nb in sorted((ROOT / "nbs").rglob("*.ipynb")):
+        if {"data", ".ipynb_checkpoints"} & set(nb.relative_to(ROOT / "nbs").parts): continue
+        for c in json.loads(nb.read_text(encoding="utf-8"))["cells"]:
+            src = "".join(c["source"])
+            for text in [src] if c["cell_type"] == "markdown" else _comments(src) if c["cell_type"] == "code" else []:
+                yield str(nb.relative_to(ROOT)), text
+    for p in sorted((ROOT / "shardkit").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py")):
+        if p.name != "_modidx.py":
+            for text in _comments(p.read_text(encoding="utf-8")): yield str(p.relative_to(ROOT)), text
+
+
+def test_history_words_are_found():
+    "The check itself: what it flags, and what it leaves (a measured figure's date, hex that is not a commit id)."
+    flagged = ["its name until 2026-11", "saved before 2026-11-27", "Before this round the loader", "(issue 40)",
+               "the issue's target", "before the changes (commit 7a20fa8)", "as of b10a8ce"]
+    kept = ["measured 2026-11-27 on a 2-core VM", "color #4c72b0", "SHA-256 of the shard", "a round trip", "issued"]
+    assert [bool(HISTORY.search(s)) for s in flagged + kept] == [True] * len(flagged) + [False] * len(kept)
+
+
+def test_no_history_in_prose_or_comments():
+    "Notebooks' markdown and comments, the README and the code's comments say what is, not what was (HISTORY)."
+    found = [f"{where}: ...{text[max(0, m.start() - 50):m.end() + 30]!r}" for where, text in _prose_and_comments()
+             for m in HISTORY.finditer(text) if (where, m.group(0)) not in HISTORY_ALLOWED]
+    assert not found, "history in prose or comments (say what is; a measured figure keeps its date):\n" + "\n".join(found)

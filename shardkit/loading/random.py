@@ -189,7 +189,7 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     check_resumable(state, self.state_dict(), _MUST_MATCH, "random-access loader")
     epoch = saved_count(state.get("epoch"), "epoch")
     if "position" in state: position = saved_count(state["position"], "position", 0, len(self.dataset))
-    else:  # saved before 2026-11-27: the batch count of the saved shape
+    else:  # a state without a position holds the batch count of the saved shape
         position = min(saved_count(state.get("batch"), "batch") * _step(state), len(self.dataset))
     step = _step(self.state_dict())
     self.epoch, self._restored = epoch, True

@@ -77,7 +77,7 @@ def _epoch_line(row: dict, epochs: int) -> str:
             f"samples/s, {row['wait_share']:.0%} of the time waiting for data), loss {row['loss']:.3f}, {acc}")
 
 # %% ../../nbs/30a_train.loop.ipynb
-CHECKPOINT_FORMAT = 2  # 1: train_epochs' own (model, opt, loader, losses, epoch), before it shared train's loop
+CHECKPOINT_FORMAT = 2  # 1: a checkpoint of train_epochs' own loop (model, opt, loader, losses, epoch)
 
 def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
     "Model, optimizer, the loader's position (if it has one) and `progress` (plain data), written atomically to `path`."
@@ -180,7 +180,7 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
                 ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank,
-                world=world_size,  # the checkpoint's key, as written before (read back by _resume, _keys_file)
+                world=world_size,  # the checkpoint's key for it (read back by _resume, _keys_file)
                 keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
             save = None if not (ck and hasattr(loader, "state_dict")) else \
                 lambda s, st, last: (last or s % every == 0) and at(s, st)
