@@ -159,8 +159,8 @@ def test_every_command_takes_its_options_from_its_function():
 def test_each_command_has_one_description():
     """A command's description is its function's docstring, one line: what its `--help` starts with, what `shardkit
     --help` lists beside it (from the kept table, without importing it) and what the README's command list says."""
-    from shardkit.apps.cli import _usage
-    usage = _usage()
+    from shardkit.apps.cli import overview
+    usage = overview()
     for cmd in COMMANDS:
         run, name = load_command(cmd), " ".join(cmd)
         doc = run.__doc__ or ""

@@ -255,7 +255,7 @@ def test_cli_bad_input(quirky, tmp_path, capsys):
 
 @pytest.mark.timed
 def test_download_fails_fast_offline(tmp_path, capsys):
-    if pets._reachable("www.robots.ox.ac.uk", timeout=2):
+    if pets.reachable("www.robots.ox.ac.uk", timeout=2):
         pytest.skip("this machine reaches www.robots.ox.ac.uk; the offline path cannot be tested here")
     t0 = time.monotonic()
     with pytest.raises(PetsError) as e: download_pets(tmp_path / "real")
@@ -284,7 +284,7 @@ def test_download_uses_archives_put_there_by_hand(tmp_path, monkeypatch):
         with tarfile.open(root / f"{part}.tar.gz", "w:gz") as t: t.add(src / part, arcname=part)
         archives.append((f"https://example.invalid/data/{part}.tar.gz", h.md5((root / f"{part}.tar.gz").read_bytes()).hexdigest()))
     monkeypatch.setattr(pets, "PETS_ARCHIVES", tuple(archives))
-    monkeypatch.setattr(pets, "_reachable", lambda *a, **k: pytest.fail("the network was consulted"))
+    monkeypatch.setattr(pets, "reachable", lambda *a, **k: pytest.fail("the network was consulted"))
     assert download_pets(root) == root
     assert (root / "images" / "Abyssinian_1.jpg").read_bytes() == b"jpeg" and pet_records(root) == [("Abyssinian_1", 1, 1, 1)]
 

@@ -57,7 +57,7 @@ def test_train_with_the_default_pipeline_imports_no_torchvision(own_shards):
 def test_every_help_imports_no_torch_and_shows_the_commands_own_page():
     """Every command's --help, and `shardkit --help`'s list of every command with its description, in one fresh process:
     no torch, no command module imported; each page is the live one."""
-    from shardkit.apps.cli import COMMANDS, EXAMPLES, _usage, parser_of
+    from shardkit.apps.cli import COMMANDS, EXAMPLES, overview, parser_of
     r = fresh("import contextlib, io, json, sys\n"
               "from shardkit.apps.cli import COMMANDS, main\n"
               "pages = {}\n"
@@ -80,7 +80,7 @@ def test_every_help_imports_no_torch_and_shows_the_commands_own_page():
             assert got["pages"][" ".join(cmd)] == parser_of(cmd).format_help(), cmd
     finally: del os.environ["COLUMNS"]
     assert "torchrun --nproc_per_node 2 -m shardkit train" in got["pages"]["train"] and ("train",) in EXAMPLES
-    assert got["pages"][""] == _usage() + "\n" and "  train " in got["pages"][""]  # `shardkit --help`: the list
+    assert got["pages"][""] == overview() + "\n" and "  train " in got["pages"][""]  # `shardkit --help`: the list
 
 
 def test_the_kept_help_is_current():

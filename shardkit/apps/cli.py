@@ -17,7 +17,7 @@ from ..errors import ShardkitError
 
 # %% auto 0
 __all__ = ['COMMANDS', 'EXAMPLES', 'HELP_TABLE', 'find_command', 'load_command', 'parser_of', 'command_help', 'write_help_table',
-           'kept_help', 'command_description', 'main']
+           'kept_help', 'command_description', 'overview', 'main']
 
 # %% ../../nbs/99_cli.ipynb
 _DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards: each runs this function
@@ -118,7 +118,7 @@ def command_description(cmd: tuple[str, ...]) -> str:
     "`cmd`'s description, its function's docstring: from the kept table, or the function where the table is stale."
     return (kept_help(cmd) or command_help(cmd))["description"]
 
-def _usage(prefix: tuple[str, ...] = ()) -> str:
+def overview(prefix: tuple[str, ...] = ()) -> str:
     "The command overview, limited to the commands under `prefix`."
     rows = [(" ".join(k), command_description(k)) for k in COMMANDS if k[:len(prefix)] == prefix]
     width = max(len(r[0]) for r in rows)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd is None:
         prefix = tuple(argv[:1]) if argv and any(k[0] == argv[0] for k in COMMANDS) else ()
         asked = not argv or argv[0] in ("-h", "--help") or (prefix and rest[1:2] in ([], ["-h"], ["--help"]))
-        if asked or prefix: print(_usage(prefix))  # a group (bench): its commands; a wrong one in it: them, then why
+        if asked or prefix: print(overview(prefix))  # a group (bench): its commands; a wrong one in it: them, then why
         if not asked: print(_unknown(argv), file=sys.stderr)
         return 0 if asked else 2
     if _asks_help(rest) and (kept := kept_help(cmd)) is not None:  # the page, without importing the command

@@ -25,9 +25,9 @@ from .synth import draw_animal, jpeg_bytes, png_bytes
 
 # %% auto 0
 __all__ = ['CAT_BREEDS', 'DOG_BREEDS', 'CLASS_NAMES', 'SPECIES', 'PET_QUIRKS', 'PETS_URL', 'PETS_ARCHIVES', 'PET_SPLITS',
-           'CHECKS', 'pet_ids', 'PetsError', 'synthesize_pets', 'download_pets', 'pet_records', 'normalize_jpeg',
-           'check_trimap', 'load_pet_sample', 'pet_samples', 'convert_pets', 'synth_pets_cli', 'download_pets_cli',
-           'convert_pets_cli']
+           'CHECKS', 'pet_ids', 'PetsError', 'synthesize_pets', 'reachable', 'download_pets', 'pet_records',
+           'normalize_jpeg', 'check_trimap', 'load_pet_sample', 'pet_samples', 'convert_pets', 'synth_pets_cli',
+           'download_pets_cli', 'convert_pets_cli']
 
 # %% ../../nbs/09_pets.ipynb
 CAT_BREEDS = ("Abyssinian", "Bengal", "Birman", "Bombay", "British_Shorthair", "Egyptian_Mau", "Maine_Coon",
@@ -188,7 +188,10 @@ PETS_URL = "https://www.robots.ox.ac.uk/~vgg/data/pets/"
 PETS_ARCHIVES = ((PETS_URL + "data/images.tar.gz", "5c4f3ee8e5d25df40f4fd59a7f44e54c"),
                  (PETS_URL + "data/annotations.tar.gz", "95a8c909bbe2e81eed6a22bccdf3f68f"))
 
-def _reachable(host: str, port: int = 443, timeout: float = 4.0) -> bool:
+def reachable(host: str,             # A host name or address
+              port: int = 443,       # Its TCP port
+              timeout: float = 4.0,  # Seconds to wait, the name's look-up included
+             ) -> bool:
     "Whether a TCP connection to host:port opens within `timeout` seconds (DNS included)."
     ok = []
     def probe():
@@ -217,7 +220,7 @@ def download_pets(root: str | Path,        # Folder to download and extract into
     root.mkdir(parents=True, exist_ok=True)
     todo = [(u, md5) for u, md5 in PETS_ARCHIVES if not check_integrity(str(root / u.rsplit("/", 1)[1]), md5)]
     host = PETS_URL.split("/")[2]
-    if todo and not _reachable(host, timeout=timeout):
+    if todo and not reachable(host, timeout=timeout):
         raise PetsError(f"cannot reach {host} within {timeout:g} s (offline?): {_manual_hint(root)}")
     for url, md5 in todo:
         try: download_url(url, str(root), md5=md5)

@@ -127,7 +127,8 @@ def convert_batch(batch):
 # %% ../../nbs/24_collate.ipynb
 _LENT = 2  # a slot's flag while its batch is lent (1: on its way, 0: free)
 
-def _use_count(storage) -> int: return torch._C._storage_Use_Count(storage._cdata)
+def _use_count(storage) -> int:  # private: torch has no public use count of a storage
+    return torch._C._storage_Use_Count(storage._cdata)
 
 @functools.cache
 def _can_lend() -> bool: return hasattr(torch._C, "_storage_Use_Count")

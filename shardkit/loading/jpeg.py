@@ -4,7 +4,7 @@
 
 # %% ../../nbs/22_jpeg.ipynb 3
 from __future__ import annotations
-import _ctypes
+import _ctypes  # for dlclose: ctypes has no public way to unload a library
 import ctypes
 import fcntl
 import functools

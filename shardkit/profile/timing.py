@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset import filters as wf
+from webdataset import filters as wf  # its private stage functions (_map...): no public way to tell stages apart
 from webdataset import tariterators as wt
 from webdataset.autodecode import Decoder
 from webdataset.cache import StreamingOpen
