@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "_out"  # screenshots and figures the tests write (git-ignored)
 
 
-def _free_base_port(start=28080, step=10, nodes=4):
+def free_base_port(start=28080, step=10, nodes=4):
     "A base port P such that P+i, P+1000+i and P+2000+i are free for `nodes` nodes."
     from shardkit.apps.cluster import free_base_port
     return free_base_port(start, start + 2000, nodes, step)
@@ -106,14 +106,14 @@ def ais_cluster(tmp_path_factory, request):
     import random
     from shardkit.apps.cluster import ais_up, ais_down
     _wait_for_aisnode_build()
-    root, port = tmp_path_factory.mktemp("ais"), _free_base_port(start=28080 + 10 * random.randrange(60))
+    root, port = tmp_path_factory.mktemp("ais"), free_base_port(start=28080 + 10 * random.randrange(60))
     try:
         try: endpoint = ais_up(targets=2, root=root, port=port, quiet=True)
         except Exception as e:  # a port taken between the check and the bind (another program): once more, elsewhere
             if "address already in use" not in str(e): raise
             ais_down(root, wipe=True, quiet=True)
             root = tmp_path_factory.mktemp("ais")
-            endpoint = ais_up(targets=2, root=root, port=_free_base_port(start=port + 100), quiet=True)
+            endpoint = ais_up(targets=2, root=root, port=free_base_port(start=port + 100), quiet=True)
     except Exception as e:
         msg = f"local AIStore could not start: {e}"
         if os.environ.get("SHARDKIT_REQUIRE_AIS") == "1": pytest.fail(msg)

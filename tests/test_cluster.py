@@ -3,12 +3,12 @@ import json
 from pathlib import Path
 import pytest
 import requests
-from conftest import _free_base_port, main_cli, run_cli
+from conftest import free_base_port, main_cli, run_cli
 
 
 def test_up_status_down_leaves_nothing_running(tmp_path, ais_cluster):
     # ais_cluster first: it builds aisnode once for the session, so this test only starts nodes
-    root, port = tmp_path / "c", _free_base_port(start=38080)
+    root, port = tmp_path / "c", free_base_port(start=38080)
     r = run_cli("ais", "up", "--targets", "1", "--root", root, "--port", port, check=True)
     assert f"export AIS_ENDPOINT=http://127.0.0.1:{port}" in r.stdout
     r = run_cli("ais", "status", "--root", root)
@@ -34,7 +34,7 @@ def test_busy_port_is_named(tmp_path, ais_cluster):
 
 def test_missing_go_is_one_line(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "SHARDKIT_HOME": str(tmp_path)}  # no Go on PATH, no cached build
-    r = run_cli("ais", "up", "--root", tmp_path / "c", "--port", _free_base_port(start=48080), env=env)
+    r = run_cli("ais", "up", "--root", tmp_path / "c", "--port", free_base_port(start=48080), env=env)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "Go is not installed" in r.stderr, r.stderr
 
