@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import random
+import re
 import ssl
 import sys
 import time
@@ -22,10 +23,10 @@ from fastcore.basics import patch
 from .errors import LoaderError, StoreError, UsageError
 
 # %% auto 0
-__all__ = ['RETRIED_STATUS', 'CAUSES', 'DEFAULT_RETRIES', 'RemoteError', 'ObjectMissing', 'AccessDenied', 'ObjectChanged',
-           'RetriesExhausted', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'say_line', 'retry_after_seconds',
-           'retried', 'http_session', 'content_version', 'refusal', 'RemoteStream', 'open_remote', 'read_range',
-           'remote_head', 'remote_put']
+__all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'DEFAULT_RETRIES', 'RemoteError', 'ObjectMissing', 'AccessDenied',
+           'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer', 'rebalance_conflict', 'fault_cause',
+           'Retries', 'as_retries', 'say_line', 'retry_after_seconds', 'retried', 'http_session', 'content_version',
+           'refusal', 'RemoteStream', 'open_remote', 'remote_request', 'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -43,9 +44,13 @@ class ObjectChanged(RemoteError):
 class RetriesExhausted(RemoteError, LoaderError):
     "A read or upload kept meeting faults for longer than its bound; nothing read so far is lost."
 
+class ClusterBusy(RemoteError):
+    "AIStore refused or stopped an action because a rebalance or resilver runs: a fault, waited out like the others."
+
 RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
+REBALANCING = "cluster rebalancing"
 CAUSES = ("connection refused", "cannot connect", "connection cut", "timed out", "HTTP 404 mid-read",
-          *(f"HTTP {c}" for c in RETRIED_STATUS))
+          *(f"HTTP {c}" for c in RETRIED_STATUS), REBALANCING)
 
 # %% ../nbs/01a_remote.ipynb
 class HTTPAnswer(Exception):
@@ -70,12 +75,30 @@ def _chain(e: BaseException) -> list[BaseException]:
         todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
     return [x for x in out if isinstance(x, BaseException)]
 
+_REBALANCE = re.compile(r"ErrLimitedCoexistence|x-(?:rebalance|resilver)\[")
+_NODE_DOWN = re.compile(r"ErrFailedTo.*failed to call [pt]\[.*connect: connection refused", re.S)
+
+def rebalance_conflict(text: str) -> bool:
+    "Whether AIStore's answer or job error `text` says a rebalance or resilver refused or stopped the action."
+    return bool(_REBALANCE.search(text or ""))
+
+def _text(x: BaseException) -> str:
+    "The body an answer carried: ours (`text`), the AIStore SDK's (`message`), or a `requests` response's."
+    for t in (getattr(x, "text", None), getattr(x, "message", None)):
+        if isinstance(t, str): return t
+    resp = getattr(x, "response", None)
+    return resp.text if isinstance(getattr(resp, "text", None), str) else ""
+
 def fault_cause(e: BaseException) -> str | None:
     "The cause under which exception `e` is retried (one of `CAUSES`), or None: an answer or a bug, not a fault."
     chain = _chain(e)
     if any(isinstance(x, (ssl.SSLError, requests.exceptions.SSLError)) for x in chain): return None
+    if any(isinstance(x, ClusterBusy) for x in chain): return REBALANCING
     codes = [x.status_code for x in chain if isinstance(getattr(x, "status_code", None), int)]
-    if codes: return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
+    if codes:
+        if codes[0] == 409 and any(rebalance_conflict(_text(x)) for x in chain): return REBALANCING
+        if codes[0] == 400 and any(_NODE_DOWN.search(_text(x)) for x in chain): return "connection refused"
+        return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
     if any(isinstance(x, ConnectionRefusedError) for x in chain): return "connection refused"
     if any(isinstance(x, urllib3.exceptions.NewConnectionError) for x in chain): return "cannot connect"
     if any(isinstance(x, _TIMEOUT) for x in chain): return "timed out"
@@ -99,6 +122,7 @@ class Retries:
         self.wait, self.connect_timeout, self.read_timeout = float(wait), float(connect_timeout), float(read_timeout)
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()  # + seconds waited, reads given up
+        self._said = mp.RawValue("d", 0.0)  # until when (time.time()) a rebalance's wait needs no new line
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
         self._reported = {True: list(self._mine), False: list(self._mine)}  # the counts at the last report
 
@@ -122,12 +146,13 @@ def _spawning() -> bool:
 @patch
 def __getstate__(self: Retries) -> dict:
     "A spawned worker shares the counts; any other copy (a pickle, a deepcopy) counts on its own."
-    return self.__dict__ if _spawning() else {**self.__dict__, "_table": None, "_lock": None}
+    return self.__dict__ if _spawning() else {**self.__dict__, "_table": None, "_lock": None, "_said": None}
 
 @patch
 def __setstate__(self: Retries, state: dict):
     self.__dict__.update(state)
-    if self._table is None: self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()
+    if self._table is None:
+        self._table, self._lock, self._said = mp.RawArray("d", len(CAUSES) + 2), mp.Lock(), mp.RawValue("d", 0.0)
 
 def as_retries(retry_wait: float | Retries | None = None) -> Retries:
     "A `Retries` from a loader's `retry_wait` option: seconds (the bound, other settings default), or a `Retries`."
@@ -147,6 +172,17 @@ def record(self: Retries, cause: str, seconds: float):
 
 @patch
 def gave_up(self: Retries): self._add(len(CAUSES) + 1, 1)
+
+@patch
+def say_waiting(self: Retries, what: str, left: float) -> bool:
+    "Say on stderr that AIStore is rebalancing and `what` waits (up to `left` s): once per wait, for all workers."
+    with self._lock:
+        if self._said.value > time.time(): return False
+        self._said.value = time.time() + self.wait  # the workers of one loader share it: one line, not one each
+    say_line(f"shardkit: AIStore is rebalancing; waiting (up to {_duration(left)}) to go on {what}")
+    return True
+
+def _duration(seconds: float) -> str: return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 @patch
 def counts(self: Retries) -> dict[str, int]:
@@ -210,11 +246,13 @@ class _Tries:
             self.r.gave_up()
             err = RetriesExhausted(
                 f"gave up {self.verb} {self.name}: {self.attempts} attempt(s) in {now - self.since:.0f} s met faults, "
-                f"the last {cause}. Nothing read so far is lost: when the store answers again, go on from the last "
+                f"the last {cause}" + (" (a rebalance can run for hours on a large cluster)" * (cause == REBALANCING))
+                + ". Nothing read so far is lost: when the store answers again, go on from the last "
                 "checkpoint (loader.load_state_dict(state), state from loader.state_dict()); a longer bound is "
                 f"retry_wait= (now {self.r.wait:g} s)")
             err.wait = self.r.wait  # how long it tried: a shared cache tells its other readers not to try again as long
             raise err from None
+        if cause == REBALANCING: self.r.say_waiting(f"{self.verb} {self.name}", left)
         pause = min(self.r.delay(self.attempts, retry_after), left)
         self.r.record(cause, now - started + pause)
         time.sleep(pause)
@@ -223,6 +261,7 @@ def retried(call: Callable,                  # A whole request: it either succee
             name: str,                       # What it reads or writes, for messages ("shard http://...")
             retries: Retries | None = None,  # The settings and counts (None: DEFAULT_RETRIES)
             verb: str = "reading",           # For the message: "reading", "uploading", ...
+            job: bool = False,               # A job that runs long: the bound counts from its fault, not its start
            ):
     "`call()`, run again after each fault (refused, cut, timed out, HTTP 408/429/5xx) until the bound; answers raise."
     tries = _Tries(name, as_retries(retries), verb)
@@ -232,7 +271,7 @@ def retried(call: Callable,                  # A whole request: it either succee
         except Exception as e:
             cause = fault_cause(e)
             if cause is None: raise
-            tries.fault(cause, started, _retry_after(e))
+            tries.fault(cause, time.monotonic() if job else started, _retry_after(e))
 
 # %% ../nbs/01a_remote.ipynb
 _SESSIONS: dict[int, requests.Session] = {}
@@ -358,11 +397,23 @@ def open_remote(url: str, retries: Retries | None = None, name: str | None = Non
 
 # %% ../nbs/01a_remote.ipynb
 def _answer(r: requests.Response, name: str, verb: str = "read", ok: tuple = (200,)) -> requests.Response:
-    "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx; else the refusal."
+    "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx or a rebalance; else refused."
     if r.status_code in ok: return r
-    if r.status_code in RETRIED_STATUS:
-        raise HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:300])
+    answer = HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:500])
+    if fault_cause(answer): raise answer
     raise refusal(name, r.status_code, r.text[:300], verb)
+
+def remote_request(method: str,                     # "GET", "POST", "PUT", ...
+                   url: str,                        # The whole URL
+                   name: str | None = None,         # What it asks for, for messages ("index-shard on ais://b")
+                   retries: Retries | None = None,  # Settings and counts (None: DEFAULT_RETRIES)
+                   ok: tuple = (200,),              # The statuses that are the answer asked for
+                   **kw,                            # For `requests`: params=, json=, data=, headers=
+                  ) -> requests.Response:
+    "One request (an AIStore action or query) sent again, whole, after each fault or rebalance; the answer, or raises."
+    name, retries = name or f"{method} {url}", as_retries(retries)
+    call = lambda: _answer(http_session().request(method, url, timeout=retries.timeout, **kw), name, "call", ok)
+    return retried(call, name, retries, "calling")
 
 def read_range(url: str, start: int, end: int, retries: Retries | None = None, name: str | None = None,
                version: str = "", size: int | None = None) -> bytes:

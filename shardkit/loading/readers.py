@@ -8,6 +8,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import time
 import warnings
@@ -19,7 +20,7 @@ import numpy as np
 import requests
 from fastcore.basics import patch
 from ..config import private_dir, shardkit_home
-from ..errors import UsageError
+from ..errors import StoreError, UsageError
 from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, tar_entries
@@ -306,8 +307,8 @@ def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
     except AISError as e:
         if self.batch_ok or e.status_code not in (400, 404, 405, 501):
             raise self._fail(*want[0], f"GetBatch failed (HTTP {e.status_code}: {e})") from None
-        warnings.warn(f"GetBatch is not available on {self.endpoint} (HTTP {e.status_code}); "
-                      "reading one member per request, about 10x slower: upgrade to AIStore >= 5.0")
+        warnings.warn(f"GetBatch is not available on {self.endpoint} (HTTP {e.status_code})"
+                      f"{_version_blame(self.endpoint, 'GetBatch')}; reading one member per request, about 10x slower")
         self.use_batch = False
         return [self._one(*w) for w in want]
     except requests.RequestException as e:
@@ -330,16 +331,30 @@ def _one(self: AISReader, shard: str, key: str, field: str) -> bytes:
     except AISError as e: raise self._fail(shard, key, field, f"HTTP {e.status_code}") from None
 
 # %% ../../nbs/26b_readers.ipynb
-def build_shard_index(store, timeout: float = 600) -> str:
+def _version_blame(endpoint: str, what: str) -> str:
+    "'; this cluster runs AIStore 4.x ...' when the cluster, asked, is older than 5.0 (where `what` came); else ''."
+    try: v = requests.get(f"{endpoint}/v1/daemon", params={"what": "software_version"}, timeout=5).text.strip('" \n')
+    except requests.RequestException: return ""
+    old = (m := re.match(r"(\d+)\.", v)) and int(m.group(1)) < 5
+    return f"; the cluster runs AIStore {v}, and {what} needs 5.0" if old else ""
+
+def build_shard_index(store,                          # The bucket: ais://BUCKET, or its AISStore
+                      timeout: float = 600,           # Seconds to wait for the indexing job
+                      retries: Retries | None = None, # Its bound through faults and rebalances (None: 2 minutes)
+                     ) -> str:                        # The job's id
     "Have AIStore index every shard of bucket `store` (bucket action `index-shard`), wait for the job; returns its id."
+    from shardkit.remote import remote_request  # here: the top's line of remote's names is full
     store = open_store(store)
-    url = f"{store.endpoint}/v1/buckets/{store.bucket.name}"
-    try: r = requests.post(url, params={"provider": "ais"}, json={"action": "index-shard", "value": {}}, timeout=30)
-    except requests.RequestException as e:
-        raise RandomAccessError(f"cannot reach {store.endpoint} to index {store.spec} ({type(e).__name__})") from None
-    if r.status_code != 200:
-        raise RandomAccessError(f"AIStore refused to index the shards of {store.spec} "
-                                f"(HTTP {r.status_code}: {r.text[:200]}); the index-shard action needs AIStore >= 5.0")
+    what = f"the index-shard action on {store.spec}"
+    try: r = remote_request("POST", f"{store.endpoint}/v1/buckets/{store.bucket.name}", what, retries,
+                            params={"provider": "ais"}, json={"action": "index-shard", "value": {}})
+    except RetriesExhausted as e:
+        raise RandomAccessError(f"the shard index of {store.spec} was not built: {str(e).split('. Nothing')[0]}. No "
+                                "read needs it: GetBatch finds members without it (more slowly), the shard cache reads "
+                                "whole shards; build it when `shardkit ais status` shows no rebalance") from None
+    except StoreError as e:  # a refusal (RemoteError)
+        raise RandomAccessError(f"AIStore refused to index the shards of {store.spec} ({e})"
+                                f"{_version_blame(store.endpoint, 'index-shard')}") from None
     job = r.text.strip().strip('"')
     res = store.client.job(job_id=job).wait(timeout=timeout)
     if getattr(res, "success", True) is False:
