@@ -75,7 +75,7 @@ def _chain(e: BaseException) -> list[BaseException]:
         todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
     return [x for x in out if isinstance(x, BaseException)]
 
-_REBALANCE = re.compile(r"ErrLimitedCoexistence|x-(?:rebalance|resilver)\[")
+_REBALANCE = re.compile(r"ErrLimitedCoexistence|\b(?:x-)?(?:rebalance|resilver)\[")
 _NODE_DOWN = re.compile(r"ErrFailedTo.*failed to call [pt]\[.*connect: connection refused", re.S)
 
 def rebalance_conflict(text: str) -> bool:
@@ -416,11 +416,13 @@ def remote_request(method: str,                     # "GET", "POST", "PUT", ...
     return retried(call, name, retries, "calling")
 
 def read_range(url: str, start: int, end: int, retries: Retries | None = None, name: str | None = None,
-               version: str = "", size: int | None = None) -> bytes:
-    "Bytes `start` to `end - 1` of the object at `url`, with one range GET retried through faults; as indexed."
-    name, retries = name or url, as_retries(retries)
+               version: str = "", size: int | None = None, locate: Callable[[], str] | None = None) -> bytes:
+    "Bytes `start` to `end - 1` of the object at `url` (after a fault: at `locate()`), one range GET through faults."
+    name, retries, at = name or url, as_retries(retries), dict(url=url, tries=0)
     def once():
-        r = http_session().get(url, headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
+        if at["tries"] and locate: at["url"] = locate()  # after a fault: the target that held it may have left
+        at["tries"] += 1
+        r = http_session().get(at["url"], headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
                                timeout=retries.timeout)
         if r.status_code == 200:
             raise RemoteError(f"{name} does not answer range requests (HTTP 200 to a Range): read whole shards "

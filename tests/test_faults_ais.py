@@ -2,7 +2,9 @@
 random access through the shard cache) and while `shardkit ais put` uploads, then started again within the retry
 window. The epoch is exactly a clean epoch's samples in order; every shard arrives intact; the retries are reported.
 (AIStore drops a target that stays down for about 30 s from its cluster map, and its objects then answer 404 until it
-is back: the restart here comes after 3 s.)"""
+is back: the restart here comes after 3 s.) And a rebalance: the actions it refuses or stops (`index-shard`, dSort)
+wait for it, say so once, and blame no version. These run on `changing_cluster`, a cluster of their own: a restarted
+target starts a rebalance of about 45 s, which no test of the session's cluster meets."""
 import hashlib, json, os, signal, subprocess, sys, threading, time, uuid
 from pathlib import Path
 import numpy as np
@@ -69,10 +71,17 @@ def _nodes_of(endpoint):
 
 
 @pytest.fixture
-def bucket(ais_cluster, ais_endpoint, tmp_path):
+def cluster(changing_cluster, monkeypatch):
+    "The cluster whose targets these tests kill and restart, exported as AIS_ENDPOINT for the test."
+    monkeypatch.setenv("AIS_ENDPOINT", changing_cluster["endpoint"])
+    _ROOTS[changing_cluster["endpoint"]] = changing_cluster["root"]
+    return changing_cluster
+
+
+@pytest.fixture
+def bucket(cluster, tmp_path):
     "A bucket holding the 8 shards (uploaded with ais_put), and the local folder they came from."
     from shardkit.apps.cluster import ais_put
-    _ROOTS[ais_endpoint] = ais_cluster["root"]
     src = write_shards(tmp_path / "shards")
     name = f"faults-{uuid.uuid4().hex[:8]}"
     ais_put(src, f"ais://{name}", quiet=True)
@@ -92,15 +101,15 @@ def _epoch_through_a_kill(loader, root: Path, target: str) -> list[str]:
     return keys
 
 
-def test_a_target_killed_mid_epoch_and_restarted(ais_cluster, ais_endpoint, bucket, capfd):
+def test_a_target_killed_mid_epoch_and_restarted(cluster, bucket, capfd):
     name, src = bucket
     clean = stream_keys([str(src / n) for n in NAMES])
-    target = late_target(ais_endpoint, name, clean)
+    target = late_target(cluster["endpoint"], name, clean)
     retries = Retries(backoff=0.1, max_backoff=1.0, wait=60)
     from shardkit.loader import create_dataloader, create_dataset
     ds = create_dataset(f"ais://{name}", fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50, retry_wait=retries)
     capfd.readouterr()
-    assert _epoch_through_a_kill(create_dataloader(ds, num_workers=2, batch_size=16), ais_cluster["root"], target) == clean
+    assert _epoch_through_a_kill(create_dataloader(ds, num_workers=2, batch_size=16), cluster["root"], target) == clean
     err = capfd.readouterr().err
     assert sum(reported(err).values()) >= 1 and retries.counts(), err  # the faults met, reported by the workers
     print("streaming:", retries.counts(), f"{retries.waited:.1f} s")
@@ -108,12 +117,12 @@ def test_a_target_killed_mid_epoch_and_restarted(ais_cluster, ais_endpoint, buck
     local = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))  # windows of 2 shards: fetched as
     retries = Retries(backoff=0.1, max_backoff=1.0, wait=60)                    # the epoch goes, not all at first
     dl = random_loader(f"ais://{name}", "cache", retry_wait=retries, shard_cache=2)
-    assert _epoch_through_a_kill(dl, ais_cluster["root"], late_target(ais_endpoint, name, local)) == local
+    assert _epoch_through_a_kill(dl, cluster["root"], late_target(cluster["endpoint"], name, local)) == local
     assert retries.counts(), "the outage met no read of the shard cache"
     print("shard cache:", retries.counts(), f"{retries.waited:.1f} s")
 
 
-def test_ais_put_through_a_target_restart(ais_cluster, ais_endpoint, tmp_path):
+def test_ais_put_through_a_target_restart(cluster, tmp_path):
     "`shardkit ais put` uploads while a target is down (killed as it starts, back 3 s later): every shard arrives intact."
     src = write_shards(tmp_path / "shards")
     name = f"faults-put-{uuid.uuid4().hex[:8]}"
@@ -121,7 +130,7 @@ def test_ais_put_through_a_target_restart(ais_cluster, ais_endpoint, tmp_path):
     store = open_store(f"ais://{name}", create=True)  # (creating a bucket needs every target: not during the outage)
     cmd = [sys.executable, "-m", "shardkit.apps.cli", "ais", "put", str(src), f"ais://{name}", "--retry-wait", "60"]
     put = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    restarting = kill_and_restart(ais_cluster["root"], "target1")  # about half the shards belong to each target
+    restarting = kill_and_restart(cluster["root"], "target1")  # about half the shards belong to each target
     out, err = put.communicate(timeout=180)
     restarting.join(150)
     assert put.returncode == 0, out + err
@@ -131,3 +140,66 @@ def test_ais_put_through_a_target_restart(ais_cluster, ais_endpoint, tmp_path):
     assert "uploaded 8 files" in out and "shardkit ais put:" in out and "connection refused" in out, out
     print(out)
     store.bucket.delete(missing_ok=True)
+
+
+def _await_rebalance_start(endpoint: str, timeout: float = 30) -> list[str]:
+    from shardkit.apps.cluster import rebalancing
+    deadline = time.time() + timeout
+    while not (running := rebalancing(endpoint)) and time.time() < deadline: time.sleep(0.2)
+    assert running, "no rebalance started"
+    return running
+
+
+def test_random_access_built_and_read_while_a_rebalance_runs(cluster, bucket, capfd):
+    """While a rebalance runs: epochs by GetBatch and through the shard cache are exact; the shard index is built
+    (AIStore refuses `index-shard` with HTTP 409 until the rebalance ends: asked again, the wait said once, no
+    version blamed); then GetBatch reads with it."""
+    from shardkit.apps.cluster import rebalancing, start_rebalance
+    from shardkit.loading.readers import build_shard_index
+    name, src = bucket
+    start_rebalance(cluster["endpoint"]); _await_rebalance_start(cluster["endpoint"])
+    local = keys_of(random_loader(str(src), "local", workers=0))  # the global order; the cache's windows of 2 shards:
+    windows = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))
+    assert keys_of(random_loader(f"ais://{name}", "getbatch")) == local
+    assert keys_of(random_loader(f"ais://{name}", "cache", shard_cache=2)) == windows
+    during = rebalancing(cluster["endpoint"])
+    capfd.readouterr()
+    retries, t0 = Retries(backoff=0.5, max_backoff=5, wait=180), time.monotonic()
+    assert build_shard_index(f"ais://{name}", retries=retries)
+    waited, err = time.monotonic() - t0, capfd.readouterr().err
+    said = [line for line in err.splitlines() if "AIStore is rebalancing; waiting (up to 3 min)" in line]
+    assert len(said) == 1 and "index-shard" in said[0], err
+    assert "5.0" not in err and retries.counts().get("cluster rebalancing"), (err, retries.counts())
+    assert keys_of(random_loader(f"ais://{name}", "getbatch")) == local
+    print(f"reads during {during}; index-shard waited {waited:.0f} s ({retries.counts()})")
+
+
+def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatch):
+    """A rebalance that starts stops a running dSort job ("starting x-rebalance[...]"): the shuffle runs it again,
+    says so once, and its shards hold every sample exactly once."""
+    import io, tarfile
+    from shardkit import shuffle
+    from shardkit.apps.cluster import ais_put, start_rebalance
+    from shardkit.store import open_store
+    rng, folder = np.random.default_rng(2), tmp_path / "big"
+    folder.mkdir()
+    for s in range(24):
+        with wds.TarWriter(str(folder / f"b-{s:03d}.tar")) as w:
+            for i in range(100): w.write({"__key__": f"b{s}_{i:03d}", "cls": i % 5,
+                                          "bin": rng.integers(0, 256, 8000, np.uint8).tobytes()})
+    name = f"faults-dsort-{uuid.uuid4().hex[:8]}"
+    ais_put(folder, f"ais://{name}", quiet=True)
+    wait, started = shuffle._wait_dsort, []
+    def rebalance_then_wait(job, *a, **kw):  # the job has just started: a rebalance starts under it (the first time)
+        if not started: started.append(start_rebalance(cluster["endpoint"]))
+        return wait(job, *a, **kw)
+    monkeypatch.setattr(shuffle, "_wait_dsort", rebalance_then_wait)
+    capfd.readouterr()
+    res = shuffle.shuffle_shards(f"ais://{name}", f"ais://{name}-out", shard_size="2MB", progress=False)
+    err = capfd.readouterr().err
+    assert err.count("AIStore is rebalancing; waiting") == 1 and "dSort job" in err, err
+    out, keys = open_store(f"ais://{name}-out"), []
+    for n in res.names:
+        with tarfile.open(fileobj=io.BytesIO(out.read_bytes(n))) as t: keys += [m.name for m in t.getmembers()]
+    assert sorted(keys) == sorted(f"b{s}_{i:03d}.{f}" for s in range(24) for i in range(100) for f in ("bin", "cls"))
+    for b in (name, f"{name}-out"): open_store(f"ais://{b}").bucket.delete(missing_ok=True)

@@ -69,6 +69,8 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "Benchmark JPEG decoding on the GPU (nvJPEG, DALI) against the CPU loader"),
     ("bench", "scale"):    ("shardkit.bench.scale:bench_scale_cli",
                             "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
+    ("bench", "soak"):     ("shardkit.bench.soak:bench_soak_cli",
+                            "Many short epochs of the default loaders: memory, descriptors, files and speed by epoch"),
     ("train",):            ("shardkit.train:train_cli",
                             "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.apps.docs:docs_cli",

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 import numpy as np
-from ..config import shardkit_home
+from ..config import remove_stale_temp, shardkit_home
 from ..errors import ShardkitError, UsageError
 from ..remote import Retries, open_remote, remote_head
 from ..shards.fields import split_key
@@ -82,6 +82,7 @@ def _save_index(g: dict, cfile: Path, shard: str):
     tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
     try:
         cfile.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp(cfile.parent)  # what a process killed while it saved left
         np.savez(tmpf, **g)
         os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
     except OSError as e:

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import numpy as np
 import requests
 from fastcore.basics import patch
-from ..config import private_dir, shardkit_home
+from ..config import private_dir, remove_stale_temp, shardkit_home
 from ..errors import StoreError, UsageError
 from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
 from ..shards.fields import split_key
@@ -73,6 +73,7 @@ class ShardCache:
                 ):
         if max_shards < 1: raise UsageError(f"a shard cache holds at least 1 shard, not max_shards={max_shards}")
         self.folder, self.max_shards, self.max_bytes = private_dir(Path(folder)), max_shards, parse_size(max_bytes)
+        remove_stale_temp(self.folder)  # the half of a fetch that a killed process left
         self.fetched = 0  # shards this process fetched
     def file(self, shard: str, size: int, version: str = "") -> Path:
         "Where the copy of `shard` (`size` bytes, `version`: e.g. a local file's mtime) lives: named by their hash."
@@ -378,11 +379,16 @@ class RangeReader:
                 ents = [e for e in tar_entries(f, idx.shards[s], data=False)
                         if e.is_file and not is_meta_member(e.name)]
             where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
-        ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
-        with retried(ask, name, self.retries) as r:
-            target = r.headers.get("Location", url) if r.is_redirect else url  # keep the target's URL for the shard
-        self.known[s] = (target, a, *where)
+        self.known[s] = (self._locate(idx, s), a, *where)  # keep the target's URL for the shard
         return self.known[s]
+
+    def _locate(self, idx: SampleIndex, s: int) -> str:
+        "Where shard `s` is now: the target its URL redirects to (AIStore's proxy says), or the URL itself."
+        url, name = self.fetch.url(idx.shards[s]), f"shard {self.fetch.name(idx.shards[s])}"
+        ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
+        with retried(ask, name, self.retries) as r: target = r.headers.get("Location", url) if r.is_redirect else url
+        if s in self.known: self.known[s] = (target, *self.known[s][1:])
+        return target
 
     def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
         "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one range GET per sample)."
@@ -391,8 +397,9 @@ class RangeReader:
             url, a, off, size = self._shard(idx, s := int(idx.shard[i]))
             o, n = off[i - a], size[i - a]
             lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
-            data = read_range(url, lo, hi, self.retries, f"shard {self.fetch.name(idx.shards[s])}",  # faults retried
-                              idx.versions[s] if idx.versions else "", int(idx.shard_bytes[s]))
+            data = read_range(url, lo, hi, self.retries, f"shard {self.fetch.name(idx.shards[s])}",  # faults retried;
+                              idx.versions[s] if idx.versions else "", int(idx.shard_bytes[s]),  # then asked where
+                              locate=lambda: self._locate(idx, s))  # it is: its target may have left the cluster
             keys.append(idx.key(i)); out.append([data[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
         return keys, out
 
