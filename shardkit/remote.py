@@ -15,6 +15,7 @@ import re
 import ssl
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Callable
 import requests
@@ -26,7 +27,8 @@ from .errors import LoaderError, StoreError, UsageError
 __all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'DEFAULT_RETRIES', 'RemoteError', 'ObjectMissing', 'AccessDenied',
            'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer', 'rebalance_conflict', 'fault_cause',
            'Retries', 'as_retries', 'say_line', 'retry_after_seconds', 'retried', 'http_session', 'content_version',
-           'refusal', 'RemoteStream', 'open_remote', 'remote_request', 'read_range', 'remote_head', 'remote_put']
+           'objects_moving', 'cluster_moving', 'refusal', 'RemoteStream', 'open_remote', 'remote_request', 'read_range',
+           'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -75,7 +77,8 @@ def _chain(e: BaseException) -> list[BaseException]:
         todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
     return [x for x in out if isinstance(x, BaseException)]
 
-_REBALANCE = re.compile(r"ErrLimitedCoexistence|\b(?:x-)?(?:rebalance|resilver)\[")
+_REBALANCE = re.compile(r"ErrLimitedCoexistence|\b(?:x-)?(?:rebalance|resilver)\[|"
+                        r"cannot handle bucket request: Smap v0")  # (the last: a target joining, not ready yet)
 _NODE_DOWN = re.compile(r"ErrFailedTo.*failed to call [pt]\[.*connect: connection refused", re.S)
 
 def rebalance_conflict(text: str) -> bool:
@@ -96,7 +99,7 @@ def fault_cause(e: BaseException) -> str | None:
     if any(isinstance(x, ClusterBusy) for x in chain): return REBALANCING
     codes = [x.status_code for x in chain if isinstance(getattr(x, "status_code", None), int)]
     if codes:
-        if codes[0] == 409 and any(rebalance_conflict(_text(x)) for x in chain): return REBALANCING
+        if codes[0] in (400, 409) and any(rebalance_conflict(_text(x)) for x in chain): return REBALANCING
         if codes[0] == 400 and any(_NODE_DOWN.search(_text(x)) for x in chain): return "connection refused"
         return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
     if any(isinstance(x, ConnectionRefusedError) for x in chain): return "connection refused"
@@ -294,6 +297,32 @@ def _total(r) -> int | None:
     n = r.headers.get("Content-Length", "")
     return int(n) if n.isdigit() and r.status_code == 200 else None
 
+def objects_moving(url: str,                   # The object's URL on an AIStore proxy (`.../v1/objects/...`)
+                   answered: str | None = None,  # The URL that answered 404 (a target's, after the redirect)
+                  ) -> bool:
+    """Whether the AIStore cluster behind object `url` moves objects now: a rebalance or resilver runs, it cannot ask
+    all its nodes, or the target that answered knows an older cluster map than the proxy (it has just joined, and
+    does not know yet where objects are). Asked after a 404: such a 404 is a fault."""
+    u = urllib.parse.urlsplit(url)
+    if not u.path.startswith("/v1/objects/"): return False
+    proxy = f"{u.scheme}://{u.netloc}"
+    if cluster_moving(proxy): return True
+    if not answered or (a := urllib.parse.urlsplit(answered)).netloc == u.netloc: return False
+    behind, ahead = _map_version(f"{a.scheme}://{a.netloc}"), _map_version(proxy)
+    return None not in (behind, ahead) and behind < ahead
+
+def cluster_moving(endpoint: str) -> bool:
+    "Whether AIStore at `endpoint` moves objects now: a rebalance or resilver runs, or it cannot ask all its nodes."
+    try: r = http_session().get(f"{endpoint}/v1/cluster", params={"what": "running_all"}, json={"active": True},
+                                timeout=5)
+    except requests.RequestException: return False  # no cluster there now: nothing says objects are on their way
+    return r.status_code != 200 or rebalance_conflict(r.text)  # a node that does not answer (yet), a rebalance
+
+def _map_version(node: str) -> int | None:
+    "The version of the cluster map AIStore node `node` (its base URL) knows, or None if it does not say."
+    try: return int(http_session().get(f"{node}/v1/daemon", params={"what": "smap"}, timeout=5).json()["version"])
+    except (requests.RequestException, ValueError, KeyError, TypeError): return None
+
 def refusal(name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
     "The error for an answer that is not retried: 404 a missing object, 401/403 no permission, any other as it is."
     if code == 404:
@@ -339,7 +368,9 @@ def _request(self: RemoteStream):
     if r.status_code not in (200, 206):
         text, after = r.text[:300] if r.status_code >= 400 else "", retry_after_seconds(r.headers.get("Retry-After"))
         r.close()
-        raise HTTPAnswer(r.status_code, after, text)
+        answer = HTTPAnswer(r.status_code, after, text)
+        answer.url = r.url  # who answered (AIStore: the target the proxy sent it to)
+        raise answer
     version, size = content_version(r.headers), _total(r)
     changed = [(what, a, b) for what, a, b in (("version", self.version, version), ("size", self.size, size))
                if a and b and a != b]
@@ -369,6 +400,8 @@ def _open(self: RemoteStream):
             cause = fault_cause(e)
             if isinstance(e, HTTPAnswer) and e.status_code == 404 and self.pos:
                 cause = "HTTP 404 mid-read"  # it was there a moment ago: an AIStore target holding it may be down
+            elif isinstance(e, HTTPAnswer) and e.status_code == 404:  # a target that just joined answers 404 until
+                if objects_moving(self.url, getattr(e, "url", None)): cause = REBALANCING  # it knows where objects are
             if cause is None:
                 if isinstance(e, HTTPAnswer): raise refusal(self.name, e.status_code, e.text) from None
                 if isinstance(e, RemoteError): raise
@@ -401,6 +434,8 @@ def _answer(r: requests.Response, name: str, verb: str = "read", ok: tuple = (20
     if r.status_code in ok: return r
     answer = HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:500])
     if fault_cause(answer): raise answer
+    if r.status_code == 404 and objects_moving((r.history[0] if r.history else r).url, r.url):
+        raise ClusterBusy(f"{name}: HTTP 404 while AIStore moves objects")
     raise refusal(name, r.status_code, r.text[:300], verb)
 
 def remote_request(method: str,                     # "GET", "POST", "PUT", ...

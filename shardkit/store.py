@@ -11,15 +11,16 @@ import shutil
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Callable, Iterable
 import requests
 from braceexpand import braceexpand
 from fastcore.basics import patch
 from .errors import StoreError, UsageError
-from .remote import Retries, as_retries, open_remote, remote_put
+from .remote import ClusterBusy, Retries, as_retries, cluster_moving, open_remote, remote_put, retried
 
 # %% auto 0
-__all__ = ['expand_names', 'parse_size', 'shown_path', 'LocalStore', 'ais_endpoint', 'ais_client', 'AISStore', 'open_store']
+__all__ = ['expand_names', 'parse_size', 'shown_path', 'LocalStore', 'ais_endpoint', 'ais_client', 'AISStore', 'listed_settled',
+           'open_store']
 
 # %% ../nbs/02_store.ipynb
 def expand_names(names: str | Iterable[str]) -> list[str]:
@@ -251,11 +252,23 @@ def put_bytes(self: AISStore, data: bytes, name: str) -> str:
     return name
 
 # %% ../nbs/02_store.ipynb
+def listed_settled(store: AISStore,       # The bucket (its endpoint and retry bound)
+                   listing: Callable,     # Makes the listing (e.g. pages through `bucket.list_objects_iter`)
+                   what: str = "",        # For messages: what is listed (default: the store)
+                  ):                      # What `listing()` returns
+    "`listing()` when AIStore moves no objects: a rebalance is waited out (within the bound), one met midway redone."
+    def once():
+        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} is moving objects")
+        out = listing()
+        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} began moving objects")
+        return out
+    return retried(once, what or f"the listing of {store.spec}", store.retries, "listing", job=True)
+
 @patch
 def list(self: AISStore, pattern: str | None = None) -> list[str]:
     "Names of the objects (sorted, relative to the prefix), filtered by a glob, brace template or prefix."
-    objs = self.bucket.list_all_objects(prefix=self.prefix)
-    return _match((o.name[len(self.prefix):] for o in objs), pattern)
+    objs = listed_settled(self, lambda: [*self.bucket.list_all_objects(prefix=self.prefix)])  # (`list`: this method)
+    return _match({o.name[len(self.prefix):] for o in objs}, pattern)
 
 @patch
 def exists(self: AISStore, name: str) -> bool:

@@ -21,8 +21,8 @@ def _free_base_port(start=28080, step=10, nodes=4):
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests on the session's AIStore are slow, and share one worker under pytest-xdist (`--dist loadgroup`): one
-    cluster per session. Tests that change a cluster's targets (`changing_cluster`, tests/test_cluster_changes.py)
-    share another group: their clusters are their own, and their rebalances (about 45 s each) run beside the session
+    cluster per session. Tests that change a cluster's targets (`changing_cluster`: tests/test_faults_ais.py) share
+    another group: their cluster is their own, and their rebalances (about 45 s each) run beside the session
     cluster's tests, not after them. Tests with a wall-clock bound (`timed`) share a third, so no two of them run at
     once."""
     ais_modules = set()

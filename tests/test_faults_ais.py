@@ -1,10 +1,11 @@
-"""Faults survived on the real local AIStore: one target killed with SIGKILL in the middle of an epoch (streaming, and
-random access through the shard cache) and while `shardkit ais put` uploads, then started again within the retry
-window. The epoch is exactly a clean epoch's samples in order; every shard arrives intact; the retries are reported.
+"""Faults and cluster changes survived on the real local AIStore: one target killed with SIGKILL in the middle of
+an epoch (streaming, and random access through the shard cache) and while `shardkit ais put` uploads, then started
+again within the retry window. The epoch is exactly a clean epoch's samples in order; every shard arrives intact; the retries are reported.
 (AIStore drops a target that stays down for about 30 s from its cluster map, and its objects then answer 404 until it
-is back: the restart here comes after 3 s.) And a rebalance: the actions it refuses or stops (`index-shard`, dSort)
-wait for it, say so once, and blame no version. These run on `changing_cluster`, a cluster of their own: a restarted
-target starts a rebalance of about 45 s, which no test of the session's cluster meets."""
+is back: the restart here comes after 3 s.) A rebalance: the actions it refuses or stops (`index-shard`, dSort)
+wait for it, say so once, and blame no version. Targets that leave and join in the middle of an epoch. These run on
+`changing_cluster`, a cluster of their own: each change starts a rebalance of about 45 s, which no test of the
+session's cluster meets, and nothing waits for the last one (the cluster is stopped at the end)."""
 import hashlib, json, os, signal, subprocess, sys, threading, time, uuid
 from pathlib import Path
 import numpy as np
@@ -90,6 +91,38 @@ def bucket(cluster, tmp_path):
     open_store(f"ais://{name}").bucket.delete(missing_ok=True)
 
 
+def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatch):
+    """A rebalance that starts stops a running dSort job ("starting x-rebalance[...]"): the shuffle runs it again,
+    says so once, and its shards hold every sample exactly once. (First on the cluster: no rebalance runs yet, so
+    the one it starts begins at once.)"""
+    import io, tarfile
+    from shardkit import shuffle
+    from shardkit.apps.cluster import ais_put, start_rebalance
+    from shardkit.store import open_store
+    rng, folder = np.random.default_rng(2), tmp_path / "big"
+    folder.mkdir()
+    for s in range(24):
+        with wds.TarWriter(str(folder / f"b-{s:03d}.tar")) as w:
+            for i in range(100): w.write({"__key__": f"b{s}_{i:03d}", "cls": i % 5,
+                                          "bin": rng.integers(0, 256, 8000, np.uint8).tobytes()})
+    name = f"faults-dsort-{uuid.uuid4().hex[:8]}"
+    ais_put(folder, f"ais://{name}", quiet=True)
+    wait, started = shuffle._wait_dsort, []
+    def rebalance_then_wait(job, *a, **kw):  # the job has just started: a rebalance starts under it (the first time)
+        if not started: started.append(start_rebalance(cluster["endpoint"]))
+        return wait(job, *a, **kw)
+    monkeypatch.setattr(shuffle, "_wait_dsort", rebalance_then_wait)
+    capfd.readouterr()
+    res = shuffle.shuffle_shards(f"ais://{name}", f"ais://{name}-out", shard_size="2MB", progress=False)
+    err = capfd.readouterr().err
+    assert err.count("AIStore is rebalancing; waiting") == 1 and "dSort job" in err, err
+    out, keys = open_store(f"ais://{name}-out"), []
+    for n in res.names:
+        with tarfile.open(fileobj=io.BytesIO(out.read_bytes(n))) as t: keys += [m.name for m in t.getmembers()]
+    assert sorted(keys) == sorted(f"b{s}_{i:03d}.{f}" for s in range(24) for i in range(100) for f in ("bin", "cls"))
+    for b in (name, f"{name}-out"): open_store(f"ais://{b}").bucket.delete(missing_ok=True)
+
+
 def _epoch_through_a_kill(loader, root: Path, target: str) -> list[str]:
     "The keys of `loader`'s epoch, `target` killed after its first batch and restarted 3 s later; slow consumer."
     keys, restarting = [], None
@@ -142,27 +175,18 @@ def test_ais_put_through_a_target_restart(cluster, tmp_path):
     store.bucket.delete(missing_ok=True)
 
 
-def _await_rebalance_start(endpoint: str, timeout: float = 30) -> list[str]:
+def _index_while_rebalancing(endpoint: str, name: str, src: Path, capfd, loaders: dict) -> str:
+    """While a rebalance runs: epochs by GetBatch and through the shard cache are exact (`loaders`, made before it
+    began: a listing waits for it); the shard index is built (AIStore refuses `index-shard` with HTTP 409 until the
+    rebalance ends: asked again, the wait said once, no version blamed); then GetBatch reads with it."""
     from shardkit.apps.cluster import rebalancing
-    deadline = time.time() + timeout
-    while not (running := rebalancing(endpoint)) and time.time() < deadline: time.sleep(0.2)
-    assert running, "no rebalance started"
-    return running
-
-
-def test_random_access_built_and_read_while_a_rebalance_runs(cluster, bucket, capfd):
-    """While a rebalance runs: epochs by GetBatch and through the shard cache are exact; the shard index is built
-    (AIStore refuses `index-shard` with HTTP 409 until the rebalance ends: asked again, the wait said once, no
-    version blamed); then GetBatch reads with it."""
-    from shardkit.apps.cluster import rebalancing, start_rebalance
     from shardkit.loading.readers import build_shard_index
-    name, src = bucket
-    start_rebalance(cluster["endpoint"]); _await_rebalance_start(cluster["endpoint"])
     local = keys_of(random_loader(str(src), "local", workers=0))  # the global order; the cache's windows of 2 shards:
     windows = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))
-    assert keys_of(random_loader(f"ais://{name}", "getbatch")) == local
-    assert keys_of(random_loader(f"ais://{name}", "cache", shard_cache=2)) == windows
-    during = rebalancing(cluster["endpoint"])
+    assert keys_of(loaders["getbatch"]) == local
+    assert keys_of(loaders["cache"]) == windows
+    during = rebalancing(endpoint)
+    assert during, "the rebalance was over before the shard index was asked for"
     capfd.readouterr()
     retries, t0 = Retries(backoff=0.5, max_backoff=5, wait=180), time.monotonic()
     assert build_shard_index(f"ais://{name}", retries=retries)
@@ -171,35 +195,81 @@ def test_random_access_built_and_read_while_a_rebalance_runs(cluster, bucket, ca
     assert len(said) == 1 and "index-shard" in said[0], err
     assert "5.0" not in err and retries.counts().get("cluster rebalancing"), (err, retries.counts())
     assert keys_of(random_loader(f"ais://{name}", "getbatch")) == local
-    print(f"reads during {during}; index-shard waited {waited:.0f} s ({retries.counts()})")
+    return f"GetBatch and cache epochs exact during {during}; index-shard waited {waited:.0f} s, said once"
 
 
-def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatch):
-    """A rebalance that starts stops a running dSort job ("starting x-rebalance[...]"): the shuffle runs it again,
-    says so once, and its shards hold every sample exactly once."""
-    import io, tarfile
-    from shardkit import shuffle
-    from shardkit.apps.cluster import ais_put, start_rebalance
-    from shardkit.store import open_store
-    rng, folder = np.random.default_rng(2), tmp_path / "big"
-    folder.mkdir()
-    for s in range(24):
-        with wds.TarWriter(str(folder / f"b-{s:03d}.tar")) as w:
-            for i in range(100): w.write({"__key__": f"b{s}_{i:03d}", "cls": i % 5,
-                                          "bin": rng.integers(0, 256, 8000, np.uint8).tobytes()})
-    name = f"faults-dsort-{uuid.uuid4().hex[:8]}"
-    ais_put(folder, f"ais://{name}", quiet=True)
-    wait, started = shuffle._wait_dsort, []
-    def rebalance_then_wait(job, *a, **kw):  # the job has just started: a rebalance starts under it (the first time)
-        if not started: started.append(start_rebalance(cluster["endpoint"]))
-        return wait(job, *a, **kw)
-    monkeypatch.setattr(shuffle, "_wait_dsort", rebalance_then_wait)
-    capfd.readouterr()
-    res = shuffle.shuffle_shards(f"ais://{name}", f"ais://{name}-out", shard_size="2MB", progress=False)
-    err = capfd.readouterr().err
-    assert err.count("AIStore is rebalancing; waiting") == 1 and "dSort job" in err, err
-    out, keys = open_store(f"ais://{name}-out"), []
-    for n in res.names:
-        with tarfile.open(fileobj=io.BytesIO(out.read_bytes(n))) as t: keys += [m.name for m in t.getmembers()]
-    assert sorted(keys) == sorted(f"b{s}_{i:03d}.{f}" for s in range(24) for i in range(100) for f in ("bin", "cls"))
-    for b in (name, f"{name}-out"): open_store(f"ais://{b}").bucket.delete(missing_ok=True)
+def _loaders(name: str, retries: Retries) -> dict:
+    "A streaming and a random-access loader over the bucket, 2 workers each, batches of 16 (as the clean epochs)."
+    from shardkit.loader import create_dataloader, create_dataset
+    ds = create_dataset(f"ais://{name}", fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50,
+                        retry_wait=retries)
+    return dict(streaming=create_dataloader(ds, num_workers=2, batch_size=16),
+                random=random_loader(f"ais://{name}", "cache", retry_wait=retries, shard_cache=2))
+
+
+def _epochs_through(change, loaders: dict, endpoint: str, meanwhile) -> tuple[dict, float, str]:
+    """Both loaders' epochs side by side, batch by batch (a slow consumer: their workers wait at their prefetch);
+    `change()` after each has yielded its first batch; after 4 more, `meanwhile()` runs (another job on the cluster
+    while it rebalances), both wait until the rebalance is over, then end. The keys of each epoch, the seconds the
+    rebalance ran, and what `meanwhile` said."""
+    from shardkit.apps.cluster import await_rebalance
+    its, keys, t_reb, said = {k: iter(v) for k, v in loaders.items()}, {k: [] for k in loaders}, 0.0, ""
+    for step in range(10_000):
+        for k in list(its):
+            try: keys[k] += next(its[k])[0]
+            except StopIteration: del its[k]
+        if not its: return keys, t_reb, said
+        if step == 0: change(); t0 = time.monotonic()
+        if step == 4:
+            said = meanwhile()
+            await_rebalance(endpoint, timeout=300); t_reb = time.monotonic() - t0
+        time.sleep(0.05)
+
+
+def _notebook_while_rebalancing(nb: str, endpoint: str):
+    "Run notebook `nb` (every cell, test-sized) on the cluster while it rebalances; a line on how it went."
+    from shardkit.apps.cluster import rebalancing
+    from test_notebooks import NBS_DIR, run_notebook
+    during, t0 = rebalancing(endpoint), time.monotonic()
+    run_notebook(NBS_DIR / nb, {**os.environ, "AIS_ENDPOINT": endpoint}, ("slow", "ais"))
+    return f"{nb} passed in {time.monotonic() - t0:.0f} s, started during {during}"
+
+
+def test_targets_leave_and_join_mid_epoch(cluster, bucket, capfd):
+    """The cluster changes under an epoch: a target goes into maintenance, a target joins, a target is
+    decommissioned, each in the middle of an epoch of a streaming loader and of a random-access loader (the default
+    for `ais://`: the shard cache) read side by side. Each change starts a rebalance (about 45 s here); both epochs
+    wait half-way until it is over (the target has left, or holds its objects), so each reads before, during and
+    after the change. Both epochs are exactly a clean epoch's samples, in its order, with no error. While each
+    rebalance runs, a random-access job runs beside them: the 27_random notebook, the 36_bench_random notebook (their
+    full runs: the session's cluster never rebalances), the shard index. The test runs last on this cluster: it
+    leaves it with other targets."""
+    from shardkit.apps.cluster import ais_decommission, ais_join, ais_maintenance, ais_status
+    name, src = bucket
+    root, endpoint, joined = cluster["root"], cluster["endpoint"], []
+    clean = dict(streaming=stream_keys([str(src / n) for n in NAMES]),
+                 random=keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2)))
+    later = dict(getbatch=random_loader(f"ais://{name}", "getbatch"),  # read during the last change's rebalance
+                 cache=random_loader(f"ais://{name}", "cache", shard_cache=2))
+    changes = [("target2 into maintenance", lambda: ais_maintenance("target2", root),
+                lambda: _notebook_while_rebalancing("27_random.ipynb", endpoint)),
+               ("a target joins", lambda: joined.append(ais_join(root)),
+                lambda: _notebook_while_rebalancing("36_bench_random.ipynb", endpoint)),
+               ("target1 decommissioned", lambda: ais_decommission("target1", root),
+                lambda: _index_while_rebalancing(endpoint, name, src, capfd, later))]
+    rows = []
+    for what, change, meanwhile in changes:
+        retries = Retries(backoff=0.1, max_backoff=1.0, wait=120)
+        capfd.readouterr()
+        try: keys, t_reb, said = _epochs_through(change, _loaders(name, retries), endpoint, meanwhile)
+        except Exception as e: raise AssertionError(f"{what}, {time.strftime('%H:%M:%S')}: {e}") from e
+        err = capfd.readouterr().err
+        for k in clean: assert keys[k] == clean[k], f"{what}: the {k} epoch is not a clean one ({len(keys[k])} keys)\n{err}"
+        assert "Error" not in err and "Traceback" not in err, err
+        rows.append(f"| {what} | {t_reb:.0f} s | exact ({len(keys['streaming'])}) | exact ({len(keys['random'])}) | "
+                    f"{retries.counts() or 'none'} | {said} |")
+    states = {n["name"]: "left" if n.get("left") else "maintenance" if n.get("maintenance") else n["alive"]
+              for n in ais_status(root)["nodes"] if n["role"] == "target"}
+    assert states == {"target1": "left", "target2": "maintenance", joined[0]: True}, states
+    print("\n| change mid-epoch | rebalance | streaming epoch | random-access epoch (cache) | retries | meanwhile |\n"
+          "|---|---|---|---|---|---|\n" + "\n".join(rows))

@@ -69,35 +69,16 @@ def test_notebook_full(nb):
     run_notebook(nb, _local_env(), ("slow",))
 
 
-# the random-access notebooks run on AIStore while it rebalances (a target restarted, joined or left): their full run
-REBALANCING = ("27_random.ipynb", "36_bench_random.ipynb")
+# The random-access notebooks' full runs are on AIStore while it rebalances, in tests/test_faults_ais.py
+# (test_targets_leave_and_join_mid_epoch): the session's cluster never rebalances.
+WHILE_REBALANCING = ("27_random.ipynb", "36_bench_random.ipynb")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nb", [p for p in FULL if "ais" in FLAGS[p] and p.name not in REBALANCING], ids=_id)
+@pytest.mark.parametrize("nb", [p for p in FULL if "ais" in FLAGS[p] and p.name not in WHILE_REBALANCING], ids=_id)
 def test_notebook_full_on_aistore(nb, ais_endpoint):
     "Every cell, `slow` and `ais` ones too, with AIS_ENDPOINT pointing at the session's cluster."
     run_notebook(nb, {**os.environ, "AIS_ENDPOINT": ais_endpoint}, ("slow", "ais"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nb", [p for p in FULL if p.name in REBALANCING], ids=_id)
-def test_notebook_full_while_rebalancing(nb, changing_cluster):
-    """Every cell, on a cluster that starts a rebalance (about 45 s) as the notebook starts: what it reads is exact,
-    the shard index waits for the rebalance (AIStore refuses it meanwhile) and says so. `changing_cluster`: the
-    session's cluster never rebalances."""
-    import threading, time
-    from shardkit.apps.cluster import rebalancing, start_rebalance
-    endpoint, seen, done = changing_cluster["endpoint"], [], threading.Event()
-    reb, t0 = start_rebalance(endpoint), time.monotonic()
-    def watch():  # when the rebalance was last seen running, in seconds since the notebook started
-        while not done.wait(1):
-            if f"rebalance[{reb}]" in (rebalancing(endpoint) or []): seen.append(time.monotonic() - t0)
-    threading.Thread(target=watch, daemon=True).start()
-    try: run_notebook(nb, {**os.environ, "AIS_ENDPOINT": endpoint}, ("slow", "ais"))
-    finally: done.set()
-    assert seen, f"rebalance[{reb}] was not seen running"
-    print(f"{nb.name}: passed in {time.monotonic() - t0:.0f} s; rebalance[{reb}] ran for its first {seen[-1]:.0f} s")
 
 
 PICKS_BACKEND = re.compile(r"^(ON_AIS|AIS) = bool\(os\.environ\.get\(\"AIS_ENDPOINT\"\)\)", re.M)

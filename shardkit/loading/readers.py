@@ -299,11 +299,15 @@ class AISReader:
 @patch
 def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
     from aistore.sdk.errors import AISError
+    from shardkit.remote import ClusterBusy, cluster_moving
     bucket = self._bucket()
     def get_batch():  # a GetBatch is one request: after a fault it is sent again, whole
         batch = self.client.batch(bucket=bucket)
         for shard, key, field in want: batch.add(shard, archpath=f"{key}.{field}")
-        return list(batch.get())
+        got = list(batch.get())
+        if (bad := next((m.err_msg for m, _ in got if m.err_msg), None)) and cluster_moving(self.endpoint):
+            raise ClusterBusy(f"a GetBatch member failed while AIStore moves objects ({bad})")  # asked again
+        return got
     try: got = retried(get_batch, f"a GetBatch of {len(want)} members from ais://{self.bucket_name}", self.retries)
     except AISError as e:
         if self.batch_ok or e.status_code not in (400, 404, 405, 501):
