@@ -126,6 +126,7 @@ class Retries:
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()  # + seconds waited, reads given up
         self._said = mp.RawValue("d", 0.0)  # until when (time.time()) a rebalance's wait needs no new line
+        self._owner = os.getpid()  # a forked worker whose parent is not this process any more reads for nobody
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
         self._reported = {True: list(self._mine), False: list(self._mine)}  # the counts at the last report
 
@@ -156,6 +157,7 @@ def __setstate__(self: Retries, state: dict):
     self.__dict__.update(state)
     if self._table is None:
         self._table, self._lock, self._said = mp.RawArray("d", len(CAUSES) + 2), mp.Lock(), mp.RawValue("d", 0.0)
+        self._owner = os.getpid()
 
 def as_retries(retry_wait: float | Retries | None = None) -> Retries:
     "A `Retries` from a loader's `retry_wait` option: seconds (the bound, other settings default), or a `Retries`."
@@ -245,6 +247,10 @@ class _Tries:
         now = time.monotonic()
         self.since, self.attempts = self.since or started, self.attempts + 1
         left = self.since + self.r.wait - now
+        if os.getpid() != self.r._owner and os.getppid() != self.r._owner:  # a worker of a process killed (-9): it
+            self.r.gave_up()  # reads for nobody, so it tries no more (its DataLoader loop then sees it is alone)
+            raise RetriesExhausted(f"gave up {self.verb} {self.name}: the process it read for (pid {self.r._owner}) "
+                                   "has ended")
         if left <= 0:
             self.r.gave_up()
             err = RetriesExhausted(
