@@ -46,6 +46,7 @@ def _fds(pid: int) -> tuple[int, int]:
     return n - shared, shared
 
 def held(tmp: str | Path | None = None,  # A temp folder whose files count too (the run's own)
+         others: set = frozenset(),       # Children that are not the loader's (their pids): left out
         ) -> dict:                        # RSS bytes, descriptors, threads (main, workers); shm and tmp: names
     "What this process and its children (a loader's workers) hold now: memory, descriptors, threads, files."
     def take(p):
@@ -53,7 +54,7 @@ def held(tmp: str | Path | None = None,  # A temp folder whose files count too (
             with p.oneshot(): return (p.memory_info().rss, *_fds(p.pid), p.num_threads())
         except (psutil.Error, FileNotFoundError): return 0, 0, 0, 0  # a child that ended meanwhile
     me = psutil.Process()
-    procs = [me, *me.children(recursive=True)]
+    procs = [me, *(c for c in me.children(recursive=True) if c.pid not in others)]
     main, kids = take(me), [take(k) for k in procs[1:]]
     return dict(rss_main=main[0], rss_workers=sum(k[0] for k in kids), fds_main=main[1],
                 fds_workers=sum(k[1] for k in kids), shared_fds=main[2] + sum(k[2] for k in kids),
@@ -73,19 +74,19 @@ def soak(make: Callable,                   # Makes the loader (called once: one 
          progress: bool = True,            # Show a progress bar
         ) -> list[dict]:                   # One record per epoch
     "Run one loader for `epochs` epochs: each epoch's samples (each once), speed, CPU, and what its processes hold."
-    shm0, batches, pids = set(held()["shm"]), 2, set()
+    shm0, batches, pids, others = set(held()["shm"]), 2, set(), set(held()["pids"][1:])  # (others: a cluster, say)
     loader, rows, want = make(), [], None
     for e in tqdm(range(1, epochs + 1), desc=desc, disable=not progress):
         keys, mid, c0, t0 = [], None, cpu_seconds(descendants=True), time.perf_counter()
         for i, batch in enumerate(loader):
             keys += batch[0]
-            if i == batches // 2: mid = held(tmp)  # the middle batch (of the last epoch's count)
+            if i == batches // 2: mid = held(tmp, others)  # the middle batch (of the last epoch's count)
         wall, cpu, batches = time.perf_counter() - t0, cpu_seconds(descendants=True) - c0, i + 1
         want = want or sorted(keys)
         if sorted(keys) != want:
             raise BenchError(f"epoch {e} is not every sample once: {len(keys)} keys, {len(set(keys))} distinct, "
                              f"of {len(want)}")
-        end = held(tmp)
+        end = held(tmp, others)
         at = end if end["workers"] else mid or end  # workers that stay up: now, idle; else at the middle batch
         pids |= {*end["pids"], *(mid or end)["pids"]}
         rows.append(dict(at, epoch=e, samples=len(keys), seconds=wall, rate=len(keys) / wall, pids=len(at["pids"]),
