@@ -71,6 +71,8 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
                             "How every stage's cost per sample and memory grow with the data (20k -> 200k -> 1M)"),
     ("bench", "soak"):     ("shardkit.bench.soak:bench_soak_cli",
                             "Many short epochs of the default loaders: memory, descriptors, files and speed by epoch"),
+    ("bench", "tenants"):  ("shardkit.bench.soak:bench_tenants_cli",
+                            "Loader jobs at once on one AIStore bucket beside aisloader: exact, fair, as fast"),
     ("train",):            ("shardkit.train:train_cli",
                             "Train a classifier from shards (or an ImageFolder tree)"),
     ("docs",):             ("shardkit.apps.docs:docs_cli",

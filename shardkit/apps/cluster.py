@@ -22,10 +22,10 @@ from ..store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'build_aistore', 'write_node_configs', 'free_base_port',
-           'cluster_ready', 'rebalancing', 'ais_status', 'ais_up', 'ais_down', 'format_status', 'ais_put',
-           'start_rebalance', 'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join', 'ais_up_cli',
-           'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
+           'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore', 'write_node_configs',
+           'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status', 'ais_up', 'ais_down', 'format_status',
+           'ais_put', 'start_rebalance', 'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join',
+           'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
 
 # %% ../../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -70,25 +70,32 @@ def _runnable(path: Path) -> Path:
     if why := why_untrusted(path, shardkit_home()): raise ClusterError(f"refusing to run {path.name}: {why}")
     return path
 
-def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
-    "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
-    out = aisnode_path()
+def _go_build(out: Path, cmd: str, tags: tuple = (), force: bool = False, quiet: bool = False) -> Path:
+    "Build the module's `./cmd/<cmd>` (with `tags`) into `out` unless it exists; its path, once it may be run."
     if why := why_untrusted(private_dir(out.parent), shardkit_home()):
-        raise ClusterError(f"refusing to build or run aisnode: {why}")
+        raise ClusterError(f"refusing to build or run {cmd}: {why}")
     if out.exists() and not force: return _runnable(out)
     src = aistore_source()
-    if not quiet: print(f"building aisnode {AIS_VERSION} (tags: {','.join(BUILD_TAGS)}); "
-                        "first time only, about 3 minutes on 2 cores...", flush=True)
+    if not quiet: print(f"building {cmd} {AIS_VERSION}" + (f" (tags: {','.join(tags)})" if tags else "")
+                        + "; first time only, about 3 minutes on 2 cores...", flush=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     ldflags = f"-X main.build=shardkit-{AIS_VERSION} -X main.buildtime={time.strftime('%Y-%m-%dT%H:%M:%S')}"
     t0 = time.time()
     try:
-        _run([_go(), "build", "-tags", ",".join(BUILD_TAGS), "-ldflags", ldflags, "-o", str(tmp), "./cmd/aisnode"],
-             "go build of aisnode", cwd=src, env={**os.environ, "GOFLAGS": "-mod=readonly"})
+        _run([_go(), "build", *(["-tags", ",".join(tags)] if tags else []), "-ldflags", ldflags, "-o", str(tmp),
+              f"./cmd/{cmd}"], f"go build of {cmd}", cwd=src, env={**os.environ, "GOFLAGS": "-mod=readonly"})
         os.replace(tmp, out)
     finally: tmp.unlink(missing_ok=True)
     if not quiet: print(f"built {out} in {time.time() - t0:.0f} s")
     return _runnable(out)
+
+def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
+    "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
+    return _go_build(aisnode_path(), "aisnode", BUILD_TAGS, force, quiet)
+
+def build_aisloader(force: bool = False, quiet: bool = False) -> Path:
+    "Build AIStore's load generator `aisloader` (of the same module) unless a build of this version exists; its path."
+    return _go_build(shardkit_home() / "bin" / f"aisloader-{AIS_VERSION}", "aisloader", (), force, quiet)
 
 # %% ../../nbs/07_cluster.ipynb
 def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path | None:

@@ -4,10 +4,15 @@
 
 # %% ../../nbs/45_bench_soak.ipynb 3
 from __future__ import annotations
+import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -25,7 +30,7 @@ from .peers import shard_fields
 
 # %% auto 0
 __all__ = ['SHM', 'MODES', 'COUNTS', 'held', 'shm_of', 'soak', 'soak_summary', 'bench_soak', 'soak_table', 'plot_soak',
-           'bench_soak_cli']
+           'bench_tenants', 'tenants_table', 'bench_soak_cli', 'bench_tenants_cli']
 
 # %% ../../nbs/45_bench_soak.ipynb
 SHM = Path("/dev/shm")
@@ -205,8 +210,134 @@ def plot_soak(result: dict,                    # What `bench_soak` returns
     return fig
 
 # %% ../../nbs/45_bench_soak.ipynb
+_JOB = """
+import hashlib, json, sys, time
+from shardkit.bench.soak import _loader
+src, mode, epochs, workers, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+loader, out = _loader(mode, src, workers, batch)(), []
+print("ready", flush=True); sys.stdin.readline()  # every job starts reading at once
+for e in range(epochs):
+    keys, t0 = [], time.time()
+    for b in loader: keys += b[0]
+    out.append(dict(samples=len(keys), distinct=len(set(keys)), start=t0, end=time.time(),
+                    digest=hashlib.sha256("\\n".join(sorted(keys)).encode()).hexdigest()))
+print(json.dumps(out))
+"""
+
+def _jobs(src: str, n: int, mode: str, epochs: int, num_workers: int, batch_size: int, timeout: float,
+          beside=None) -> list:
+    "Run `n` loader jobs at once (started together, `beside()` first), each a process of its own; their epochs."
+    args = [str(src), mode, str(epochs), str(num_workers), str(batch_size)]
+    procs = [subprocess.Popen([sys.executable, "-c", _JOB, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, stdin=subprocess.PIPE) for _ in range(n)]
+    for p in procs: p.stdout.readline()  # "ready": its loader made (or it failed: then the line is empty)
+    if beside is not None: beside()
+    for p in procs:
+        try: p.stdin.write("go\n"); p.stdin.flush()
+        except BrokenPipeError: pass  # it failed already: its error is read below
+    out = []
+    for p in procs:
+        try: so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired: p.kill(); so, se = p.communicate()
+        try: out.append(json.loads(so.strip().splitlines()[-1]) if p.returncode == 0 else dict(error=se[-2000:]))
+        except (ValueError, IndexError): out.append(dict(error=(so + se)[-2000:]))
+    return out
+
+# %% ../../nbs/45_bench_soak.ipynb
+def _aisloader(endpoint: str, bucket: str, workers: int, nice: int = 0) -> subprocess.Popen:
+    "AIStore's `aisloader` reading whole objects of `bucket` at random, with `workers` workers, until stopped."
+    from shardkit.apps.cluster import build_aisloader
+    u = urllib.parse.urlsplit(endpoint)
+    cmd = [str(build_aisloader(quiet=True)), "-ip", u.hostname, "-port", str(u.port or 80),
+           "-bucket", f"ais://{bucket}", "-provider", "ais", "-pctput", "0", "-duration", "0",
+           "-numworkers", str(workers), "-cleanup=false", "-quiet", "-statsinterval", "0", "-stoppable", "-json"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+def _stop_aisloader(p: subprocess.Popen) -> dict:
+    "Stop it (SIGINT, its Ctrl-C) and read its totals: GETs, bytes, errors, seconds (its JSON report's last block)."
+    p.send_signal(signal.SIGINT)
+    try: out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired: p.kill(); out, _ = p.communicate()
+    blocks = re.findall(r"^\[\n.*?^\]$", out, re.S | re.M)
+    try: get = json.loads(blocks[-1])[-1]["get"]
+    except (IndexError, ValueError, KeyError, TypeError): return dict(gets=None, errors=None, output=out[-2000:])
+    return dict(gets=int(get["count"]), bytes=int(get["bytes"]), errors=int(get["errors"]),
+                seconds=int(get["duration"]) / 1e9)
+
+# %% ../../nbs/45_bench_soak.ipynb
+def bench_tenants(src: str,                 # An AIStore bucket of shards, ais://BUCKET (AIS_ENDPOINT set)
+                  jobs: int = 4,            # Loader jobs at once, each a process of its own
+                  epochs: int = 3,          # Epochs of each job
+                  mode: str = "stream",     # Which default loader each job runs: stream or random
+                  aisloader: int = 1,       # aisloader's workers reading the bucket beside them (0: no aisloader)
+                  nice: int = 0,            # aisloader's CPU niceness (19: it takes the cycles the jobs leave)
+                  num_workers: int = 2,     # Loader workers of each job
+                  batch_size: int = 64,     # Samples per batch
+                  timeout: float = 1800,    # Seconds a job may take
+                 ) -> dict:                 # alone / together: each job's epochs; aisloader's totals; the verdicts
+    "One loader job, then `jobs` at once, on one bucket beside aisloader: exact epochs, fair, as fast together."
+    if mode not in MODES: raise UsageError(f"mode must be one of {MODES}, not {mode!r}")
+    if not str(src).startswith("ais://"): raise UsageError(f"give an AIStore bucket (ais://BUCKET), not {src!r}")
+    from shardkit.store import open_store
+    store, runs = open_store(src), {}
+    for name, n in (("alone", 1), ("together", jobs)):  # aisloader beside both: the number of jobs is what differs
+        tenant = []  # started once the jobs are ready: it reads beside them from their first batch to their last
+        start = lambda: tenant.append(_aisloader(store.endpoint, store.bucket.name, aisloader, nice))
+        try: runs[name] = _jobs(src, n, mode, epochs, num_workers, batch_size, timeout, start if aisloader else None)
+        finally: runs[f"aisloader {name}"] = _stop_aisloader(tenant[0]) if tenant else None
+    tenants = [t for t in (runs["aisloader alone"], runs["aisloader together"]) if t]
+    return dict(runs, verdicts=_tenant_verdicts(runs["alone"], runs["together"], tenants))
+
+# %% ../../nbs/45_bench_soak.ipynb
+def _rate(job: list) -> float:
+    "A job's samples/s over its epochs (from the first epoch's start to the last one's end)."
+    return sum(e["samples"] for e in job) / (job[-1]["end"] - job[0]["start"])
+
+def _tenant_verdicts(alone: list, together: list, tenants: list) -> dict:
+    "Exact epochs, the slowest job against the fastest, all of them against one alone, errors (aisloader's too)."
+    runs = alone + together
+    errors = [j["error"] for j in runs if "error" in j] + [f"aisloader: {t['errors']} errors" for t in tenants
+                                                           if t.get("errors") or t.get("gets") is None]
+    if any("error" in j for j in runs): return dict(errors=errors, ok=False)
+    want = {(e["samples"], e["digest"]) for e in alone[0][:1]}
+    exact = all(e["distinct"] == e["samples"] and (e["samples"], e["digest"]) in want for j in runs for e in j)
+    rates = [_rate(j) for j in together]
+    span = max(j[-1]["end"] for j in together) - min(j[0]["start"] for j in together)
+    out = dict(exact=exact, alone=_rate(alone[0]), rates=rates, fairness=min(rates) / max(rates),
+               together=sum(e["samples"] for j in together for e in j) / span, errors=errors)
+    out["together_ratio"] = out["together"] / out["alone"]
+    out["ok"] = exact and not errors and out["fairness"] >= 0.8 and out["together_ratio"] >= 0.9
+    return out
+
+def tenants_table(result: dict) -> str:
+    "`bench_tenants`'s result: each job's samples/s, one alone, all together, aisloader's GETs, the verdicts."
+    v = result["verdicts"]
+    if "exact" not in v: return "shardkit bench tenants: errors\n" + "\n".join(v["errors"])
+    rows = [dict(name="one job alone", rate=v["alone"], ratio=1.0)]
+    rows += [dict(name=f"job {i + 1} of {len(v['rates'])}", rate=r, ratio=r / v["alone"])
+             for i, r in enumerate(v["rates"])]
+    rows.append(dict(name="the jobs together", rate=v["together"], ratio=v["together_ratio"]))
+    notes = [f"every epoch exact: {'yes' if v['exact'] else 'NO'}; slowest/fastest {v['fairness']:.2f} (goal >= 0.8); "
+             f"together {v['together_ratio']:.2f}x one alone (goal >= 0.9); errors: {len(v['errors']) or 'none'}"]
+    for run in ("alone", "together"):
+        if (t := result.get(f"aisloader {run}")) and t.get("gets") is not None:
+            notes.append(f"aisloader beside the job{'s' * (run == 'together')} {run}: {t['gets']:,} GETs of whole "
+                         f"shards ({t['bytes'] / 2**20:,.0f} MiB, {t['gets'] / t['seconds']:,.0f}/s), "
+                         f"{t['errors']} errors")
+    cols = {"name": ("", "{}"), "rate": ("samples/s", "{:,.0f}"), "ratio": ("x one alone", "{:.2f}")}
+    return format_bench(rows, cols, title="shardkit bench tenants: loader jobs on one AIStore bucket", notes=notes)
+
+# %% ../../nbs/45_bench_soak.ipynb
 @command(bench_soak, outputs=("json", "plot"), hide=("progress",))
 def bench_soak_cli(result, args):
     "Run the default loaders for many short epochs: memory, descriptors, threads, files and speed by epoch."
     print(soak_table(result))
     if args.plot: plot_soak(result, args.plot); print(f"picture: {shown_path(args.plot)}")
+
+# %% ../../nbs/45_bench_soak.ipynb
+@command(bench_tenants)
+def bench_tenants_cli(result, args):
+    "Run loader jobs at once on one AIStore bucket beside aisloader: exact epochs, fairness, speed against one alone."
+    print(tenants_table(result))
+    return 0 if result["verdicts"].get("exact") and not result["verdicts"]["errors"] else 1
