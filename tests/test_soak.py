@@ -45,3 +45,20 @@ def test_soak_on_aistore(pets, ais_endpoint):
     ais_put(pets, f"ais://{name}", quiet=True)
     try: _check(bench_soak(f"ais://{name}", epochs=22, warmup=6, batch_size=32, progress=False))
     finally: open_store(f"ais://{name}").bucket.delete(missing_ok=True)
+
+
+def test_tenants_on_aistore(pets, ais_endpoint):
+    """`shardkit bench tenants` at a small size: one job, then four at once, on one bucket, aisloader reading it beside
+    them: every epoch of every job exact, no error anywhere (speed is the benchmark's to report)."""
+    from shardkit.apps.cluster import ais_put
+    from shardkit.bench.soak import bench_tenants, tenants_table
+    from shardkit.store import open_store
+    name = f"tenants-{uuid.uuid4().hex[:8]}"
+    ais_put(pets, f"ais://{name}", quiet=True)
+    try: res = bench_tenants(f"ais://{name}", jobs=4, epochs=2, batch_size=32)
+    finally: open_store(f"ais://{name}").bucket.delete(missing_ok=True)
+    print("\n" + tenants_table(res))
+    v = res["verdicts"]
+    assert v.get("exact") and not v["errors"], v
+    assert len(res["together"]) == 4 and all(len(j) == 2 for j in res["together"])
+    assert res["aisloader together"]["gets"] > 0 and res["aisloader together"]["errors"] == 0
