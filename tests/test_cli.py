@@ -15,7 +15,8 @@ SHARDKIT_COMMANDS = {
     ("synth", "pets"), ("download", "pets"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
     ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
     ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "mix"),
-    ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("train",), ("docs",), ("lab",), ("profile",),
+    ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("bench", "soak"), ("bench", "tenants"),
+    ("train",), ("docs",), ("lab",), ("profile",),
 }
 
 
