@@ -322,7 +322,8 @@ def cluster_moving(endpoint: str) -> bool:
     try: r = http_session().get(f"{endpoint}/v1/cluster", params={"what": "running_all"}, json={"active": True},
                                 timeout=5)
     except requests.RequestException: return False  # no cluster there now: nothing says objects are on their way
-    return r.status_code != 200 or rebalance_conflict(r.text)  # a node that does not answer (yet), a rebalance
+    if r.status_code == 200: return rebalance_conflict(r.text)
+    return r.status_code >= 500 or "failed to call" in r.text  # a node that does not answer (yet): one joins or leaves
 
 def _map_version(node: str) -> int | None:
     "The version of the cluster map AIStore node `node` (its base URL) knows, or None if it does not say."
