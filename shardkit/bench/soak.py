@@ -336,7 +336,7 @@ def bench_soak_cli(result, args):
     if args.plot: plot_soak(result, args.plot); print(f"picture: {shown_path(args.plot)}")
 
 # %% ../../nbs/45_bench_soak.ipynb
-@command(bench_tenants)
+@command(bench_tenants, outputs=("json",))
 def bench_tenants_cli(result, args):
     "Run loader jobs at once on one AIStore bucket beside aisloader: exact epochs, fairness, speed against one alone."
     print(tenants_table(result))
