@@ -5,11 +5,13 @@
 # %% ../nbs/01_config.ipynb 2
 from __future__ import annotations
 import os
+import re
+import shutil
 import stat
 from pathlib import Path
 
 # %% auto 0
-__all__ = ['shardkit_home', 'why_untrusted', 'private_dir']
+__all__ = ['shardkit_home', 'why_untrusted', 'private_dir', 'remove_stale_temp']
 
 # %% ../nbs/01_config.ipynb
 def shardkit_home() -> Path:
@@ -40,3 +42,27 @@ def private_dir(path: Path) -> Path:
         private_dir(path.parent)
         path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+# %% ../nbs/01_config.ipynb
+_STALE = re.compile(r"\.(\d+)\.tmp(\.npz)?$")  # .NAME.PID.tmp, NAME.PID.tmp.npz: a write in progress, or a killed one
+_SWEPT: set = set()
+
+def remove_stale_temp(folder: Path,  # A folder where shardkit writes aside, then renames
+                     ) -> list[str]:  # The names removed
+    "Remove the half-written entries of `folder` (`.NAME.PID.tmp`) whose process is gone; once per folder and process."
+    folder = Path(folder)
+    if (key := (os.getpid(), str(folder))) in _SWEPT or not folder.is_dir(): return []
+    _SWEPT.add(key)
+    gone = []
+    for p in folder.iterdir():
+        if (m := _STALE.search(p.name)) and not _alive(int(m.group(1))):
+            if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
+            else: p.unlink(missing_ok=True)
+            gone.append(p.name)
+    return gone
+
+def _alive(pid: int) -> bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True  # someone else's process
+    return True

@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import random
+import re
 import ssl
 import sys
 import time
@@ -23,10 +24,11 @@ from fastcore.basics import patch
 from .errors import LoaderError, StoreError, UsageError
 
 # %% auto 0
-__all__ = ['RETRIED_STATUS', 'CAUSES', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError', 'ObjectMissing', 'AccessDenied',
-           'ObjectChanged', 'RetriesExhausted', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'say_line',
-           'retry_after_seconds', 'retried', 'http_session', 'content_version', 'refusal', 'refused', 'RemoteStream',
-           'open_remote', 'answer_ok', 'read_range', 'remote_head', 'remote_put']
+__all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError', 'ObjectMissing',
+           'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer', 'rebalance_conflict',
+           'fault_cause', 'Retries', 'as_retries', 'say_line', 'retry_after_seconds', 'retried', 'http_session',
+           'content_version', 'objects_moving', 'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote',
+           'answer_ok', 'remote_request', 'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -44,9 +46,13 @@ class ObjectChanged(RemoteError):
 class RetriesExhausted(RemoteError, LoaderError):
     "A read or upload kept meeting faults for longer than its bound; nothing read so far is lost."
 
+class ClusterBusy(RemoteError):
+    "AIStore refused or stopped an action because a rebalance or resilver runs: a fault, waited out like the others."
+
 RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
+REBALANCING = "cluster rebalancing"
 CAUSES = ("connection refused", "cannot connect", "connection cut", "timed out", "HTTP 404 mid-read",
-          *(f"HTTP {c}" for c in RETRIED_STATUS))
+          *(f"HTTP {c}" for c in RETRIED_STATUS), REBALANCING)
 
 # %% ../nbs/01a_remote.ipynb
 class HTTPAnswer(Exception):
@@ -71,12 +77,31 @@ def _chain(e: BaseException) -> list[BaseException]:
         todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
     return [x for x in out if isinstance(x, BaseException)]
 
+_REBALANCE = re.compile(r"ErrLimitedCoexistence|\b(?:x-)?(?:rebalance|resilver)\[|"
+                        r"cannot handle bucket request: Smap v0")  # (the last: a target joining, not ready yet)
+_NODE_DOWN = re.compile(r"ErrFailedTo.*failed to call [pt]\[.*connect: connection refused", re.S)
+
+def rebalance_conflict(text: str) -> bool:
+    "Whether AIStore's answer or job error `text` says a rebalance or resilver refused or stopped the action."
+    return bool(_REBALANCE.search(text or ""))
+
+def _text(x: BaseException) -> str:
+    "The body an answer carried: ours (`text`), the AIStore SDK's (`message`), or a `requests` response's."
+    for t in (getattr(x, "text", None), getattr(x, "message", None)):
+        if isinstance(t, str): return t
+    resp = getattr(x, "response", None)
+    return resp.text if isinstance(getattr(resp, "text", None), str) else ""
+
 def fault_cause(e: BaseException) -> str | None:
     "The cause under which exception `e` is retried (one of `CAUSES`), or None: an answer or a bug, not a fault."
     chain = _chain(e)
     if any(isinstance(x, (ssl.SSLError, requests.exceptions.SSLError)) for x in chain): return None
+    if any(isinstance(x, ClusterBusy) for x in chain): return REBALANCING
     codes = [x.status_code for x in chain if isinstance(getattr(x, "status_code", None), int)]
-    if codes: return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
+    if codes:
+        if codes[0] in (400, 409) and any(rebalance_conflict(_text(x)) for x in chain): return REBALANCING
+        if codes[0] == 400 and any(_NODE_DOWN.search(_text(x)) for x in chain): return "connection refused"
+        return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
     if any(isinstance(x, ConnectionRefusedError) for x in chain): return "connection refused"
     if any(isinstance(x, urllib3.exceptions.NewConnectionError) for x in chain): return "cannot connect"
     if any(isinstance(x, _TIMEOUT) for x in chain): return "timed out"
@@ -101,6 +126,8 @@ class Retries:
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         # + seconds waited, reads given up; a spawn context's lock, which forked and spawned workers alike can share
         self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.get_context("spawn").Lock()
+        self._said = mp.RawValue("d", 0.0)  # until when (time.time()) a rebalance's wait needs no new line
+        self._owner = os.getpid()  # a forked worker whose parent is not this process any more reads for nobody
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
         self._reported = {True: list(self._mine), False: list(self._mine)}  # the counts at the last report
 
@@ -124,12 +151,14 @@ def _spawning() -> bool:
 @patch
 def __getstate__(self: Retries) -> dict:
     "A spawned worker shares the counts; any other copy (a pickle, a deepcopy) counts on its own."
-    return self.__dict__ if _spawning() else {**self.__dict__, "_table": None, "_lock": None}
+    return self.__dict__ if _spawning() else {**self.__dict__, "_table": None, "_lock": None, "_said": None}
 
 @patch
 def __setstate__(self: Retries, state: dict):
     self.__dict__.update(state)
-    if self._table is None: self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.get_context("spawn").Lock()
+    if self._table is None:
+        self._table, self._said = mp.RawArray("d", len(CAUSES) + 2), mp.RawValue("d", 0.0)
+        self._lock, self._owner = mp.get_context("spawn").Lock(), os.getpid()
 
 def as_retries(retry_wait: float | Retries | None = None) -> Retries:
     "A `Retries` from a loader's `retry_wait` option: seconds (the bound, other settings default), or a `Retries`."
@@ -149,6 +178,17 @@ def record(self: Retries, cause: str, seconds: float):
 
 @patch
 def gave_up(self: Retries): self._add(len(CAUSES) + 1, 1)
+
+@patch
+def say_waiting(self: Retries, what: str, left: float) -> bool:
+    "Say on stderr that AIStore is rebalancing and `what` waits (up to `left` s): once per wait, for all workers."
+    with self._lock:
+        if self._said.value > time.time(): return False
+        self._said.value = time.time() + self.wait  # the workers of one loader share it: one line, not one each
+    say_line(f"shardkit: AIStore is rebalancing; waiting (up to {_duration(left)}) to go on {what}")
+    return True
+
+def _duration(seconds: float) -> str: return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 @patch
 def counts(self: Retries) -> dict[str, int]:
@@ -180,7 +220,7 @@ def say_line(line: str, file=None):
     file = file or sys.stderr
     bars = sys.modules.get("tqdm")  # a bar is drawn only where tqdm is imported
     if bars is not None and len(getattr(bars.tqdm, "_instances", ())):
-        bars.tqdm.write(line, file=file)  # the bars cleared, the line, the bars drawn again below it
+        bars.tqdm.write(line + "\n", file=file, end="")  # bars cleared, the line in one write, bars drawn again
         return
     file.write(line + "\n")  # `print` writes the newline apart: unbuffered (PYTHONUNBUFFERED), two writes
     file.flush()
@@ -213,15 +253,21 @@ class _Tries:
         now = time.monotonic()
         self.since, self.attempts = self.since or started, self.attempts + 1
         left = self.since + self.r.wait - now
+        if os.getpid() != self.r._owner and os.getppid() != self.r._owner:  # a worker of a process killed (-9): it
+            self.r.gave_up()  # reads for nobody, so it tries no more (its DataLoader loop then sees it is alone)
+            raise RetriesExhausted(f"gave up {self.verb} {self.name}: the process it read for (pid {self.r._owner}) "
+                                   "has ended")
         if left <= 0:
             self.r.gave_up()
             err = RetriesExhausted(
                 f"gave up {self.verb} {self.name}: {self.attempts} attempt(s) in {now - self.since:.0f} s met faults, "
-                f"the last {cause}. Nothing read so far is lost: when the store answers again, go on from the last "
+                f"the last {cause}" + (" (a rebalance can run for hours on a large cluster)" * (cause == REBALANCING))
+                + ". Nothing read so far is lost: when the store answers again, go on from the last "
                 "checkpoint (loader.load_state_dict(state), state from loader.state_dict()); a longer bound is "
                 f"retry_wait= (now {self.r.wait:g} s)")
             err.wait = self.r.wait  # how long it tried: a shared cache tells its other readers not to try again as long
             raise err from None
+        if cause == REBALANCING: self.r.say_waiting(f"{self.verb} {self.name}", left)
         pause = min(self.r.delay(self.attempts, retry_after), left)
         self.r.record(cause, now - started + pause)
         time.sleep(pause)
@@ -230,6 +276,7 @@ def retried(call: Callable,                  # A whole request: it either succee
             name: str,                       # What it reads or writes, for messages ("shard http://...")
             retries: Retries | None = None,  # The settings and counts (None: DEFAULT_RETRIES)
             verb: str = "reading",           # For the message: "reading", "uploading", ...
+            job: bool = False,               # A job that runs long: the bound counts from its fault, not its start
            ):
     "`call()`, run again after each fault (refused, cut, timed out, HTTP 408/429/5xx) until the bound; answers raise."
     tries = _Tries(name, as_retries(retries), verb)
@@ -239,7 +286,7 @@ def retried(call: Callable,                  # A whole request: it either succee
         except Exception as e:
             cause = fault_cause(e)
             if cause is None: raise
-            tries.fault(cause, started, _retry_after(e))
+            tries.fault(cause, time.monotonic() if job else started, _retry_after(e))
 
 # %% ../nbs/01a_remote.ipynb
 _SESSIONS: dict[int, requests.Session] = {}
@@ -273,6 +320,33 @@ def _total(r) -> int | None:
     if "/" in cr and cr.rsplit("/", 1)[1].strip().isdigit(): return int(cr.rsplit("/", 1)[1])
     n = r.headers.get("Content-Length", "")
     return int(n) if n.isdigit() and r.status_code == 200 else None
+
+def objects_moving(url: str,                   # The object's URL on an AIStore proxy (`.../v1/objects/...`)
+                   answered: str | None = None,  # The URL that answered 404 (a target's, after the redirect)
+                  ) -> bool:
+    """Whether the AIStore cluster behind object `url` moves objects now: a rebalance or resilver runs, it cannot ask
+    all its nodes, or the target that answered knows an older cluster map than the proxy (it has just joined, and
+    does not know yet where objects are). Asked after a 404: such a 404 is a fault."""
+    u = urllib.parse.urlsplit(url)
+    if not u.path.startswith("/v1/objects/"): return False
+    proxy = f"{u.scheme}://{u.netloc}"
+    if cluster_moving(proxy): return True
+    if not answered or (a := urllib.parse.urlsplit(answered)).netloc == u.netloc: return False
+    behind, ahead = _map_version(f"{a.scheme}://{a.netloc}"), _map_version(proxy)
+    return None not in (behind, ahead) and behind < ahead
+
+def cluster_moving(endpoint: str) -> bool:
+    "Whether AIStore at `endpoint` moves objects now: a rebalance or resilver runs, or it cannot ask all its nodes."
+    try: r = http_session().get(f"{endpoint}/v1/cluster", params={"what": "running_all"}, json={"active": True},
+                                timeout=5)
+    except requests.RequestException: return False  # no cluster there now: nothing says objects are on their way
+    if r.status_code == 200: return rebalance_conflict(r.text)
+    return r.status_code >= 500 or "failed to call" in r.text  # a node that does not answer (yet): one joins or leaves
+
+def _map_version(node: str) -> int | None:
+    "The version of the cluster map AIStore node `node` (its base URL) knows, or None if it does not say."
+    try: return int(http_session().get(f"{node}/v1/daemon", params={"what": "smap"}, timeout=5).json()["version"])
+    except (requests.RequestException, ValueError, KeyError, TypeError): return None
 
 def refusal(name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
     "The error for an answer that is not retried: 404 a missing object, 401/403 no permission, any other as it is."
@@ -330,7 +404,9 @@ def _request(self: RemoteStream):
     if r.status_code not in (200, 206):
         text, after = r.text[:300] if r.status_code >= 400 else "", retry_after_seconds(r.headers.get("Retry-After"))
         r.close()
-        raise HTTPAnswer(r.status_code, after, text)
+        answer = HTTPAnswer(r.status_code, after, text)
+        answer.url = r.url  # who answered (AIStore: the target the proxy sent it to)
+        raise answer
     version, size = content_version(r.headers), _total(r)
     changed = [(what, a, b) for what, a, b in (("version", self.version, version), ("size", self.size, size))
                if a and b and a != b]
@@ -361,6 +437,8 @@ def _open(self: RemoteStream):
             cause = fault_cause(e)
             if isinstance(e, HTTPAnswer) and e.status_code == 404 and self.pos:
                 cause = "HTTP 404 mid-read"  # it was there a moment ago: an AIStore target holding it may be down
+            elif isinstance(e, HTTPAnswer) and e.status_code == 404:  # a target that just joined answers 404 until
+                if objects_moving(self.url, getattr(e, "url", None)): cause = REBALANCING  # it knows where objects are
             if cause is None:
                 if isinstance(e, HTTPAnswer): raise refused(self.auth, self.name, e.status_code, e.text) from None
                 if isinstance(e, RemoteError): raise
@@ -419,18 +497,35 @@ def _catch_up(self: RemoteStream):
 # %% ../nbs/01a_remote.ipynb
 def answer_ok(r: requests.Response, name: str, verb: str = "read", ok: tuple = (200,), auth=None
              ) -> requests.Response:
-    "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx; else the refusal."
+    "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx or a rebalance; else refused."
     if r.status_code in ok: return r
-    if r.status_code in RETRIED_STATUS:
-        raise HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:300])
+    answer = HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:500])
+    if fault_cause(answer): raise answer
+    if r.status_code == 404 and objects_moving((r.history[0] if r.history else r).url, r.url):
+        raise ClusterBusy(f"{name}: HTTP 404 while AIStore moves objects")
     raise refused(auth, name, r.status_code, r.text[:300], verb)
 
+def remote_request(method: str,                     # "GET", "POST", "PUT", ...
+                   url: str,                        # The whole URL
+                   name: str | None = None,         # What it asks for, for messages ("index-shard on ais://b")
+                   retries: Retries | None = None,  # Settings and counts (None: DEFAULT_RETRIES)
+                   ok: tuple = (200,),              # The statuses that are the answer asked for
+                   **kw,                            # For `requests`: params=, json=, data=, headers=
+                  ) -> requests.Response:
+    "One request (an AIStore action or query) sent again, whole, after each fault or rebalance; the answer, or raises."
+    name, retries = name or f"{method} {url}", as_retries(retries)
+    call = lambda: answer_ok(http_session().request(method, url, timeout=retries.timeout, **kw), name, "call", ok)
+    return retried(call, name, retries, "calling")
+
 def read_range(url: str, start: int, end: int, retries: Retries | None = None, name: str | None = None,
-               version: str = "", size: int | None = None, auth=None) -> bytes:
-    "Bytes `start` to `end - 1` of the object at `url`, with one range GET retried through faults; as indexed."
-    name, retries = name or url, as_retries(retries)
+               version: str = "", size: int | None = None, auth=None, locate: Callable[[], str] | None = None
+              ) -> bytes:
+    "Bytes `start` to `end - 1` of the object at `url` (after a fault: at `locate()`), one range GET through faults."
+    name, retries, at = name or url, as_retries(retries), dict(url=url, tries=0)
     def once():
-        r = http_session().get(url, headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
+        if at["tries"] and locate: at["url"] = locate()  # after a fault: the target that held it may have left
+        at["tries"] += 1
+        r = http_session().get(at["url"], headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
                                timeout=retries.timeout, auth=auth)
         if r.status_code == 200:
             raise RemoteError(f"{name} does not answer range requests (HTTP 200 to a Range): read whole shards "

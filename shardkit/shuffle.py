@@ -17,6 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 from .command import command
 from .errors import StoreError, UsageError
+from .remote import ClusterBusy, rebalance_conflict, retried
 from .shards.fields import ShardError, split_key
 from .shards.manifest import read_manifest, resume_point, save_manifest, sha256_file
 from .shards.read import tar_entries, unsafe_name
@@ -24,7 +25,7 @@ from .shards.write import staging_dir
 from .store import AISStore, LocalStore, open_store, parse_size, shown_path
 
 # %% auto 0
-__all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'shuffle_shards', 'shuffle_cli']
+__all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'wait_dsort', 'shuffle_shards', 'shuffle_cli']
 
 # %% ../nbs/11_shuffle.ipynb
 def _index_shard(path, shard: int, name: str | None = None):
@@ -206,7 +207,7 @@ def _dsort_shard_size(shard_size: int, records: int, data: int, blocks: int) -> 
     return max(1, int(shard_size * data / blocks - data / records))
 
 # %% ../nbs/11_shuffle.ipynb
-def _wait_dsort(job, n_inputs: int, timeout: float = 600, progress: bool = True) -> dict:
+def wait_dsort(job, n_inputs: int, timeout: float = 600, progress: bool = True) -> dict:
     "Poll dSort `job` until it finishes; return its per-target infos. Raises StoreError on abort, errors or timeout."
     bar = tqdm(total=n_inputs, desc="dsort extract", unit="shard", disable=not progress)
     t0, phase = time.time(), "extract"
@@ -217,7 +218,10 @@ def _wait_dsort(job, n_inputs: int, timeout: float = 600, progress: bool = True)
                 m = [i.metrics for i in infos]
                 errors = [e for x in m for e in (x.errors or []) if e]
                 if errors or any(x.aborted for x in m):
-                    raise StoreError(f"dSort job {job.dsort_id} failed: {errors[0] if errors else 'aborted'}")
+                    why = errors[0] if errors else "aborted"
+                    if any(rebalance_conflict(str(e)) for e in errors):  # a rebalance that starts stops dSort jobs
+                        raise ClusterBusy(f"dSort job {job.dsort_id} was stopped by a rebalance ({why})")
+                    raise StoreError(f"dSort job {job.dsort_id} failed: {why}")
                 if phase == "extract":
                     bar.n = sum(int(x.local_extraction.extracted_count or 0) for x in m); bar.refresh()
                     if all(x.local_extraction.finished for x in m):
@@ -239,10 +243,14 @@ def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, seed, 
                    timeout=600, progress=True):
     t0 = time.time()
     head = src._obj(names[0]).get_reader(byte_range=f"bytes=0-{(1 << 20) - 1}").read_all()
-    job = src.client.dsort()
     size = _dsort_shard_size(shard_size, *_record_sizes(head))
-    job.start(dsort_framework(src, dest, names, size, seed, output_prefix))
-    _wait_dsort(job, len(names), timeout, progress)
+    def run():  # one job; one that a rebalance stopped runs again, whole, into a clean prefix (the rebalance goes on)
+        for n in dest.list(f"{output_prefix}*.tar"): dest.delete(n)
+        job = src.client.dsort()
+        job.start(dsort_framework(src, dest, names, size, seed, output_prefix))
+        wait_dsort(job, len(names), timeout, progress)
+        return job
+    job = retried(run, f"the dSort job of {src.spec}", verb="running", job=True)
     out = dest.list(f"{output_prefix}*.tar")
     # dSort reports tar members, not samples; counting samples would mean reading every output shard
     return Shuffled(dest.spec, out, None, sum(dest.size(n) for n in out), f"dsort {job.dsort_id}", time.time() - t0)

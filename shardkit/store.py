@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Callable, Iterable
 import requests
 from braceexpand import UnbalancedBracesError, braceexpand
 from fastcore.basics import patch
@@ -30,11 +30,11 @@ from shardkit.s3 import (
     s3_url,
 )
 from .errors import StoreError, UsageError
-from .remote import ObjectMissing, Retries, as_retries, open_remote, remote_put
+from .remote import ClusterBusy, ObjectMissing, Retries, as_retries, cluster_moving, open_remote, remote_put, retried
 
 # %% auto 0
 __all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'did_you_mean', 'LocalStore', 'ais_endpoint',
-           'ais_client', 'AISStore', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls']
+           'ais_client', 'AISStore', 'listed_settled', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls']
 
 # %% ../nbs/02_store.ipynb
 def expand_names(names: str | Iterable[str]) -> list[str]:
@@ -281,11 +281,23 @@ def put_bytes(self: AISStore, data: bytes, name: str) -> str:
     return name
 
 # %% ../nbs/02_store.ipynb
+def listed_settled(store: AISStore,       # The bucket (its endpoint and retry bound)
+                   listing: Callable,     # Makes the listing (e.g. pages through `bucket.list_objects_iter`)
+                   what: str = "",        # For messages: what is listed (default: the store)
+                  ):                      # What `listing()` returns
+    "`listing()` when AIStore moves no objects: a rebalance is waited out (within the bound), one met midway redone."
+    def once():
+        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} is moving objects")
+        out = listing()
+        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} began moving objects")
+        return out
+    return retried(once, what or f"the listing of {store.spec}", store.retries, "listing", job=True)
+
 @patch
 def list(self: AISStore, pattern: str | None = None) -> list[str]:
     "Names of the objects (sorted, relative to the prefix), filtered by a glob, brace template or prefix."
-    objs = self.bucket.list_all_objects(prefix=self.prefix)
-    return _match((o.name[len(self.prefix):] for o in objs), pattern)
+    objs = listed_settled(self, lambda: [*self.bucket.list_all_objects(prefix=self.prefix)])  # (`list`: this method)
+    return _match({o.name[len(self.prefix):] for o in objs}, pattern)
 
 @patch
 def exists(self: AISStore, name: str) -> bool:

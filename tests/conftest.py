@@ -21,12 +21,17 @@ def free_base_port(start=28080, step=10, nodes=4):
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests on the session's AIStore are slow, and share one worker under pytest-xdist (`--dist loadgroup`): one
-    cluster per session. Tests with a wall-clock bound (`timed`) share another, so no two of them run at once."""
+    cluster per session. Tests that change a cluster's targets (`changing_cluster`: tests/test_faults_ais.py) share
+    another group: their cluster is their own, and their rebalances (about 45 s each) run beside the session
+    cluster's tests, not after them. Tests with a wall-clock bound (`timed`) share a third, so no two of them run at
+    once."""
     ais_modules = set()
     for item in items:
-        if "ais_cluster" in getattr(item, "fixturenames", ()):
+        names = set(getattr(item, "fixturenames", ()))
+        if {"ais_cluster", "changing_cluster"} & names:
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("aistore"))
+            # a test that changes its cluster's targets, on a cluster of its own: beside the session cluster's tests
+            item.add_marker(pytest.mark.xdist_group("aistore" if "ais_cluster" in names else "aistore-changes"))
             ais_modules.add(item.nodeid.split("::")[0])
         elif item.get_closest_marker("timed"):
             item.add_marker(pytest.mark.xdist_group("timed"))
@@ -62,7 +67,7 @@ def pytest_collection_finish(session):
     """On a machine without an aisnode build (a fresh clone), start building it now, at the lowest CPU priority, when
     the selected tests need the cluster: the ~2.5 min build then uses the cores the tests before them leave idle,
     instead of holding up the first AIStore test. Serial runs only (under xdist each worker would build)."""
-    needs_cluster = any("ais_cluster" in getattr(i, "fixturenames", ()) for i in session.items)
+    needs_cluster = any({"ais_cluster", "changing_cluster"} & set(getattr(i, "fixturenames", ())) for i in session.items)
     if hasattr(session.config, "workerinput") or not needs_cluster: return
     from shardkit.apps.cluster import aisnode_path
     if aisnode_path().exists(): return
@@ -97,30 +102,54 @@ def _keep_logs(root: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="session")
-def ais_cluster(tmp_path_factory, request):
-    """A real local AIStore (1 proxy, 2 targets, dSort built in) for the whole session.
-    Skips with a how-to when it cannot start, unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure.
-    Its base port is drawn at random (two sessions on one machine rarely race for the same ports), and when a test of
-    the session failed, the nodes' logs are kept in tests/_out/ais-logs-PID."""
+def _start_cluster(tmp_path_factory, name: str) -> dict:
+    """A local AIStore of 1 proxy and 2 targets (room for a third) under a new temp folder, at a base port drawn at
+    random (two sessions on one machine rarely race for the same ports). Skips with a how-to when it cannot start,
+    unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure."""
     import random
     from shardkit.apps.cluster import ais_up, ais_down
     _wait_for_aisnode_build()
-    root, port = tmp_path_factory.mktemp("ais"), free_base_port(start=28080 + 10 * random.randrange(60))
+    root, port = tmp_path_factory.mktemp(name), free_base_port(start=28080 + 10 * random.randrange(60))
     try:
         try: endpoint = ais_up(targets=2, root=root, port=port, quiet=True)
         except Exception as e:  # a port taken between the check and the bind (another program): once more, elsewhere
             if "address already in use" not in str(e): raise
             ais_down(root, wipe=True, quiet=True)
-            root = tmp_path_factory.mktemp("ais")
+            root = tmp_path_factory.mktemp(name)
             endpoint = ais_up(targets=2, root=root, port=free_base_port(start=port + 100), quiet=True)
     except Exception as e:
         msg = f"local AIStore could not start: {e}"
         if os.environ.get("SHARDKIT_REQUIRE_AIS") == "1": pytest.fail(msg)
         pytest.skip(msg + " (install Go >= 1.26 so `shardkit ais up` can build it; set SHARDKIT_REQUIRE_AIS=1 to make this a failure)")
-    yield dict(endpoint=endpoint, root=root)
-    if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(root)}")
-    ais_down(root, wipe=True, quiet=True)
+    return dict(endpoint=endpoint, root=root)
+
+
+def _stop_cluster(cluster: dict, request):
+    "Stop it; when a test of the session failed, keep the nodes' logs in tests/_out/ais-logs-PID first."
+    from shardkit.apps.cluster import ais_down
+    if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(cluster['root'])}")
+    ais_down(cluster["root"], wipe=True, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def ais_cluster(tmp_path_factory, request):
+    """A real local AIStore (1 proxy, 2 targets, dSort built in) for the whole session. Its targets never change: a
+    test that restarts, adds or removes one uses `changing_cluster`, so no other test meets the rebalance that
+    follows."""
+    cluster = _start_cluster(tmp_path_factory, "ais")
+    yield cluster
+    _stop_cluster(cluster, request)
+
+
+@pytest.fixture(scope="session")
+def changing_cluster(tmp_path_factory, request):
+    """A second local AIStore (1 proxy, 2 targets) for the tests that kill, restart, add or remove targets, or start
+    rebalances. Each such change starts a rebalance of about 45 s (AIStore waits for its streams to go quiet); here no
+    test of the session cluster meets one, and none waits for the last one: this cluster is stopped at the end.
+    Started the first time a test asks for it; its tests run in the cluster's xdist group, one at a time."""
+    cluster = _start_cluster(tmp_path_factory, "ais-changing")
+    yield cluster
+    _stop_cluster(cluster, request)
 
 
 @pytest.fixture

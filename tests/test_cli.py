@@ -15,8 +15,8 @@ SHARDKIT_COMMANDS = {
     ("synth", "pets"), ("download", "pets"), ("convert", "pets"), ("synth", "folder"), ("convert", "folder"),
     ("shuffle",), ("ls",), ("show",), ("verify",), ("etl", "serve"), ("etl", "run"),
     ("bench", "convert"), ("bench", "etl"), ("bench", "dask-etl"), ("bench", "random"), ("bench", "mix"),
-    ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("bench", "startup"), ("train",), ("docs",),
-    ("docs", "execute"), ("docs", "shrink"), ("lab",), ("profile",),
+    ("bench", "loader"), ("bench", "train"), ("bench", "gpu"), ("bench", "scale"), ("bench", "startup"), ("bench", "soak"),
+    ("bench", "tenants"), ("train",), ("docs",), ("docs", "execute"), ("docs", "shrink"), ("lab",), ("profile",),
 }
 
 

@@ -52,6 +52,8 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
     ("bench", "gpu"):      "shardkit.bench.gpu:bench_gpu_cli",
     ("bench", "scale"):    "shardkit.bench.scale:bench_scale_cli",
     ("bench", "startup"):  "shardkit.bench.startup:bench_startup_cli",
+    ("bench", "soak"):     "shardkit.bench.soak:bench_soak_cli",
+    ("bench", "tenants"):  "shardkit.bench.soak:bench_tenants_cli",
     ("train",):            "shardkit.train:train_cli",
     ("docs",):             "shardkit.docs:docs_cli",
     ("docs", "execute"):   "shardkit.docs:docs_execute_cli",

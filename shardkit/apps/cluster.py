@@ -17,14 +17,15 @@ import requests
 from ..command import command
 from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import ShardkitError, StoreError
-from ..remote import Retries, as_retries
+from ..remote import Retries, as_retries, remote_request
 from ..store import open_store, shown_path
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_ais_cli', 'build_aistore', 'write_node_configs', 'free_base_port',
-           'cluster_ready', 'ais_status', 'ais_up', 'ais_down', 'format_status', 'ais_put', 'ais_up_cli',
-           'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
+           'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore', 'write_node_configs',
+           'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status', 'ais_up', 'ais_down', 'format_status',
+           'ais_put', 'start_rebalance', 'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join',
+           'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
 
 # %% ../../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -69,25 +70,32 @@ def _runnable(path: Path) -> Path:
     if why := why_untrusted(path, shardkit_home()): raise ClusterError(f"refusing to run {path.name}: {why}")
     return path
 
-def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
-    "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
-    out = aisnode_path()
+def _go_build(out: Path, cmd: str, tags: tuple = (), force: bool = False, quiet: bool = False) -> Path:
+    "Build the module's `./cmd/<cmd>` (with `tags`) into `out` unless it exists; its path, once it may be run."
     if why := why_untrusted(private_dir(out.parent), shardkit_home()):
-        raise ClusterError(f"refusing to build or run aisnode: {why}")
+        raise ClusterError(f"refusing to build or run {cmd}: {why}")
     if out.exists() and not force: return _runnable(out)
     src = aistore_source()
-    if not quiet: print(f"building aisnode {AIS_VERSION} (tags: {','.join(BUILD_TAGS)}); "
-                        "first time only, about 3 minutes on 2 cores...", flush=True)
+    if not quiet: print(f"building {cmd} {AIS_VERSION}" + (f" (tags: {','.join(tags)})" if tags else "")
+                        + "; first time only, about 3 minutes on 2 cores...", flush=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     ldflags = f"-X main.build=shardkit-{AIS_VERSION} -X main.buildtime={time.strftime('%Y-%m-%dT%H:%M:%S')}"
     t0 = time.time()
     try:
-        _run([_go(), "build", "-tags", ",".join(BUILD_TAGS), "-ldflags", ldflags, "-o", str(tmp), "./cmd/aisnode"],
-             "go build of aisnode", cwd=src, env={**os.environ, "GOFLAGS": "-mod=readonly"})
+        _run([_go(), "build", *(["-tags", ",".join(tags)] if tags else []), "-ldflags", ldflags, "-o", str(tmp),
+              f"./cmd/{cmd}"], f"go build of {cmd}", cwd=src, env={**os.environ, "GOFLAGS": "-mod=readonly"})
         os.replace(tmp, out)
     finally: tmp.unlink(missing_ok=True)
     if not quiet: print(f"built {out} in {time.time() - t0:.0f} s")
     return _runnable(out)
+
+def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
+    "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
+    return _go_build(aisnode_path(), "aisnode", BUILD_TAGS, force, quiet)
+
+def build_aisloader(force: bool = False, quiet: bool = False) -> Path:
+    "Build AIStore's load generator `aisloader` (of the same module) unless a build of this version exists; its path."
+    return _go_build(shardkit_home() / "bin" / f"aisloader-{AIS_VERSION}", "aisloader", (), force, quiet)
 
 # %% ../../nbs/07_cluster.ipynb
 def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path | None:
@@ -116,30 +124,30 @@ def build_aistore(force: bool = False,  # Rebuild aisnode even if a build of thi
 # %% ../../nbs/07_cluster.ipynb
 def _node_ports(port: int, i: int) -> tuple[int, int, int]: return port + i, port + 1000 + i, port + 2000 + i
 
+def _node_config(root: Path, i: int, port: int, mountpaths: int = 2) -> dict:
+    "Write the config of node `i` (0: the proxy, else a target) of the cluster at base port `port`; the node."
+    gen = aistore_source() / "deploy" / "dev"
+    role = "proxy" if i == 0 else "target"
+    d = root / f"{role}{i}"
+    (d / "log").mkdir(parents=True, exist_ok=True)
+    pub, ctl, data = _node_ports(port, i)
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()),
+           "AIS_CONF_DIR": str(d), "AIS_CONF_FILE": str(d / "ais.json"),
+           "AIS_LOCAL_CONF_FILE": str(d / "ais_local.json"),
+           "AIS_LOG_DIR": str(d / "log"), "AIS_PRIMARY_URL": f"http://127.0.0.1:{port}", "AIS_BACKEND_PROVIDERS": "",
+           "HOSTNAME_LIST": "127.0.0.1", "HOSTNAME_LIST_INTRA_CONTROL": "127.0.0.1",
+           "HOSTNAME_LIST_INTRA_DATA": "127.0.0.1",
+           "PORT": str(pub), "PORT_INTRA_CONTROL": str(ctl), "PORT_INTRA_DATA": str(data),
+           "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
+           "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0),
+           "INSTANCE": str(i)}
+    _run(["bash", "-c", f'source "{gen}/utils.sh" && source "{gen}/local/aisnode_config.sh"'],
+         f"writing the config of {role}{i}", env=env)
+    return dict(role=role, name=f"{role}{i}", dir=str(d), port=pub, ports=[pub, ctl, data])
+
 def write_node_configs(root: Path, targets: int = 2, port: int = 8080, mountpaths: int = 2) -> list[dict]:
     "Write configs for one proxy and `targets` targets under `root` with upstream's generator; the node list."
-    gen = aistore_source() / "deploy" / "dev"
-    primary = f"http://127.0.0.1:{port}"
-    nodes = []
-    for i in range(targets + 1):
-        role = "proxy" if i == 0 else "target"
-        d = root / f"{role}{i}"
-        (d / "log").mkdir(parents=True, exist_ok=True)
-        pub, ctl, data = _node_ports(port, i)
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()),
-               "AIS_CONF_DIR": str(d), "AIS_CONF_FILE": str(d / "ais.json"),
-               "AIS_LOCAL_CONF_FILE": str(d / "ais_local.json"),
-               "AIS_LOG_DIR": str(d / "log"), "AIS_PRIMARY_URL": primary, "AIS_BACKEND_PROVIDERS": "",
-               "HOSTNAME_LIST": "127.0.0.1", "HOSTNAME_LIST_INTRA_CONTROL": "127.0.0.1",
-               "HOSTNAME_LIST_INTRA_DATA": "127.0.0.1",
-               "PORT": str(pub), "PORT_INTRA_CONTROL": str(ctl), "PORT_INTRA_DATA": str(data),
-               "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
-               "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0),
-               "INSTANCE": str(i)}
-        _run(["bash", "-c", f'source "{gen}/utils.sh" && source "{gen}/local/aisnode_config.sh"'],
-             f"writing the config of {role}{i}", env=env)
-        nodes.append(dict(role=role, name=f"{role}{i}", dir=str(d), port=pub, ports=[pub, ctl, data]))
-    return nodes
+    return [_node_config(root, i, port, mountpaths) for i in range(targets + 1)]
 
 # %% ../../nbs/07_cluster.ipynb
 def _port_free(port: int) -> bool:
@@ -194,6 +202,15 @@ def cluster_ready(endpoint: str, targets: int) -> bool:
         return len(smap.get("tmap") or {}) >= targets
     except (requests.RequestException, ValueError): return False
 
+def rebalancing(endpoint: str,  # The cluster's endpoint
+               ) -> list[str] | None:  # e.g. ['rebalance[g3]']; [] when none runs; None when a node does not answer
+    "The rebalance and resilver jobs running now on the cluster at `endpoint`, as AIStore names them."
+    try:
+        r = requests.get(f"{endpoint}/v1/cluster", params={"what": "running_all"}, json={"active": True}, timeout=10)
+        if r.status_code != 200: return None  # the proxy could not ask every target (one is down, say)
+        return sorted(j for j in r.json() or [] if j.startswith(("rebalance[", "resilver[")))
+    except (requests.RequestException, ValueError): return None
+
 def _log_tail(node: dict, n: int = 8) -> str:
     logs = sorted(Path(node["dir"], "log").glob("*.INFO")) + [Path(node["dir"], "stdout.log")]
     lines = [line for p in logs if p.exists() for line in p.read_text(errors="replace").splitlines()]
@@ -219,9 +236,30 @@ def ais_status(root: str | Path | None = None,  # The cluster's folder (default:
             got = requests.get(f"{st['endpoint']}/v1/buckets", timeout=3).json()
             st["buckets"] = [b["name"] for b in got or []]
         except (requests.RequestException, ValueError, TypeError): st["buckets"] = None
+        st["rebalancing"] = rebalancing(st["endpoint"])
+        flags = _smap_flags(st["endpoint"])
+        for n in st["nodes"]: n["maintenance"] = n["role"] == "target" and bool(flags.get(n["port"], 0) & 4)
     return st
 
+def _smap_flags(endpoint: str) -> dict[int, int]:
+    "Each node's flags in the cluster map, by public port (4: in maintenance, 8: being decommissioned)."
+    try: smap = requests.get(f"{endpoint}/v1/daemon", params={"what": "smap"}, timeout=3).json()
+    except (requests.RequestException, ValueError): return {}
+    nodes = {**(smap.get("pmap") or {}), **(smap.get("tmap") or {})}.values()
+    return {int(v["public_net"]["daemon_port"]): int(v.get("flags") or 0) for v in nodes}
+
 # %% ../../nbs/07_cluster.ipynb
+def _start_node(binary: Path, n: dict, targets: int) -> dict:
+    "Start node `n` in a process session of its own (so it outlives its starter), output to its `stdout.log`."
+    d = Path(n["dir"])
+    cmd = [str(binary), f"-config={d / 'ais.json'}", f"-local_config={d / 'ais_local.json'}", f"-role={n['role']}"]
+    if n["role"] == "proxy": cmd.append(f"-ntargets={targets}")
+    with open(d / "stdout.log", "ab") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=d,
+                             start_new_session=True)
+    n.update(pid=p.pid, cmd=cmd)
+    return n
+
 def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, timeout: float) -> None:
     "Wait until the cluster is ready; if a node exits or `timeout` passes, stop the cluster and say why."
     deadline = time.time() + timeout
@@ -258,13 +296,7 @@ def ais_up(targets: int = 2,                 # number of storage targets
     nodes = write_node_configs(root, targets, port)
     endpoint = f"http://127.0.0.1:{port}"
     for n in nodes:
-        d = Path(n["dir"])
-        cmd = [str(binary), f"-config={d / 'ais.json'}", f"-local_config={d / 'ais_local.json'}", f"-role={n['role']}"]
-        if n["role"] == "proxy": cmd.append(f"-ntargets={targets}")
-        with open(d / "stdout.log", "ab") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=d,
-                                 start_new_session=True)
-        n.update(pid=p.pid, cmd=cmd)
+        _start_node(binary, n, targets)
         if n["role"] == "proxy": time.sleep(1)  # upstream's deploy gives the primary a head start too
     _state_file(root).write_text(json.dumps(dict(endpoint=endpoint, port=port, targets=targets, root=str(root),
                                                  version=AIS_VERSION, started=time.time(), nodes=nodes), indent=1))
@@ -310,12 +342,17 @@ def format_status(st: dict,  # What `ais_status` returns
     if not st["nodes"]: return f"no cluster under {st['root']}; start one with `shardkit ais up`"
     lines = [f"endpoint: {st['endpoint']}   ready: {'yes' if st['ready'] else 'no'}   AIStore {st.get('version', '?')}"]
     for n in st["nodes"]:
-        state, where = "running" if n["alive"] else "STOPPED", ", ".join(n["listens"]) or f"port {n['port']}"
-        lines.append(f"  {n['name']:<8} pid {n['pid']:<8} {state:<8} listens on {where}")
+        state = ("decommissioned" if n.get("left") else "maintenance" if n.get("maintenance")
+                 else "running" if n["alive"] else "STOPPED")
+        where = ", ".join(n["listens"]) or f"port {n['port']}"
+        lines.append(f"  {n['name']:<8} pid {n['pid']:<8} {state:<14} listens on {where}")
     c = st["capacity"]
     lines.append(f"capacity: {c['free'] / 2**30:.1f} GiB free of {c['total'] / 2**30:.1f} GiB; "
                  f"objects use {c['used_by_mountpaths'] / 2**20:.1f} MiB")
     if st.get("buckets") is not None: lines.append(f"buckets: {', '.join(st['buckets']) or '(none)'}")
+    if "rebalancing" in st:
+        reb = st["rebalancing"]
+        lines.append(f"rebalancing: {'unknown (a node does not answer)' if reb is None else ', '.join(reb) or 'no'}")
     return "\n".join(lines)
 
 # %% ../../nbs/07_cluster.ipynb
@@ -339,6 +376,93 @@ def ais_put(src: str | Path,                    # A local folder of shards
         print(f"uploaded {len(names)} files ({size / 1e6:.1f} MB) to {store.spec} in {time.time() - t0:.1f} s")
         if line := store.retries.report(what="ais put", noun="upload"): print(line)
     return names
+
+# %% ../../nbs/07_cluster.ipynb
+def start_rebalance(endpoint: str,  # The cluster's endpoint
+                   ) -> str:         # The rebalance's id, e.g. 'g7'
+    "Start a rebalance of the whole cluster at `endpoint` now, as a target's restart would (to see what it does)."
+    return remote_request("PUT", f"{endpoint}/v1/cluster", "a rebalance", json=dict(action="start",
+                          value=dict(kind="rebalance"))).text.strip().strip('"')
+
+def await_rebalance(endpoint: str,        # The cluster's endpoint
+                    timeout: float = 300,  # Seconds to wait at most
+                    settle: float = 3,     # Seconds without any rebalance before it counts as over
+                   ) -> float:             # The seconds it waited
+    "Wait until no rebalance or resilver runs on the cluster at `endpoint`, and none has started for `settle` s."
+    t0 = quiet = time.monotonic()
+    while (now := time.monotonic()) - quiet < settle:
+        if (busy := rebalancing(endpoint)) != []: quiet = now
+        if now - t0 > timeout:
+            raise ClusterError(f"AIStore at {endpoint} still rebalancing after {timeout:.0f} s "
+                               f"({', '.join(busy) if busy else 'a node does not answer'}); see `shardkit ais status`")
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+# %% ../../nbs/07_cluster.ipynb
+def _cluster(root: str | Path | None) -> tuple[Path, dict]:
+    "The folder and saved state of the running cluster under `root`; a ClusterError if there is none."
+    root = Path(root or default_root()).expanduser().resolve()
+    if not _state_file(root).exists(): raise ClusterError(f"no cluster under {root}; start one with `shardkit ais up`")
+    return root, json.loads(_state_file(root).read_text())
+
+def _target_id(st: dict, name: str) -> str:
+    "AIStore's id of target `name` (e.g. 'target2') of the cluster whose saved state is `st`, from its cluster map."
+    node = next((n for n in st["nodes"] if n["name"] == name and n["role"] == "target"), None)
+    if node is None: raise ClusterError(f"no target {name!r} in this cluster; its targets: "
+                                        f"{', '.join(n['name'] for n in st['nodes'] if n['role'] == 'target')}")
+    smap = requests.get(f"{st['endpoint']}/v1/daemon", params={"what": "smap"}, timeout=10).json()
+    sid = next((k for k, v in (smap.get("tmap") or {}).items() if v["public_net"]["daemon_port"] == str(node["port"])),
+               None)
+    if sid is None: raise ClusterError(f"{name} (port {node['port']}) is not in the cluster map; has it left?")
+    return sid
+
+def _remove_node(st: dict, name: str, action: str, retry_wait: float | Retries) -> str:
+    "Ask the cluster to run `action` (start-maintenance, ...) on target `name`; the id of the rebalance it starts."
+    r = remote_request("PUT", f"{st['endpoint']}/v1/cluster", f"{action} of {name}", as_retries(retry_wait),
+                       json=dict(action=action, value=dict(sid=_target_id(st, name), rm_user_data=True)))
+    return r.text.strip().strip('"')
+
+# %% ../../nbs/07_cluster.ipynb
+def ais_maintenance(name: str,                          # The target, e.g. target2
+                    root: str | Path | None = None,     # The cluster's folder (default: ~/.shardkit/ais)
+                    stop: bool = False,                 # Bring the target back from maintenance instead
+                    retry_wait: float | Retries = 120,  # Seconds to wait out a job that refuses it (a dSort)
+                   ) -> str:                            # The id of the rebalance it starts
+    "Put target `name` of the local cluster into maintenance (its objects move away), or with `stop` bring it back."
+    _, st = _cluster(root)
+    return _remove_node(st, name, "stop-maintenance" if stop else "start-maintenance", retry_wait)
+
+def ais_decommission(name: str,                          # The target, e.g. target2
+                     root: str | Path | None = None,     # The cluster's folder (default: ~/.shardkit/ais)
+                     retry_wait: float | Retries = 120,  # Seconds to wait out a job that refuses it (a dSort)
+                    ) -> str:                            # The id of the rebalance it starts
+    "Remove target `name` from the local cluster for good: its objects move to the others, then its process exits."
+    root, st = _cluster(root)
+    reb = _remove_node(st, name, "decommission-node", retry_wait)
+    st["targets"] -= 1  # so that `ais_status` counts the cluster ready without it
+    next(n for n in st["nodes"] if n["name"] == name)["left"] = True
+    _state_file(root).write_text(json.dumps(st, indent=1))
+    return reb
+
+# %% ../../nbs/07_cluster.ipynb
+def ais_join(root: str | Path | None = None,  # The cluster's folder (default: ~/.shardkit/ais)
+             timeout: float = 120,             # Seconds to wait for it in the cluster map
+            ) -> str:                          # Its name, e.g. target3
+    "Start one more target for the local cluster under `root`; it joins the running cluster (a rebalance follows)."
+    root, st = _cluster(root)
+    i = 1 + max(int(n["name"].removeprefix(n["role"])) for n in st["nodes"])
+    if busy := [p for p in _node_ports(st["port"], i) if not _port_free(p)]:
+        raise ClusterError(f"port(s) {busy} on 127.0.0.1 are in use: a target {i} cannot join; free them first")
+    node = _start_node(build_aisnode(quiet=True), _node_config(root, i, st["port"]), st["targets"])
+    st["nodes"].append(node); st["targets"] += 1
+    _state_file(root).write_text(json.dumps(st, indent=1))
+    deadline = time.time() + timeout
+    while not cluster_ready(st["endpoint"], st["targets"]):
+        if not _alive(node) or time.time() > deadline:
+            raise ClusterError(f"{node['name']} did not join ({'it exited' if not _alive(node) else 'timed out'}); "
+                               f"its log ends with:\n{_log_tail(node)}")
+        time.sleep(0.5)
+    return node["name"]
 
 # %% ../../nbs/07_cluster.ipynb
 @command(ais_up, hide=("quiet",))

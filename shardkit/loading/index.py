@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 import numpy as np
-from ..config import shardkit_home
+from ..config import remove_stale_temp, shardkit_home
 from ..errors import ShardkitError, UsageError
 from ..remote import Retries, open_remote, remote_head
 from ..s3 import s3_head, s3_name, s3_open, s3_stat
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
-from ..store import SHARD_SUFFIXES, AISStore, S3Store, open_store, shown_path
+from ..store import SHARD_SUFFIXES, AISStore, S3Store, listed_settled, open_store, shown_path
 from .sources import shard_urls
 
 # %% auto 0
@@ -83,6 +83,7 @@ def _save_index(g: dict, cfile: Path, shard: str):
     tmpf = cfile.with_suffix(f".{os.getpid()}.tmp.npz")
     try:
         cfile.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp(cfile.parent)  # what a process killed while it saved left
         np.savez(tmpf, **g)
         os.replace(tmpf, cfile)  # atomic: a reader never sees half a file
     except OSError as e:
@@ -310,6 +311,9 @@ def index_ais(store: AISStore,                  # The bucket (and prefix)
               expect: list | None = None,       # The shards' (name, size, version) a cache key was made of, if any
              ) -> SampleIndex:
     "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing, streamed."
+    return listed_settled(store, lambda: _index_listing(store, fields, expect), f"the shards of {store.spec}")
+
+def _index_listing(store: AISStore, fields: Sequence[str], expect: list | None) -> SampleIndex:
     from aistore.sdk.list_object_flag import ListObjectFlag
     shards, sizes, versions, groups, members = [], [], [], [], []
     where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"
@@ -332,9 +336,10 @@ def index_ais(store: AISStore,                  # The bucket (and prefix)
 def _bucket_index(store: AISStore, fields: Sequence[str], cache) -> SampleIndex:
     "`index_ais`, kept on disk by endpoint, bucket, fields and the shards' names, sizes and versions (a short listing)."
     if not cache: return index_ais(store, fields)
-    listing = [(e.name, int(e.size), _ais_version(e))
-               for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version")
-               if e.name.endswith(ARCHIVE_EXTS)]  # the shards only, not their members: one entry a shard
+    listing = listed_settled(store, lambda: [  # the shards only, not their members: one entry a shard
+        (e.name, int(e.size), _ais_version(e))
+        for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version")
+        if e.name.endswith(ARCHIVE_EXTS)])
     folder = remote_index_path(("ais", store.endpoint, store.bucket.name, store.prefix, tuple(fields), listing), cache)
     return cached_index(folder, lambda: index_ais(store, fields, expect=listing))
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import time
 import warnings
@@ -18,8 +19,8 @@ from urllib.parse import quote
 import numpy as np
 import requests
 from fastcore.basics import patch
-from ..config import private_dir, shardkit_home
-from ..errors import UsageError
+from ..config import private_dir, remove_stale_temp, shardkit_home
+from ..errors import StoreError, UsageError
 from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
 from ..s3 import s3_name, s3_open, s3_range
 from ..shards.fields import split_key
@@ -73,6 +74,7 @@ class ShardCache:
                 ):
         if max_shards < 1: raise UsageError(f"a shard cache holds at least 1 shard, not max_shards={max_shards}")
         self.folder, self.max_shards, self.max_bytes = private_dir(Path(folder)), max_shards, parse_size(max_bytes)
+        remove_stale_temp(self.folder)  # the half of a fetch that a killed process left
         self.fetched = 0  # shards this process fetched
     def file(self, shard: str, size: int, version: str = "") -> Path:
         "Where the copy of `shard` (`size` bytes, `version`: e.g. a local file's mtime) lives: named by their hash."
@@ -301,17 +303,21 @@ class AISReader:
 @patch
 def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
     from aistore.sdk.errors import AISError
+    from shardkit.remote import ClusterBusy, cluster_moving
     bucket = self._bucket()
     def get_batch():  # a GetBatch is one request: after a fault it is sent again, whole
         batch = self.client.batch(bucket=bucket)
         for shard, key, field in want: batch.add(shard, archpath=f"{key}.{field}")
-        return list(batch.get())
+        got = list(batch.get())
+        if (bad := next((m.err_msg for m, _ in got if m.err_msg), None)) and cluster_moving(self.endpoint):
+            raise ClusterBusy(f"a GetBatch member failed while AIStore moves objects ({bad})")  # asked again
+        return got
     try: got = retried(get_batch, f"a GetBatch of {len(want)} members from ais://{self.bucket_name}", self.retries)
     except AISError as e:
         if self.batch_ok or e.status_code not in (400, 404, 405, 501):
             raise self._fail(*want[0], f"GetBatch failed (HTTP {e.status_code}: {e})") from None
-        warnings.warn(f"GetBatch is not available on {self.endpoint} (HTTP {e.status_code}); "
-                      "reading one member per request, about 10x slower: upgrade to AIStore >= 5.0")
+        warnings.warn(f"GetBatch is not available on {self.endpoint} (HTTP {e.status_code})"
+                      f"{_version_blame(self.endpoint, 'GetBatch')}; reading one member per request, about 10x slower")
         self.use_batch = False
         return [self._one(*w) for w in want]
     except requests.RequestException as e:
@@ -334,16 +340,30 @@ def _one(self: AISReader, shard: str, key: str, field: str) -> bytes:
     except AISError as e: raise self._fail(shard, key, field, f"HTTP {e.status_code}") from None
 
 # %% ../../nbs/26b_readers.ipynb
-def build_shard_index(store, timeout: float = 600) -> str:
+def _version_blame(endpoint: str, what: str) -> str:
+    "'; this cluster runs AIStore 4.x ...' when the cluster, asked, is older than 5.0 (where `what` came); else ''."
+    try: v = requests.get(f"{endpoint}/v1/daemon", params={"what": "software_version"}, timeout=5).text.strip('" \n')
+    except requests.RequestException: return ""
+    old = (m := re.match(r"(\d+)\.", v)) and int(m.group(1)) < 5
+    return f"; the cluster runs AIStore {v}, and {what} needs 5.0" if old else ""
+
+def build_shard_index(store,                          # The bucket: ais://BUCKET, or its AISStore
+                      timeout: float = 600,           # Seconds to wait for the indexing job
+                      retries: Retries | None = None, # Its bound through faults and rebalances (None: 2 minutes)
+                     ) -> str:                        # The job's id
     "Have AIStore index every shard of bucket `store` (bucket action `index-shard`), wait for the job; returns its id."
+    from shardkit.remote import remote_request  # here: the top's line of remote's names is full
     store = open_store(store)
-    url = f"{store.endpoint}/v1/buckets/{store.bucket.name}"
-    try: r = requests.post(url, params={"provider": "ais"}, json={"action": "index-shard", "value": {}}, timeout=30)
-    except requests.RequestException as e:
-        raise RandomAccessError(f"cannot reach {store.endpoint} to index {store.spec} ({type(e).__name__})") from None
-    if r.status_code != 200:
-        raise RandomAccessError(f"AIStore refused to index the shards of {store.spec} "
-                                f"(HTTP {r.status_code}: {r.text[:200]}); the index-shard action needs AIStore >= 5.0")
+    what = f"the index-shard action on {store.spec}"
+    try: r = remote_request("POST", f"{store.endpoint}/v1/buckets/{store.bucket.name}", what, retries,
+                            params={"provider": "ais"}, json={"action": "index-shard", "value": {}})
+    except RetriesExhausted as e:
+        raise RandomAccessError(f"the shard index of {store.spec} was not built: {str(e).split('. Nothing')[0]}. No "
+                                "read needs it: GetBatch finds members without it (more slowly), the shard cache reads "
+                                "whole shards; build it when `shardkit ais status` shows no rebalance") from None
+    except StoreError as e:  # a refusal (RemoteError)
+        raise RandomAccessError(f"AIStore refused to index the shards of {store.spec} ({e})"
+                                f"{_version_blame(store.endpoint, 'index-shard')}") from None
     job = r.text.strip().strip('"')
     res = store.client.job(job_id=job).wait(timeout=timeout)
     if getattr(res, "success", True) is False:
@@ -367,13 +387,17 @@ class RangeReader:
                 ents = [e for e in tar_entries(f, idx.shards[s], data=False)
                         if e.is_file and not is_meta_member(e.name)]
             where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
-        ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
-        if url.startswith("s3://"): target = url  # signed anew for each read (S3 redirects no GET)
-        else:
-            with retried(ask, name, self.retries) as r:
-                target = r.headers.get("Location", url) if r.is_redirect else url  # the target's URL, kept
-        self.known[s] = (target, a, *where)
+        target = url if url.startswith("s3://") else self._locate(idx, s)  # s3: signed anew for each read
+        self.known[s] = (target, a, *where)  # AIStore: the URL of the target that holds the shard, kept
         return self.known[s]
+
+    def _locate(self, idx: SampleIndex, s: int) -> str:
+        "Where shard `s` is now: the target its URL redirects to (AIStore's proxy says), or the URL itself."
+        url, name = self.fetch.url(idx.shards[s]), f"shard {self.fetch.name(idx.shards[s])}"
+        ask = lambda: requests.get(url, allow_redirects=False, stream=True, timeout=self.retries.timeout)
+        with retried(ask, name, self.retries) as r: target = r.headers.get("Location", url) if r.is_redirect else url
+        if s in self.known: self.known[s] = (target, *self.known[s][1:])
+        return target
 
     def read(self, idx: SampleIndex, ids) -> tuple[list[str], list[list[bytes]]]:
         "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one range GET per sample)."
@@ -382,15 +406,17 @@ class RangeReader:
             url, a, off, size = self._shard(idx, s := int(idx.shard[i]))
             o, n = off[i - a], size[i - a]
             lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
-            read = s3_range if url.startswith("s3://") else read_range
-            data = read(url, lo, hi, self.retries, f"shard {self.fetch.name(idx.shards[s])}",  # faults retried
-                              idx.versions[s] if idx.versions else "", int(idx.shard_bytes[s]))
+            shard = dict(name=f"shard {self.fetch.name(idx.shards[s])}", size=int(idx.shard_bytes[s]),
+                         version=idx.versions[s] if idx.versions else "")  # as indexed: other content is refused
+            if url.startswith("s3://"): data = s3_range(url, lo, hi, self.retries, **shard)  # faults retried
+            else:  # faults retried; then asked where it is: its target may have left the cluster
+                data = read_range(url, lo, hi, self.retries, **shard, locate=lambda: self._locate(idx, s))
             keys.append(idx.key(i)); out.append([data[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
         return keys, out
 
 # %% ../../nbs/26b_readers.ipynb
 READ_MODES = ("local", "cache", "range", "getbatch")
-DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench_random: the only mode near streaming's rate
+DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench.random: the only mode near streaming's rate
 
 def shard_cache_dir(index: SampleIndex) -> Path:
     "The shard cache folder of `index`'s source: `$SHARDKIT_HOME/cache/shards/<hash of source and endpoint>`."

@@ -4,16 +4,20 @@
 
 # %% ../../nbs/30b_train.ipynb 3
 from __future__ import annotations
+import contextlib
 import os
+import signal
 import tarfile
 import warnings
 from pathlib import Path
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from shardkit.train.loop import (
     CHECKPOINT_FORMAT,
     OPTIMIZERS,
+    drop_half_written,
     latest_checkpoint,
     load_checkpoint,
     log_rank0,
@@ -45,6 +49,7 @@ from ..loading.gpu import create_gpu_loader, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.transforms import eval_transform, train_transform
 from ..shards.fields import ShardError
+from ..store import shown_path
 
 # %% auto 0
 __all__ = ['ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError', 'expand_urls',
@@ -77,6 +82,16 @@ def _explain(e: Exception) -> str:
     if url and "://" not in url and not url.startswith("pipe:"):  # a file here: no URL, no --base to check
         return what + "; check that it is a tar of samples (`tar tf FILE` lists it)"
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
+
+def _killed_worker() -> str | None:
+    "'loader worker (pid N) was killed by signal 9 (SIGKILL)' when a child process of this one was; else None."
+    for pid in (c.pid for c in psutil.Process().children()):
+        try: st = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # looked at, left for its reaper
+        except ChildProcessError: continue
+        if st is not None and st.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            sig = st.si_status
+            return f"loader worker (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name})"
+    return None
 
 # %% ../../nbs/30b_train.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size=64,
@@ -217,7 +232,15 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
     try: return _train(**locals())  # every argument, and the device, rank and world size just set up
-    except (OSError, tarfile.TarError, ShardError) as e: raise ShardReadError(_explain(e)) from None
+    except Exception as e:
+        if killed := _killed_worker() or (str(e).strip() if "DataLoader worker (pid" in str(e) else None):
+            with contextlib.suppress(ValueError):  # (main thread only) torch's handler would raise it again, mid-line
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            raise TrainError(f"{killed}, so the epoch cannot go on; nothing is lost: "
+                             + ("run the same command again to go on from the last checkpoint" if checkpoint else
+                                "run it again (with --checkpoint PATH a run goes on from where it stopped)")) from None
+        if isinstance(e, (OSError, tarfile.TarError, ShardError)): raise ShardReadError(_explain(e)) from None
+        raise
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
 
@@ -272,6 +295,8 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
             folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers, classes)
     ck = rank_checkpoint(checkpoint, rank, world_size) if checkpoint else None  # where this rank saves
+    if ck and drop_half_written(ck):  # (`log_rank0`: each rank removes its own)
+        print(f"removed {shown_path(ck)}.tmp: half of a checkpoint, saved by a run killed while it saved")
     any_rank = getattr(make_train, "any_rank", False)  # then every rank goes on from the latest, whatever its shape
     model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world_size,
                                                   latest_checkpoint(checkpoint) if ck and any_rank else ck, any_rank)

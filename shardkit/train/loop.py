@@ -19,8 +19,8 @@ from ..store import shown_path
 from .step import TrainError, count_correct, images_and_labels, training_step
 
 # %% auto 0
-__all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'rank_checkpoint', 'latest_checkpoint', 'load_checkpoint',
-           'run_epochs', 'train_epochs']
+__all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'drop_half_written', 'rank_checkpoint', 'latest_checkpoint',
+           'load_checkpoint', 'run_epochs', 'train_epochs']
 
 # %% ../../nbs/30a_train.loop.ipynb
 def log_rank0(rank: int, *args):
@@ -86,6 +86,13 @@ def _save_checkpoint(path: Path, model, opt, loader=None, **progress):
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # a kill leaves the last checkpoint or this one, never half of one
+
+def drop_half_written(path: Path) -> bool:
+    "Remove what a run killed while it saved checkpoint `path` left (`path.tmp`, never read); whether there was one."
+    half = Path(path).with_name(Path(path).name + ".tmp")
+    if not half.exists(): return False
+    half.unlink(missing_ok=True)
+    return True
 
 # %% ../../nbs/30a_train.loop.ipynb
 def rank_checkpoint(path, rank: int, world_size: int) -> Path:
