@@ -124,8 +124,8 @@ class Retries:
                 raise UsageError(f"Retries({k}={v!r}): give a number of seconds" + (", more than 0" * (v == 0)))
         self.wait, self.connect_timeout, self.read_timeout = float(wait), float(connect_timeout), float(read_timeout)
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
-        # + seconds waited, reads given up; a spawn context's lock, which forked and spawned workers alike can share
-        self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.get_context("spawn").Lock()
+        # + seconds waited, reads given up; the lock is the default context's until a spawned worker needs it
+        self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()
         self._said = mp.RawValue("d", 0.0)  # until when (time.time()) a rebalance's wait needs no new line
         self._owner = os.getpid()  # a forked worker whose parent is not this process any more reads for nobody
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
@@ -151,14 +151,19 @@ def _spawning() -> bool:
 @patch
 def __getstate__(self: Retries) -> dict:
     "A spawned worker shares the counts; any other copy (a pickle, a deepcopy) counts on its own."
-    return self.__dict__ if _spawning() else {**self.__dict__, "_table": None, "_lock": None, "_said": None}
+    if not _spawning(): return {**self.__dict__, "_table": None, "_lock": None, "_said": None}
+    if not self.__dict__.get("_spawnable"):  # a fork context's lock cannot go to a spawned process: swap it (a
+        # loader's workers are all forked or all spawned, so they share one lock); a spawn context's lock needs
+        # Python's resource-tracker process, which forked workers and plain runs are spared
+        self._lock, self._spawnable = mp.get_context("spawn").Lock(), True
+    return self.__dict__
 
 @patch
 def __setstate__(self: Retries, state: dict):
     self.__dict__.update(state)
     if self._table is None:
         self._table, self._said = mp.RawArray("d", len(CAUSES) + 2), mp.RawValue("d", 0.0)
-        self._lock, self._owner = mp.get_context("spawn").Lock(), os.getpid()
+        self._lock, self._owner, self._spawnable = mp.Lock(), os.getpid(), False
 
 def as_retries(retry_wait: float | Retries | None = None) -> Retries:
     "A `Retries` from a loader's `retry_wait` option: seconds (the bound, other settings default), or a `Retries`."
