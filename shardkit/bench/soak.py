@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from contextlib import contextmanager
@@ -231,7 +232,11 @@ def _jobs(src: str, n: int, mode: str, epochs: int, num_workers: int, batch_size
     procs = [subprocess.Popen([sys.executable, "-c", _JOB, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, stdin=subprocess.PIPE) for _ in range(n)]
     for p in procs: p.stdout.readline()  # "ready": its loader made (or it failed: then the line is empty)
-    if beside is not None: beside()
+    if beside is not None:
+        try: beside()
+        except BaseException:  # the jobs wait for their go: end them
+            for p in procs: p.kill(); p.communicate()
+            raise
     for p in procs:
         try: p.stdin.write("go\n"); p.stdin.flush()
         except BrokenPipeError: pass  # it failed already: its error is read below
@@ -244,21 +249,37 @@ def _jobs(src: str, n: int, mode: str, epochs: int, num_workers: int, batch_size
     return out
 
 # %% ../../nbs/45_bench.soak.ipynb
-def _aisloader(endpoint: str, bucket: str, workers: int, nice: int = 0) -> subprocess.Popen:
-    "AIStore's `aisloader` reading whole objects of `bucket` at random, with `workers` workers, until stopped."
+def _aisloader(endpoint: str, bucket: str, workers: int, nice: int = 0, ready_wait: float = 60) -> subprocess.Popen:
+    """AIStore's `aisloader` reading whole objects of `bucket` at random, with `workers` workers, until stopped;
+    returned once it reads (from then on Ctrl-C stops it with its report; before, it would end it without one)."""
     from shardkit.apps.cluster import build_aisloader
     u = urllib.parse.urlsplit(endpoint)
     cmd = [str(build_aisloader(quiet=True)), "-ip", u.hostname, "-port", str(u.port or 80),
            "-bucket", f"ais://{bucket}", "-provider", "ais", "-pctput", "0", "-duration", "0",
            "-numworkers", str(workers), "-cleanup=false", "-quiet", "-statsinterval", "0", "-stoppable", "-json"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    p.printed = []  # all it prints, in chunks read as they come (a full pipe would stop it)
+    p.drain = threading.Thread(target=lambda: [p.printed.append(b) for b in iter(lambda: p.stdout.read1(65536), b"")],
+                               daemon=True)
+    p.drain.start()
+    deadline = time.monotonic() + ready_wait
+    # ready: its JSON report's "[" printed, which it does once Ctrl-C is set up
+    while not re.search(rb"Runtime configuration:.*\n\[", b"".join(p.printed), re.S):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill(); p.wait(); p.drain.join(timeout=10)
+            raise BenchError(f"aisloader did not start reading ais://{bucket} within {ready_wait:.0f} s; it printed:\n"
+                             + b"".join(p.printed)[-2000:].decode(errors="replace"))
+        time.sleep(0.05)
+    return p
 
 def _stop_aisloader(p: subprocess.Popen) -> dict:
     "Stop it (SIGINT, its Ctrl-C) and read its totals: GETs, bytes, errors, seconds (its JSON report's last block)."
     p.send_signal(signal.SIGINT)
-    try: out, _ = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired: p.kill(); out, _ = p.communicate()
+    try: p.wait(timeout=60)
+    except subprocess.TimeoutExpired: p.kill(); p.wait()
+    p.drain.join(timeout=10)
+    out = b"".join(p.printed).decode(errors="replace")
     blocks = re.findall(r"^\[\n.*?^\]$", out, re.S | re.M)
     try: get = json.loads(blocks[-1])[-1]["get"]
     except (IndexError, ValueError, KeyError, TypeError): return dict(gets=None, errors=None, output=out[-2000:])
