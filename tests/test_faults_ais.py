@@ -253,7 +253,7 @@ def test_targets_leave_and_join_mid_epoch(cluster, bucket, capfd):
     changes = [("target2 into maintenance", lambda: ais_maintenance("target2", root),
                 lambda: _notebook_while_rebalancing("27_random.ipynb", endpoint)),
                ("a target joins", lambda: joined.append(ais_join(root)),
-                lambda: _notebook_while_rebalancing("36_bench_random.ipynb", endpoint)),
+                lambda: _notebook_while_rebalancing("36_bench.random.ipynb", endpoint)),
                ("target1 decommissioned", lambda: ais_decommission("target1", root),
                 lambda: _index_while_rebalancing(endpoint, name, src, capfd, later))]
     rows = []

@@ -350,6 +350,10 @@ def _ais_ratios(rows: list[dict]) -> list[str]:
                            f"client CPU {g['cpu_ms']:.2f} vs {s['cpu_ms']:.3f}")
     return out + _s3_ratios(rows)
 
+def _times(b: float, a: float) -> str:
+    "`b` as a multiple of `a` (a ratio), or why there is none: at small sizes a clock may see no CPU time at all."
+    return f"{b / a:.2f}x" if a else "(not measured: too little to time)"
+
 def _s3_ratios(rows: list[dict]) -> list[str]:
     "The bucket read as `s3://` against `ais://`, per size: medians of the runs of each stage (repeat them to compare)."
     out = []
@@ -360,10 +364,10 @@ def _s3_ratios(rows: list[dict]) -> list[str]:
         for ais, s3 in (("ais stream", "ais s3 stream"), ("ais cache", "ais s3 cache")):
             if ais in med and s3 in med:
                 a, b, k = med[ais], med[s3], sum(r["stage"] == s3 and r["n"] == n for r in rows)
-                out.append(f"{s3} at {n:,}: {b['rate'] / a['rate']:.2f}x the rate of {ais} ({b['rate']:,.0f} vs "
-                           f"{a['rate']:,.0f} samples/s), client CPU {b['cpu_ms'] / a['cpu_ms']:.2f}x "
+                out.append(f"{s3} at {n:,}: {_times(b['rate'], a['rate'])} the rate of {ais} ({b['rate']:,.0f} vs "
+                           f"{a['rate']:,.0f} samples/s), client CPU {_times(b['cpu_ms'], a['cpu_ms'])} "
                            f"({b['cpu_ms']:.4f} vs {a['cpu_ms']:.4f} ms/sample), AIStore CPU "
-                           f"{b['cluster_cpu_ms'] / a['cluster_cpu_ms']:.2f}x; medians of {k} runs each")
+                           f"{_times(b['cluster_cpu_ms'], a['cluster_cpu_ms'])}; medians of {k} runs each")
     return out
 
 # %% ../../nbs/43_bench.scale.ipynb
