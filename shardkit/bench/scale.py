@@ -60,7 +60,7 @@ def scale_folder(root: str | Path,             # Folder of the pool (root/pool) 
                  classes: int = 100,           # Classes (folders); sample i is in class i % classes
                  size: tuple[int, int] = (64, 48),  # Width and height of every image
                  seed: int = 0,                # The same seed gives the same bytes
-                 workers: int | None = None,   # Processes drawing the pool (default: all cores)
+                 processes: int | None = None, # Processes drawing the pool (default: all cores)
                  progress: bool = True,        # A progress bar while drawing
                 ) -> Path:                     # The tree `root/n<N>/train`
     "An ImageFolder tree `root/n<N>/train` of `n` small synthetic JPEGs, linked from a pool drawn once (resumably)."
@@ -72,7 +72,7 @@ def scale_folder(root: str | Path,             # Folder of the pool (root/pool) 
         (pool / name).mkdir(parents=True, exist_ok=True); (tree / name).mkdir(parents=True, exist_ok=True)
     chunk = 2000
     jobs = [(str(pool), lo, min(lo + chunk, n), classes, tuple(size), seed) for lo in range(0, n, chunk)]
-    with ProcessPoolExecutor(workers or os.cpu_count()) as ex, \
+    with ProcessPoolExecutor(processes or os.cpu_count()) as ex, \
          tqdm(total=n, desc=f"drawing {shown_path(pool)}", unit="img", disable=not progress) as bar:
         for job, _ in zip(jobs, ex.map(_draw_range, jobs)): bar.update(job[2] - job[1])
     for i in range(n):
