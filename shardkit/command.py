@@ -109,7 +109,7 @@ def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
             given, args = {o.name: args[o.name] for o in opts if o.name not in outputs}, AttrDict(args)
             res = fn(**given, **fixed)
             out = report(res, args)
-            if args.get("json"):
+            if "json" in outputs and args.get("json"):  # a function taking `json` writes it itself
                 write_json(args.json, res if as_json is None else as_json(res, args)); print(f"json: {args.json}")
             return out
         for a in ("__module__", "__name__", "__qualname__", "__doc__"): setattr(run, a, getattr(report, a))
