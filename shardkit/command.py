@@ -43,7 +43,7 @@ class Option:
     def positional(self) -> bool: return self.default is inspect.Parameter.empty
 
     def spellings(self) -> list[str]:
-        "How the option is written: `--num-workers` and its shorter `--workers`; `--no-shuffle`; `src`."
+        "How the option is written: `--num-workers` and its shorter `--workers`; `--no-shuffle-files`; `src`."
         if self.positional: return [self.name]
         names = [self.name] + [short for long, short in SPELLINGS.items() if long == self.name]
         return ["--" + "no-" * (self.flag == "off") + n.replace("_", "-").rstrip("-") for n in names]

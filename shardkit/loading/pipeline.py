@@ -50,7 +50,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     "The stages of every streaming pipeline: the epoch's shards, their samples, shuffled, resumed, decoded, batched."
     seed_given = seed is not None
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
-    shards = EpochShards(urls, seed, shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
+    shards = EpochShards(urls, seed, shard_shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler, retries=retries), partial(drop_planned, shards=shards)]
     if mix: stages.append(partial(mix_samples, shards=shards, names=mix[0], weights=mix[1], others=mix[2],

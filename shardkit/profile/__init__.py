@@ -78,7 +78,7 @@ def build_loader(src,                    # Shards: a directory, ais://, s3://, a
         return create_gpu_loader(urls, fields=(f["label"], f["image"]), batch_size=batch_size, num_workers=num_workers,
                                  seed=seed, device=device)
     keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
-    ds = create_dataset(urls, fields=keys, transform=train_transform(window=pipeline == "default"), seed=seed)
+    ds = create_dataset(urls, fields=keys, transform=train_transform(crop_decode=pipeline == "default"), seed=seed)
     return create_dataloader(ds, num_workers=num_workers, batch_size=batch_size)
 
 # %% ../../nbs/42b_profile.ipynb

@@ -38,7 +38,7 @@ def _stage_advice(p: Profile,  # The profile
     elif b == "decode":
         if p.windows.startswith("unavailable"): todo.append(f"Window decoding is {p.windows.rstrip('.')}.")
         if p.windows == "available but off":
-            todo.append("Decode only the crop's window (train_transform(window=True), the default).")
+            todo.append("Decode only the crop's window (train_transform(crop_decode=True), the default).")
         if p.kind == "webdataset":
             todo.append("Decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
                         "and only the crop's window of each JPEG.")
