@@ -238,7 +238,8 @@ def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes
 def _make_default(spec, crop_decode: bool = True):
     fields = (spec["fields"]["image"], spec["fields"]["label"])
     def make():
-        ds = create_dataset(_repeated(spec), fields=fields, seed=spec["seed"], transform=train_transform(crop_decode=crop_decode))
+        ds = create_dataset(_repeated(spec), fields=fields, seed=spec["seed"],
+                            transform=train_transform(crop_decode=crop_decode))
         return create_dataloader(ds, num_workers=spec["workers"], batch_size=64), None
     return make
 

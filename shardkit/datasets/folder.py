@@ -117,7 +117,7 @@ def _jpeg_of(path: str, quality: int = 95) -> bytes:
     except Exception as e: raise SkipSample("unreadable image", type(e).__name__) from None
 
 def folder_shard_samples(src: str | Path,            # ImageFolder tree (e.g. ROOT/train)
-                         shuffle_files: bool = True,  # Shuffle the samples once, as the WebDataset ImageNet example does
+                         shuffle_files: bool = True,  # Shuffle the samples once (as the WebDataset ImageNet example)
                          seed: int = 0,                # Seed of that shuffle
                          skipped: Counter | None = None,  # Counts skipped files by reason, if given
                          pairs: Sequence | None = None):  # `folder_samples(src)[0]`, if the caller has it

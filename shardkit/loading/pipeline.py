@@ -32,7 +32,7 @@ __all__ = ['shard_dataset', 'create_dataset', 'create_dataloader', 'ahead', 'Dev
 
 # %% ../../nbs/27a_pipeline.ipynb
 def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`shard_urls`)
-                  decode: Callable,                     # A raw sample -> what a batch holds; also given `shards=`
+                  prepare: Callable,                    # A raw sample -> what a batch holds; also given `shards=`
                   fields: Sequence[str],                  # Fields of each sample, in this order
                   batch_size: int | None,               # Samples per batch, made in the workers; None: single samples
                   collation_fn: Callable = collate,     # Makes a batch of `batch_size` decoded samples
@@ -58,7 +58,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
-    stages.append(wds.map(partial(decode, shards=shards), handler=handler))
+    stages.append(wds.map(partial(prepare, shards=shards), handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collation_fn, partial=True))
     ds = ShardDataset(*stages, shards=shards, fields=fields, batch_size=batch_size, epoch_samples=epoch_samples,
                       handler=handler, shuffle=shuffle, retries=retries)
