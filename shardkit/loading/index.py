@@ -217,8 +217,8 @@ def index_url(url: str, index_cache: bool | str | Path = True, retries: Retries 
     name, opener = (f"shard {s3_name(url)}", s3_open) if s3 else (f"shard {url}", open_remote)
     size, tag = head or (s3_head(url, retries) if s3 else remote_head(url, retries, name))  # (size, version)
     key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
-    folder = index_cache_dir() if index_cache is True else Path(index_cache)
-    cfile = folder / f"{key}.npz" if index_cache and tag else None
+    folder = index_cache and tag and (index_cache_dir() if index_cache is True else Path(index_cache))
+    cfile = folder / f"{key}.npz" if folder else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
     with opener(url, retries, name, tag, size if size >= 0 else None) as f:  # a cut read resumes; members skipped
