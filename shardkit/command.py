@@ -43,7 +43,7 @@ class Option:
     def positional(self) -> bool: return self.default is inspect.Parameter.empty
 
     def spellings(self) -> list[str]:
-        "How the option is written: `--num-workers` and its shorter `--workers`; `--no-shuffle`; `src`."
+        "How the option is written: `--num-workers` and its shorter `--workers`; `--no-shuffle-files`; `src`."
         if self.positional: return [self.name]
         names = [self.name] + [short for long, short in SPELLINGS.items() if long == self.name]
         return ["--" + "no-" * (self.flag == "off") + n.replace("_", "-").rstrip("-") for n in names]
@@ -109,7 +109,7 @@ def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
             given, args = {o.name: args[o.name] for o in opts if o.name not in outputs}, AttrDict(args)
             res = fn(**given, **fixed)
             out = report(res, args)
-            if args.get("json"):
+            if "json" in outputs and args.get("json"):  # a function taking `json` writes it itself
                 write_json(args.json, res if as_json is None else as_json(res, args)); print(f"json: {args.json}")
             return out
         for a in ("__module__", "__name__", "__qualname__", "__doc__"): setattr(run, a, getattr(report, a))

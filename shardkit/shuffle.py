@@ -207,8 +207,12 @@ def _dsort_shard_size(shard_size: int, records: int, data: int, blocks: int) -> 
     return max(1, int(shard_size * data / blocks - data / records))
 
 # %% ../nbs/11_shuffle.ipynb
-def wait_dsort(job, n_inputs: int, timeout: float = 600, progress: bool = True) -> dict:
-    "Poll dSort `job` until it finishes; return its per-target infos. Raises StoreError on abort, errors or timeout."
+def wait_dsort(job,                    # A started dSort job (the SDK's `client.dsort()`, after its `start`)
+               n_inputs: int,          # Input shards, the extract phase's total for the progress bar
+               timeout: float = 600,   # Seconds to wait before the job is aborted
+               progress: bool = True,  # Show a progress bar per phase (extract, then create)
+              ) -> list:               # The job's per-target infos (metrics of both phases)
+    "Wait for dSort `job` to finish: StoreError if it fails or times out, ClusterBusy if a rebalance stops it."
     bar = tqdm(total=n_inputs, desc="dsort extract", unit="shard", disable=not progress)
     t0, phase = time.time(), "extract"
     try:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
@@ -34,7 +35,8 @@ from .remote import ClusterBusy, ObjectMissing, Retries, as_retries, cluster_mov
 
 # %% auto 0
 __all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'did_you_mean', 'LocalStore', 'ais_endpoint',
-           'ais_client', 'AISStore', 'listed_settled', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls']
+           'ais_client', 'AISStore', 'listed_settled', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls',
+           'upload_shards']
 
 # %% ../nbs/02_store.ipynb
 def expand_names(names: str | Iterable[str]) -> list[str]:
@@ -499,3 +501,25 @@ def s3_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
         raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls "
                          f"{store.spec}), or write some there first (shardkit convert ... {store.spec})")
     return store.urls(names)
+
+# %% ../nbs/02_store.ipynb
+def upload_shards(src: str | Path,                    # A local folder of shards
+                  dest: str,                            # The bucket, `ais://BUCKET[/PREFIX]` (made if missing)
+                  pattern: str = "*.tar",               # Which files of `src`: a glob, a brace template or a prefix
+                  retry_wait: float | Retries = 120,    # Seconds a PUT may retry faults (a target restarting, a 503)
+                  endpoint: str | None = None,          # AIStore's endpoint (default: AIS_ENDPOINT)
+                  quiet: bool = False,                  # Print nothing
+                 ) -> list[str]:                        # The names uploaded
+    "Upload the files of folder `src` that match `pattern` into bucket `dest`, each PUT retried through faults."
+    if not str(dest).startswith("ais://"):
+        raise StoreError(f"upload_shards uploads into an AIStore bucket (ais://BUCKET[/PREFIX]), not {dest!r}")
+    local = open_store(src)
+    names = local.list(pattern)
+    if not names: raise StoreError(f"no files matching {pattern!r} in {shown_path(local.spec)}: nothing to upload")
+    store = open_store(dest, create=True, endpoint=endpoint)
+    store.retries, t0, size = as_retries(retry_wait), time.time(), 0
+    for n in names: store.put_file(local.path(n), n); size += local.size(n)
+    if not quiet:
+        print(f"uploaded {len(names)} files ({size / 1e6:.1f} MB) to {store.spec} in {time.time() - t0:.1f} s")
+        if line := store.retries.report(what="ais put", noun="upload"): print(line)
+    return names

@@ -68,7 +68,8 @@ def main():
     p.add_argument("--epochs", type=int, default=2, help="timed epochs per run (the best one counts)")
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
-    from shardkit.apps.cluster import ais_down, ais_put, ais_up
+    from shardkit.apps.cluster import ais_down, ais_up
+    from shardkit.store import upload_shards
     with tempfile.TemporaryDirectory(prefix="sk-overhead-") as tmp:
         tmp = Path(tmp)
         _synth(tmp / "shards", a.samples, a.sample_bytes)
@@ -76,7 +77,7 @@ def main():
         try:
             env = {**os.environ, "AIS_ENDPOINT": endpoint}
             os.environ["AIS_ENDPOINT"] = endpoint
-            ais_put(tmp / "shards", "ais://sk-overhead", quiet=True)
+            upload_shards(tmp / "shards", "ais://sk-overhead", quiet=True)
             runs = {"old": [], "new": []}
             for r in range(a.rounds):
                 for name in (("old", "new") if r % 2 == 0 else ("new", "old")):

@@ -102,7 +102,7 @@ PY
         PYTHONWARNINGS=ignore timeout 150 $PY -m shardkit.apps.cli train --shards "$LONG/{$(ls $LONG | sed 's/\.tar$//' \
             | paste -sd, -)}.tar" --arch "$([ "$DEV" = cpu ] && echo small || echo resnet50)" --epochs 2 \
             --size "$([ "$DEV" = cpu ] && echo 32 || echo 224)" --batch-size "$([ "$DEV" = cpu ] && echo 16 || echo 128)" \
-            --workers "${GPU_CHECK_TRAIN_WORKERS:-12}" --classes 37 --decode "$dec" --device "$DEV" \
+            --workers "${GPU_CHECK_TRAIN_WORKERS:-12}" --classes 37 --decode-on "$dec" --device "$DEV" \
             --json-out "$OUT/train-$dec.json" 2>&1 | grep -v "Warning\|warnings.warn\|it/s\]"
     done
 fi

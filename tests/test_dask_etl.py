@@ -31,7 +31,7 @@ def src(tmp_path_factory):
 def expected(src, tmp_path_factory):
     "sha256 per shard of the local engine's output (seed 0), the reference for every Dask run."
     out = tmp_path_factory.mktemp("local-out")
-    s = run_etl(FN, src, out, workers=1, seed=0, progress=False)
+    s = run_etl(FN, src, out, processes=1, seed=0, progress=False)
     assert (s["written"], s["failed"]) == (3, {})
     return shas(open_store(out))
 
@@ -54,7 +54,7 @@ def shas(store) -> dict:
 
 def test_identical_to_local_engine_on_directories(src, expected, tmp_path):
     t0 = time.perf_counter()
-    s = run_etl_dask(FN, src, tmp_path / "out", seed=0, workers=1, progress=False)  # its own LocalCluster (1 worker: a loaded machine)
+    s = run_etl_dask(FN, src, tmp_path / "out", seed=0, processes=1, progress=False)  # its own LocalCluster (1 worker: a loaded machine)
     assert time.perf_counter() - t0 < 120
     assert (s["way"], s["shards"], s["written"], s["resumed"], s["failed"]) == ("dask", 3, 3, 0, {})
     assert (s["samples_in"], s["samples_out"], s["skipped"]) == (12, 12, 0)
@@ -73,7 +73,7 @@ def test_identical_bucket_to_bucket(src, expected, cluster, ais_endpoint):
     for n in src.list("*.tar"): ais_src.put_file(src.path(n), n)
     try:
         t0 = time.perf_counter()
-        local = run_etl(FN, ais_src.spec, f"ais://dask-local-{b}", workers=1, seed=0, progress=False)
+        local = run_etl(FN, ais_src.spec, f"ais://dask-local-{b}", processes=1, seed=0, progress=False)
         t1 = time.perf_counter()
         s = run_etl_dask(FN, ais_src.spec, f"ais://dask-out-{b}", seed=0, scheduler=cluster, progress=False)
         print(f"local engine {t1 - t0:.1f} s, dask engine {time.perf_counter() - t1:.1f} s")

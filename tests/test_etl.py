@@ -96,7 +96,7 @@ def test_four_ways_identical_for_val_transform(src, tmp_path, capsys):
         proc.terminate(); proc.wait(10)
     same_samples(one, four)
     # way 5: `shardkit etl run` with two worker processes
-    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, tmp_path / "out", "--workers", 2)
+    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, tmp_path / "out", "--processes", 2)
     assert rc == 0 and "3 of 3 shards written" in out and "12 in, 12 out, 0 skipped" in out, out
     five = {}
     for n in src.list("*.tar"): five.update(decoded((tmp_path / "out" / n).read_bytes()))
@@ -109,7 +109,7 @@ def test_random_transform_identical_with_seed(src, tmp_path):
     with sc:
         four = {s["__key__"]: s for s in wds.WebDataset(src.urls(src.list("*.tar"), etl=sc), shardshuffle=False).decode()}
     same_samples(one, four)
-    run_etl(imagenet_train_npy, src, tmp_path / "out", workers=1, seed=7, progress=False)
+    run_etl(imagenet_train_npy, src, tmp_path / "out", processes=1, seed=7, progress=False)
     five = {}
     for n in src.list("*.tar"): five.update(decoded((tmp_path / "out" / n).read_bytes()))
     same_samples(one, five)
@@ -122,11 +122,11 @@ def test_raising_transform_skipped_and_counted_or_strict(src, tmp_path, transfor
     monkeypatch.chdir(transforms_module)  # MODULE:FUNC resolves modules in the current directory, as a user's would
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rc, out = shardkit(capsys, "etl", "run", "userfns:picky", src.root, tmp_path / "out", "--workers", 1)
+        rc, out = shardkit(capsys, "etl", "run", "userfns:picky", src.root, tmp_path / "out", "--processes", 1)
     assert rc == 0, out
     bad = sum(k.endswith(("1", "5")) for k in way1(src, imagenet_val_npy))
     assert bad and f"12 in, {12 - bad} out, {bad} skipped ({bad} ValueError)" in out, out
-    rc, out = shardkit(capsys, "etl", "run", "userfns:picky", src.root, tmp_path / "strict", "--workers", 1, "--strict")
+    rc, out = shardkit(capsys, "etl", "run", "userfns:picky", src.root, tmp_path / "strict", "--processes", 1, "--strict")
     assert rc == 2 and "failed on sample" in out and "unlucky key" in out, out
     # way 1 counts the same skips and reports them when the stream ends
     stage = etl_stage("userfns:picky")
@@ -143,7 +143,7 @@ def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
     bad = open_store(tmp_path / "bad", create=True)
     for n in src.list("*.tar"): bad.put_file(src.path(n), n)
     bad.put_bytes(data[:5000], "imagenet-train-000001.tar")
-    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", bad.root, tmp_path / "out", "--workers", 1)
+    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", bad.root, tmp_path / "out", "--processes", 1)
     assert rc == 1 and "FAILED imagenet-train-000001.tar: shard imagenet-train-000001.tar is not a readable tar" in out, out
     assert sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["imagenet-train-000000.tar", "imagenet-train-000002.tar"]
     # through the sidecar: HTTP 422 (not a 500 that curl would retry for a minute) with the reason
@@ -323,10 +323,10 @@ def test_offline_between_buckets_falls_back_to_local_workers(src, ais_endpoint, 
     try:
         a.put_file(src.path("imagenet-train-000000.tar"), "imagenet-train-000000.tar")
         rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", "ais://shardkit-test-etl-src",
-                           "ais://shardkit-test-etl-dest", "--workers", 1)
+                           "ais://shardkit-test-etl-dest", "--processes", 1)
         assert rc == 0, out
         assert out.splitlines()[0] == etl_unavailable(ais_endpoint)  # says why the cluster did not run it
-        assert "1 of 1 shards written to ais://shardkit-test-etl-dest (local workers" in out, out
+        assert "1 of 1 shards written to ais://shardkit-test-etl-dest (local processes" in out, out
         got = decoded(b.read_bytes("imagenet-train-000000.tar"))
         same_samples(got, decoded(ShardTransform(imagenet_val_npy)(src.read_bytes("imagenet-train-000000.tar"))))
     finally:

@@ -95,7 +95,7 @@ def random_loader(urls, read, workers=2, **kw):
     dl = create_random_loader(urls, fields=("__key__", "cls"), batch_size=16, num_workers=workers, seed=0, read=read,
                               index_cache=False, **kw)
     if read == "cache":
-        for f in dl.dataset.reader.cache.files(): f.unlink()  # every shard is fetched in the epoch
+        for f in dl.dataset.reader.copies.files(): f.unlink()  # every shard is fetched in the epoch
     return dl
 
 def keys_of(dl) -> list[str]: return [k for b in dl for k in b[0]]
@@ -122,8 +122,8 @@ def test_index_building_through_cut_reads(server, shard_dir):
     from shardkit.loading.index import sample_index
     retries, keys = fast(), ("__key__", "cls", "bin")
     server.fault("cut")
-    remote, local = sample_index(server.urls(NAMES), keys, cache=False, retries=retries), sample_index(
-        str(shard_dir), keys, cache=False)
+    remote, local = sample_index(server.urls(NAMES), keys, index_cache=False, retries=retries), sample_index(
+        str(shard_dir), keys, index_cache=False)
     assert [remote.key(i) for i in range(len(remote))] == [local.key(i) for i in range(len(local))]
     assert (np.asarray(remote.offset) == np.asarray(local.offset)).all()
     assert (np.asarray(remote.size) == np.asarray(local.size)).all()
@@ -189,7 +189,7 @@ def test_a_dead_shard_costs_one_bound_for_all_of_a_loaders_workers(server):
         t0 = time.monotonic()
         with pytest.raises(RetriesExhausted, match="gave up reading shard"): reader.read(idx, [first])
         assert took[0] <= time.monotonic() - t0 < took[1]
-    other = CachedShardReader(idx, reader.cache, reader.fetch)  # another loader's reader: it tries again
+    other = CachedShardReader(idx, reader.copies, reader.fetch)  # another loader's reader: it tries again
     t0 = time.monotonic()
     with pytest.raises(RetriesExhausted): other.read(idx, [first])
     assert time.monotonic() - t0 >= 1

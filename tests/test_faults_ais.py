@@ -81,11 +81,11 @@ def cluster(changing_cluster, monkeypatch):
 
 @pytest.fixture
 def bucket(cluster, tmp_path):
-    "A bucket holding the 8 shards (uploaded with ais_put), and the local folder they came from."
-    from shardkit.apps.cluster import ais_put
+    "A bucket holding the 8 shards (uploaded with upload_shards), and the local folder they came from."
+    from shardkit.store import upload_shards
     src = write_shards(tmp_path / "shards")
     name = f"faults-{uuid.uuid4().hex[:8]}"
-    ais_put(src, f"ais://{name}", quiet=True)
+    upload_shards(src, f"ais://{name}", quiet=True)
     yield name, src
     from shardkit.store import open_store
     open_store(f"ais://{name}").bucket.delete(missing_ok=True)
@@ -97,7 +97,8 @@ def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatc
     the one it starts begins at once.)"""
     import io, tarfile
     from shardkit import shuffle
-    from shardkit.apps.cluster import ais_put, start_rebalance
+    from shardkit.apps.cluster import start_rebalance
+    from shardkit.store import upload_shards
     from shardkit.store import open_store
     rng, folder = np.random.default_rng(2), tmp_path / "big"
     folder.mkdir()
@@ -106,7 +107,7 @@ def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatc
             for i in range(100): w.write({"__key__": f"b{s}_{i:03d}", "cls": i % 5,
                                           "bin": rng.integers(0, 256, 8000, np.uint8).tobytes()})
     name = f"faults-dsort-{uuid.uuid4().hex[:8]}"
-    ais_put(folder, f"ais://{name}", quiet=True)
+    upload_shards(folder, f"ais://{name}", quiet=True)
     wait, started = shuffle.wait_dsort, []
     def rebalance_then_wait(job, *a, **kw):  # the job has just started: a rebalance starts under it (the first time)
         if not started: started.append(start_rebalance(cluster["endpoint"]))

@@ -57,7 +57,7 @@ def test_convert_folder_maxsize_in_bytes(tree, tmp_path):
 
 
 def test_convert_folder_no_shuffle_keeps_imagefolder_order(tree, tmp_path):
-    assert main(["convert", "folder", str(tree / "val"), str(tmp_path), "--prefix", "v-", "--no-shuffle", "--maxcount", "100"]) == 0
+    assert main(["convert", "folder", str(tree / "val"), str(tmp_path), "--prefix", "v-", "--no-shuffle-files", "--maxcount", "100"]) == 0
     keys = [s["__key__"] for s in wds.WebDataset(str(tmp_path / "v-000000.tar"), shardshuffle=False)]
     assert keys == [f"{i:07d}" for i in range(6)]
 

@@ -133,8 +133,8 @@ def test_train_transform_crops_an_encoded_jpeg_as_the_decoded_image():
 
 def test_the_loader_hands_over_encoded_jpegs_when_windows_decode(native):
     assert decode_window(_jpeg(61, 45), 7, 13, 20, 31).shape == (3, 20, 31)
-    assert TrainTransform(window=True).takes_encoded() is True
-    assert TrainTransform(window=False).takes_encoded() is False
+    assert TrainTransform(crop_decode=True).takes_encoded() is True
+    assert TrainTransform(crop_decode=False).takes_encoded() is False
 
 
 DATA = _jpeg(120, 90, subsampling=2, seed=3)  # baseline 4:2:0, one scan
@@ -236,7 +236,7 @@ ELSEWHERE = textwrap.dedent(r'''
     from shardkit.loading.transforms import TrainTransform
     with open(sys.argv[1], "rb") as f: cases, bad = pickle.load(f)
     native = Path(os.environ["SHARDKIT_HOME"]) / "native"
-    out = {"why": why_no_window_decode(), "takes_encoded": TrainTransform(window=True).takes_encoded(), "errors": {}}
+    out = {"why": why_no_window_decode(), "takes_encoded": TrainTransform(crop_decode=True).takes_encoded(), "errors": {}}
     out["native_files"] = sorted(os.listdir(native)) if native.exists() else None
     try: decode_window(cases[0][0], 0, 0, 1, 1); out["decode_window"] = "no error"
     except Exception as e: out["decode_window"] = f"{type(e).__name__}: {e}"

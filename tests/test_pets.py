@@ -21,7 +21,7 @@ N = 50  # listed images: enough for every quirk and a few shards, small enough t
 def quirky(tmp_path_factory):
     "A synthetic Pet folder with every planted defect, and the plan of what a converter must report."
     root = tmp_path_factory.mktemp("pets") / "quirky"
-    plan = synthesize_pets(root, n=N, seed=3, quirks=True, workers=2)
+    plan = synthesize_pets(root, n=N, seed=3, quirks=True, processes=2)
     return root, plan
 
 
@@ -72,7 +72,7 @@ def test_quirky_set_converts_with_exact_counts(quirky, tmp_path):
 def test_splits_account_for_every_listed_record(quirky, split):
     root, plan = quirky
     stats = {}
-    keys = [s["__key__"] for s in pet_samples(root, split, workers=1, stats=stats)]
+    keys = [s["__key__"] for s in pet_samples(root, split, processes=1, stats=stats)]
     assert stats["listed"] == plan[split] == len(pet_records(root, split))
     assert stats["kept"] + sum(stats["skipped"].values()) == stats["listed"]
     assert keys == expected_keys(plan, root, split)
@@ -106,8 +106,8 @@ def test_post_pipeline_and_tar_listing(quirky, tmp_path):
 
 def test_bytes_are_deterministic(quirky, tmp_path):
     root, _ = quirky
-    a = convert_pets(root, tmp_path / "a", maxcount=16, workers=2, progress=False)
-    b = convert_pets(root, tmp_path / "b", maxcount=16, workers=1, progress=False)
+    a = convert_pets(root, tmp_path / "a", maxcount=16, processes=2, progress=False)
+    b = convert_pets(root, tmp_path / "b", maxcount=16, processes=1, progress=False)
     assert without_store(a) == without_store(b)
     assert shard_bytes(tmp_path / "a", a) == shard_bytes(tmp_path / "b", b)
     assert (tmp_path / "a/pets-manifest.json").read_text().replace(str(tmp_path / "a"), "") == \
@@ -152,7 +152,7 @@ KILLER = textwrap.dedent("""
         if point == "before_manifest" and len(done) == after: os.kill(os.getpid(), signal.SIGKILL)
         return r
     sh.save_manifest, LocalStore.put_file = save, put
-    p.convert_pets(sys.argv[3], sys.argv[4], maxcount=8, workers=2, progress=False)
+    p.convert_pets(sys.argv[3], sys.argv[4], maxcount=8, processes=2, progress=False)
 """)
 
 
@@ -211,10 +211,10 @@ def test_maxsize_is_an_upper_bound(quirky, tmp_path):
 
 
 def test_cli_help(capsys):
-    for cmd, opts in [(["convert", "pets"], ["--split", "--maxcount", "--maxsize", "--workers", "--prefix", "--check", "--extras"]),
-                      (["synth", "pets"], ["--n", "--seed", "--quirks", "--workers"]),
+    for cmd, opts in [(["convert", "pets"], ["--split", "--maxcount", "--maxsize", "--processes", "--prefix", "--check", "--extras"]),
+                      (["synth", "pets"], ["--n", "--seed", "--quirks", "--processes"]),
                       (["download", "pets"], ["root"]),
-                      (["bench", "convert"], ["--workers", "--repeat", "--check"])]:
+                      (["bench", "convert"], ["--processes", "--repeat", "--check"])]:
         with pytest.raises(SystemExit) as e: cli_main(cmd + ["--help"])
         assert e.value.code == 0
         out = capsys.readouterr().out
@@ -222,11 +222,11 @@ def test_cli_help(capsys):
 
 
 def test_cli_synth_and_convert(tmp_path, cli, capsys):
-    assert cli_main(["synth", "pets", str(tmp_path / "p"), "--n", "16", "--quirks", "--seed", "5", "--workers", "2"]) == 0
+    assert cli_main(["synth", "pets", str(tmp_path / "p"), "--n", "16", "--quirks", "--seed", "5", "--processes", "2"]) == 0
     assert "planted quirks: grayscale, cmyk" in capsys.readouterr().out
     plan = json.loads((tmp_path / "p/synth.json").read_text())
     # the conversion as a user runs it: a separate process
-    r = cli("convert", "pets", tmp_path / "p", tmp_path / "s", "--maxcount", "5", "--maxsize", "200KB", "--workers", "2")
+    r = cli("convert", "pets", tmp_path / "p", tmp_path / "s", "--maxcount", "5", "--maxsize", "200KB", "--processes", "2")
     assert r.returncode == 0, r.stderr
     assert f"{plan['kept']} samples in" in r.stdout and "skipped 4: empty image 1" in r.stdout and "writing pets-" in r.stderr
     m = read_manifest(tmp_path / "s", "pets-")

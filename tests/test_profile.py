@@ -13,7 +13,7 @@ from shardkit.loading.transforms import train_transform
 from dataclasses import replace
 from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
 from shardkit.loading.jpeg import why_no_window_decode
-from shardkit.profile import Profile, build_loader, profile_overhead, profile_pipeline, report, suggested_change, verdicts
+from shardkit.profile import Profile, build_loader, profile_overhead, profile_pipeline, profile_report, suggested_change, verdicts
 from shardkit.profile.timing import SLOTS
 from conftest import main_cli, write_pet_shards
 
@@ -112,7 +112,7 @@ def test_a_decode_bound_pipeline_is_named_decoding(tmp_path):
     urls = _write(tmp_path / "big", 2, 8, (1600, 1200), trimap=False)
     p = profile_pipeline(_loader(urls, workers=1, fields=("cls", "image.jpg"), batch_size=4), step=lambda b: time.sleep(0.001))
     v = verdicts(p)
-    assert p.bottleneck == "decode" and any(line.startswith("decode is") for line in v), report(p)
+    assert p.bottleneck == "decode" and any(line.startswith("decode is") for line in v), profile_report(p)
     assert v[0].startswith("input-bound"), v
 
 
@@ -145,7 +145,7 @@ def test_a_read_bound_pipeline_is_named_reading(slow_http):
     urls = [f"{base}/{Path(p).name}" for p in paths]
     p = profile_pipeline(_loader(urls, workers=1, fields=("cls", "image.jpg"), batch_size=4))
     v = verdicts(p)
-    assert p.bottleneck == "read" and any(line.startswith("read is") and "reads wait" in line for line in v), report(p)
+    assert p.bottleneck == "read" and any(line.startswith("read is") and "reads wait" in line for line in v), profile_report(p)
     assert p.read_mb_s is not None and p.read_mb_s < 2, p.read_mb_s
 
 
@@ -224,7 +224,7 @@ def test_report_says_whether_windows_were_used(shards):
                    for p in ("default", "whole"))
     expected = ("used", "available but off") if why is None else (f"unavailable: {why}",) * 2
     assert (used.windows, whole.windows) == expected
-    assert "windows: " + used.windows in report(used) and "the first batch after" in report(used)
+    assert "windows: " + used.windows in profile_report(used) and "the first batch after" in profile_report(used)
     assert used.steady_rate is not None and whole.kind == used.kind == "shardkit"
 
 
@@ -240,13 +240,13 @@ def _check_gpu_profile(shards, device):
     plain, _ = _gpu_keys(shards, device, False)
     got, (p, g) = _gpu_keys(shards, device, True)
     assert got == plain and len(set(got)) == 60, "profiling changed the GPU loader's samples"
-    assert p.kind == "gpu" and p.workers == 2 and p.samples == 60, report(p)
-    for s in ("read", "parse", "header", "collate"): assert p.stages[s]["wall"] > 0, (s, report(p))
-    assert p.stages["decode"]["wall"] == 0 and "not visible" not in report(p), report(p)
-    assert {"copy", "decode", "augment"} <= set(p.device_stages), report(p)
-    assert all(v > 0 for v in p.device_stages.values()), report(p)
+    assert p.kind == "gpu" and p.workers == 2 and p.samples == 60, profile_report(p)
+    for s in ("read", "parse", "header", "collate"): assert p.stages[s]["wall"] > 0, (s, profile_report(p))
+    assert p.stages["decode"]["wall"] == 0 and "not visible" not in profile_report(p), profile_report(p)
+    assert {"copy", "decode", "augment"} <= set(p.device_stages), profile_report(p)
+    assert all(v > 0 for v in p.device_stages.values()), profile_report(p)
     assert g.time_device is False and not g.device_events, "profiling leaves the loader's timing as it found it"
-    assert "device: decode" in report(p) and "workers: header" in report(p), report(p)
+    assert "device: decode" in profile_report(p) and "workers: header" in profile_report(p), profile_report(p)
     return p
 
 
@@ -259,7 +259,7 @@ def test_the_gpu_loader_on_the_cpu_is_profiled_stage_by_stage(shards):
 def test_the_gpu_loader_on_cuda_is_profiled_stage_by_stage(shards):
     "On a GPU: the same, and the copy, decode and augmentation on the device timed by the loader's CUDA events."
     p = _check_gpu_profile(shards, "cuda")
-    assert p.workers == 2 and p.device_stages["decode"] > 0, report(p)  # queued inside next(), timed on the GPU
+    assert p.workers == 2 and p.device_stages["decode"] > 0, profile_report(p)  # queued inside next(), timed on the GPU
 
 
 def test_cli_profiles_the_gpu_pipeline_on_the_cpu(shards, tmp_path):
@@ -277,10 +277,10 @@ def test_the_gpu_loaders_device_stages_inside_next_are_accounted(shards):
     g = create_gpu_loader(shards, fields=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu",
                           prefetch=0)
     p = profile_pipeline(g, step=lambda b: time.sleep(0.003))
-    assert p.workers == 0 and p.samples == 60, report(p)
-    assert p.device_stages["decode"] > 0 and p.device_stages["augment"] > 0, report(p)
+    assert p.workers == 0 and p.samples == 60, profile_report(p)
+    assert p.device_stages["decode"] > 0 and p.device_stages["augment"] > 0, profile_report(p)
     untimed = p.main["untimed"] * p.samples / 1000
-    assert -1e-6 < untimed < 0.05 * p.wall + 0.02, (untimed, p.wall, report(p))
+    assert -1e-6 < untimed < 0.05 * p.wall + 0.02, (untimed, p.wall, profile_report(p))
 
 
 PROFILES = sorted((Path(__file__).parent / "profiles").glob("*.json"))  # recorded by tests/profiles/record.py
@@ -341,7 +341,7 @@ def test_every_verdict_sentence_reads_well_and_every_template_is_reached():
         text = " ".join(vs)
         assert ("on the GPU" in text or "nvJPEG" in text or "side stream" in text) <= p.gpu, (path.name, text)
         assert ("convert the folder to shards" in text) == p.files, (path.name, text)
-        assert repr(p) == report(p) and "np." not in repr(p) and p._repr_markdown_().startswith("```\n"), path.name
+        assert repr(p) == profile_report(p) and "np." not in repr(p) and p._repr_markdown_().startswith("```\n"), path.name
     assert not wrong, "\n".join(map(str, wrong))
     assert reached == set(_TEMPLATES), f"templates no recorded profile reaches: {set(_TEMPLATES) - reached}"
     assert Profile(**json.loads(PROFILES[0].read_text())).to_dict() == json.loads(PROFILES[0].read_text())
@@ -356,5 +356,5 @@ def test_a_dataloader_over_files_is_known_and_advised_shards(tmp_path):
                     batch_size=2)
     p = profile_pipeline(dl, device=None)
     assert p.kind == "map-style" and p.files and type(p.rate) is float and p.gpu == torch.cuda.is_available(), p
-    assert any(v.startswith("the DataLoader opens one file per sample") for v in verdicts(p)), report(p)
-    assert repr(p) == report(p) and "np.float64" not in repr(p.to_dict()), repr(p)
+    assert any(v.startswith("the DataLoader opens one file per sample") for v in verdicts(p)), profile_report(p)
+    assert repr(p) == profile_report(p) and "np.float64" not in repr(p.to_dict()), repr(p)

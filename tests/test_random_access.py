@@ -309,7 +309,7 @@ def test_bench_mix_cli_prints_the_ratios(elastic_shards, capsys):
     "`shardkit bench mix`: the four contenders, each mix against one source, and the verdict line."
     from shardkit.apps import cli
     assert cli.main(["bench", "mix", str(elastic_shards), "--repeats", "1", "--batch-size", "50", "--workers", "1",
-                     "--no-decode"]) == 0
+                     "--no-images"]) == 0
     out = capsys.readouterr().out
     for row in ("stream, one source", "stream, mix of 2", "random access, one source", "random access, mix of 2"):
         assert row in out, out

@@ -49,7 +49,7 @@ def _keys(loader):
 
 
 def _cache_files(loader):
-    return sorted(loader.dataset.reader.cache.folder.glob("*.tar"))
+    return sorted(loader.dataset.reader.copies.folder.glob("*.tar"))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -101,13 +101,13 @@ def test_cache_bound_is_respected(shards):
     assert len(_cache_files(dl)) <= 3
     limit = 2 * max(os.path.getsize(p) for p in shards)
     dl = _loader(src, read="cache", shard_cache=f"{limit}B", batch_size=4)
-    assert dl.window == 2 and dl.dataset.reader.cache.max_bytes == limit
+    assert dl.window == 2 and dl.dataset.reader.copies.max_bytes == limit
     seen = []
     for b in dl:
         seen += list(b[0])
         assert sum(f.stat().st_size for f in _cache_files(dl)) <= limit
     assert sorted(seen) == ALL
-    assert not list(dl.dataset.reader.cache.folder.glob(".*.tmp"))  # atomic writes leave no partial files
+    assert not list(dl.dataset.reader.copies.folder.glob(".*.tmp"))  # atomic writes leave no partial files
 
 
 def test_cache_refuses_what_it_cannot_hold(shards):
@@ -122,7 +122,7 @@ def test_cache_refuses_what_it_cannot_hold(shards):
 
 def test_cache_is_private_and_per_source(shards, tmp_path):
     dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2)
-    folder = dl.dataset.reader.cache.folder
+    folder = dl.dataset.reader.copies.folder
     assert folder == shard_cache_dir(dl.dataset.index) and (folder.stat().st_mode & 0o777) == 0o700
     other = _write_shards(tmp_path / "other", sizes=(2, 2))
     assert shard_cache_dir(sample_index(other[0], ("cls",))) != folder
@@ -306,7 +306,7 @@ def test_ais_cached_copies_follow_the_shards_content(tmp_path, ais_endpoint):
         assert after["s1_00"] == new["s1_00"] != before["s1_00"] and after["s0_00"] == before["s0_00"]
         # a loader still on the old index, whose copy of the shard is gone: the refetch brings other content
         for f in _cache_files(first): f.unlink()
-        stale = CachedShardReader(idx, first.dataset.reader.cache)
+        stale = CachedShardReader(idx, first.dataset.reader.copies)
         with pytest.raises(ShardkitError, match="changed after indexing: build the loader again"):
             stale.read(idx, [int(np.flatnonzero(idx.shard == 1)[0])])
     finally:
@@ -338,7 +338,7 @@ def test_ais_index_is_built_once_per_machine_and_follows_the_bucket(tmp_path, ai
         _rewrite_same_size(paths[1]); store.put_file(paths[1])
         b = sample_index(store.spec, ("cls", "bin"))
         assert len(list((index_cache_dir() / "remote").glob("*/meta.json"))) == 2 and b.versions[1] != a.versions[1]
-        assert len(sample_index(store.spec, ("cls", "bin"), cache=False)) == 5  # cache=False: built, not kept
+        assert len(sample_index(store.spec, ("cls", "bin"), index_cache=False)) == 5  # index_cache=False: built, not kept
     finally:
         store.bucket.delete()
 

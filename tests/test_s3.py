@@ -91,7 +91,7 @@ def random_loader(source, read, workers=2, **kw):
     dl = create_random_loader(source, fields=("__key__", "cls"), batch_size=16, num_workers=workers, seed=0, read=read,
                               index_cache=False, **kw)
     if read == "cache":
-        for f in dl.dataset.reader.cache.files(): f.unlink()
+        for f in dl.dataset.reader.copies.files(): f.unlink()
     return dl
 
 
@@ -138,8 +138,8 @@ def test_index_of_s3_shards_reads_through_cuts_and_skips_large_members(s3, shard
     from shardkit.loading.index import sample_index
     retries, keys = fast(), ("__key__", "cls", "bin")
     s3.fault("cut", pattern="data/f-*")
-    remote, local = sample_index("s3://data", keys, cache=False, retries=retries), sample_index(str(shard_dir), keys,
-                                                                                                cache=False)
+    remote, local = sample_index("s3://data", keys, index_cache=False, retries=retries), sample_index(str(shard_dir), keys,
+                                                                                                index_cache=False)
     assert [remote.key(i) for i in range(len(remote))] == [local.key(i) for i in range(len(local))]
     assert remote.kind == "s3" and (np.asarray(remote.size) == np.asarray(local.size)).all()
     assert retries.counts() == {"connection cut": N_SHARDS} and not s3.requests("HEAD")
@@ -147,7 +147,7 @@ def test_index_of_s3_shards_reads_through_cuts_and_skips_large_members(s3, shard
     with wds.TarWriter(str(s3.root / "data" / "big" / "v-000.tar")) as w:
         for i in range(4): w.write({"__key__": f"v{i}", "cls": i, "bin": os.urandom(3 << 20)})
     s3.log.clear()
-    big = sample_index("s3://data/big/", ("cls", "bin"), cache=False)
+    big = sample_index("s3://data/big/", ("cls", "bin"), index_cache=False)
     assert len(big) == 4 and len(s3.requests("GET", listing=False)) == 1 + 4  # then a range past each large member
     assert (s3.root / "data" / "big" / "v-000.tar").stat().st_size > 12 << 20
 
@@ -354,7 +354,7 @@ def test_aistore_s3_api_reads_what_ais_reads(ais_endpoint, tree_shards, tmp_path
     assert s3r == random_keys(str(tree_shards / "train"), "cache")
     assert sorted(s3r) == sorted(random_keys(f"ais://{bucket}/train", "cache"))
     from shardkit.loading.index import sample_index
-    idx = sample_index(f"s3://{bucket}/train", ("cls",), cache=False)
+    idx = sample_index(f"s3://{bucket}/train", ("cls",), index_cache=False)
     assert all(v.startswith('"') and len(v) == 34 for v in idx.versions)  # MD5 ETags, checked on every read
     r = cli("train", "--shards", f"s3://{bucket}/train", "--val-shards", f"s3://{bucket}/val", "--epochs", "1",
             "--batch-size", "8", "--workers", "1", "--size", "32", timeout=600)

@@ -47,10 +47,10 @@ def test_soak_local(pets, tmp_path):
 
 
 def test_soak_on_aistore(pets, ais_endpoint, tmp_path):
-    from shardkit.apps.cluster import ais_put
+    from shardkit.store import upload_shards
     from shardkit.store import open_store
     name = f"soak-{uuid.uuid4().hex[:8]}"
-    ais_put(pets, f"ais://{name}", quiet=True)
+    upload_shards(pets, f"ais://{name}", quiet=True)
     try: _check(_soak(f"ais://{name}", tmp_path / "soak.json"))
     finally: open_store(f"ais://{name}").bucket.delete(missing_ok=True)
 
@@ -58,11 +58,11 @@ def test_soak_on_aistore(pets, ais_endpoint, tmp_path):
 def test_tenants_on_aistore(pets, ais_endpoint):
     """`shardkit bench tenants` at a small size: one job, then four at once, on one bucket, aisloader reading it beside
     them: every epoch of every job exact, no error anywhere (speed is the benchmark's to report)."""
-    from shardkit.apps.cluster import ais_put
+    from shardkit.store import upload_shards
     from shardkit.bench.soak import bench_tenants, tenants_table
     from shardkit.store import open_store
     name = f"tenants-{uuid.uuid4().hex[:8]}"
-    ais_put(pets, f"ais://{name}", quiet=True)
+    upload_shards(pets, f"ais://{name}", quiet=True)
     try: res = bench_tenants(f"ais://{name}", jobs=4, epochs=2, batch_size=32)
     finally: open_store(f"ais://{name}").bucket.delete(missing_ok=True)
     print("\n" + tenants_table(res))

@@ -42,7 +42,7 @@ def test_ddp_ranks_disjoint_equal_and_finish(tmp_path):
     with FaultServer(tmp_path / "shards") as server:
         server.fault("cut", pattern="t-01.tar", when="fresh")
         r = torchrun("--base", server.base + "/", "--shards", "t-{00..02}.tar", "--size", 32, "--batch-size", 8,
-                     "--workers", 1, "--epochs", 2, "--keys-out", tmp_path / "keys", "--json-out", tmp_path / "hist.json")
+                     "--workers", 1, "--epochs", 2, "--keys-out", tmp_path / "keys", "--json", tmp_path / "hist.json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert server.faults_played() and "retried" in r.stderr and "connection cut" in r.stderr, r.stderr[-3000:]
     seen = [(tmp_path / "keys" / f"keys-rank{i}.txt").read_text().split() for i in range(2)]
@@ -79,7 +79,7 @@ def test_ddp_checkpoint_resumes_exactly_on_any_shape(tmp_path):
     assert [len(w) for w in whole] == [2 * 8 * 4] * 2  # 64 samples // (2 ranks x 4) = 8 steps an epoch
     assert resumed == [w[:11 * 4] for w in whole]
     r = torchrun(*args, "--batch-size", 8, "--checkpoint", tmp_path / "ck.pt", "--keys-out", tmp_path / "one",
-                 "--workers", 2, "--json-out", tmp_path / "hist.json", nproc=1)
+                 "--workers", 2, "--json", tmp_path / "hist.json", nproc=1)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "epoch 2, after 3 of its steps (11 steps in all)" in r.stdout, r.stdout
     one = (tmp_path / "one" / "keys-rank0.txt").read_text().split()
@@ -145,7 +145,7 @@ def test_train_over_http(tmp_path, capsys):
         for base in (url, f"pipe:curl -fsS {url}"):
             rc, out, err = shardkit(capsys, "train", "--base", base, "--shards", "imagenet-train-{00..01}.tar",
                                     "--val-shards", "imagenet-val-{00..00}.tar", "--size", 32, "--batch-size", 8,
-                                    "--workers", 1, "--json-out", tmp_path / "h.json")
+                                    "--workers", 1, "--json", tmp_path / "h.json")
             assert rc == 0, out + err
             h = json.loads((tmp_path / "h.json").read_text())[0]
             assert (h["samples"], h["val_samples"]) == (24, 6)
@@ -187,8 +187,8 @@ def _why_no_cuda():
 
 
 @pytest.mark.skipif(_why_no_cuda() is not None, reason=f"needs a CUDA GPU: {_why_no_cuda()}")
-@pytest.mark.parametrize("how", [dict(), dict(precision="fp16"), dict(precision="fp32"), dict(decode="gpu"),
-                                 dict(decode="auto"), dict(pipeline="example")])
+@pytest.mark.parametrize("how", [dict(), dict(precision="fp16"), dict(precision="fp32"), dict(decode_on="gpu"),
+                                 dict(decode_on="auto"), dict(pipeline="example")])
 def test_train_on_cuda(tmp_path, how):
     "The default (CPU decoding, batches copied one ahead, bf16), fp16 with its GradScaler, fp32, nvJPEG, and the example."
     from shardkit.train import train
@@ -216,5 +216,5 @@ def test_example_pipeline_cannot_checkpoint(tmp_path, capsys):
     shards = write_shards(tmp_path / "shards", [4])
     rc, out, err = shardkit(capsys, "train", "--shards", shards, "--size", 32, "--pipeline", "example", "--checkpoint", tmp_path / "c.pt")
     assert rc == 2 and "--pipeline example cannot resume mid-epoch" in err, err
-    rc, out, err = shardkit(capsys, "train", "--shards", shards, "--size", 32, "--decode", "nvjpeg")
-    assert rc == 2 and "decode must be 'cpu', 'gpu' or 'auto'" in err, err
+    rc, out, err = shardkit(capsys, "train", "--shards", shards, "--size", 32, "--decode-on", "nvjpeg")
+    assert rc == 2 and "decode_on must be 'cpu', 'gpu' or 'auto'" in err, err

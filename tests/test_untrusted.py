@@ -296,7 +296,7 @@ KILL_ETL = textwrap.dedent("""
         if len(done) == 2: os.kill(os.getpid(), signal.SIGKILL)
         return m
     local.write_etl_manifest = save
-    etl.run_etl("shardkit.etl.transforms:imagenet_val_npy", sys.argv[1], sys.argv[2], workers=1, progress=False)
+    etl.run_etl("shardkit.etl.transforms:imagenet_val_npy", sys.argv[1], sys.argv[2], processes=1, progress=False)
 """)
 
 
@@ -305,7 +305,7 @@ def test_etl_run_killed_midway_resumes(tmp_path):
     from shardkit.etl import run_etl
     src = open_store(tmp_path / "src", create=True)
     for s in range(4): src.put_bytes(_tar([m for i in range(3) for m in _imagenet_members(f"k{s}_{i}", s * 3 + i)]), f"in-{s}.tar")
-    full = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "full", workers=1, progress=False)
+    full = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "full", processes=1, progress=False)
     assert full["written"] == 4 and full["samples_out"] == 12 and read_etl_manifest(tmp_path / "full")["complete"]
     r = subprocess.run([sys.executable, "-c", KILL_ETL, str(tmp_path / "src"), str(tmp_path / "part")],
                        capture_output=True, text=True, timeout=300)
@@ -313,7 +313,7 @@ def test_etl_run_killed_midway_resumes(tmp_path):
     assert read_etl_manifest(tmp_path / "part")["complete"] is False
     r = subprocess.run([sys.executable, "-m", "shardkit.apps.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
     assert "did not finish" in r.stderr
-    again = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "part", workers=1, progress=False)
+    again = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "part", processes=1, progress=False)
     assert (again["resumed"], again["written"]) == (2, 2)
     for n in src.list("*.tar"): assert (tmp_path / "part" / n).read_bytes() == (tmp_path / "full" / n).read_bytes()
     assert read_etl_manifest(tmp_path / "part")["complete"]

@@ -16,16 +16,16 @@ import psutil
 import requests
 from ..command import command
 from ..config import private_dir, shardkit_home, why_untrusted
-from ..errors import ShardkitError, StoreError
+from ..errors import ShardkitError
 from ..remote import Retries, as_retries, remote_request
-from ..store import open_store, shown_path
+from ..store import upload_shards
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
            'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore', 'write_node_configs',
            'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status', 'ais_up', 'ais_down', 'format_status',
-           'ais_put', 'start_rebalance', 'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join',
-           'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
+           'start_rebalance', 'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join', 'ais_up_cli',
+           'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
 
 # %% ../../nbs/07_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -356,28 +356,6 @@ def format_status(st: dict,  # What `ais_status` returns
     return "\n".join(lines)
 
 # %% ../../nbs/07_cluster.ipynb
-def ais_put(src: str | Path,                    # A local folder of shards
-            dest: str,                          # The bucket, `ais://BUCKET[/PREFIX]` (made if missing)
-            pattern: str = "*.tar",             # Which files of `src`: a glob, a brace template or a prefix
-            retry_wait: float | Retries = 120,  # Seconds an upload may retry faults (a target restarting, a 503)
-            endpoint: str | None = None,        # AIStore's endpoint (default: AIS_ENDPOINT)
-            quiet: bool = False,                # Print nothing
-           ) -> list[str]:                      # The names uploaded
-    "Upload the files of folder `src` that match `pattern` into bucket `dest`, each PUT retried through faults."
-    if not str(dest).startswith("ais://"):
-        raise StoreError(f"ais put uploads into an AIStore bucket (ais://BUCKET[/PREFIX]), not {dest!r}")
-    local = open_store(src)
-    names = local.list(pattern)
-    if not names: raise StoreError(f"no files matching {pattern!r} in {shown_path(local.spec)}: nothing to upload")
-    store = open_store(dest, create=True, endpoint=endpoint)
-    store.retries, t0, size = as_retries(retry_wait), time.time(), 0
-    for n in names: store.put_file(local.path(n), n); size += local.size(n)
-    if not quiet:
-        print(f"uploaded {len(names)} files ({size / 1e6:.1f} MB) to {store.spec} in {time.time() - t0:.1f} s")
-        if line := store.retries.report(what="ais put", noun="upload"): print(line)
-    return names
-
-# %% ../../nbs/07_cluster.ipynb
 def start_rebalance(endpoint: str,  # The cluster's endpoint
                    ) -> str:         # The rebalance's id, e.g. 'g7'
     "Start a rebalance of the whole cluster at `endpoint` now, as a target's restart would (to see what it does)."
@@ -484,6 +462,6 @@ def ais_build_cli(built, args):
     "Build the aisnode binary (and the ais CLI) without starting anything."
     print(built["aisnode"])
 
-@command(ais_put, hide=("quiet",))
+@command(upload_shards, hide=("quiet",))
 def ais_put_cli(names, args):
-    "Upload local shards into an AIStore bucket; faults are retried and counted (`ais_put` prints the summary)."
+    "Upload local shards into an AIStore bucket; faults are retried and counted (`upload_shards` prints the summary)."

@@ -94,7 +94,7 @@ def step_data(state: DemoState, out: Path, pets: str | None, n: int, quiet: bool
         _say(f"data: reusing {r['images']} synthetic Pet images in {shown_path(root)}", quiet); return r
     _say(f"data: drawing {n} synthetic Pet images into {shown_path(root)}", quiet)
     if root.exists(): shutil.rmtree(root)
-    synthesize_pets(root, n=n, seed=0, workers=2, progress=not quiet)
+    synthesize_pets(root, n=n, seed=0, processes=2, progress=not quiet)
     return state.finish("data", settings, dict(root=str(root), images=len(pet_records(root)), synthetic=True))
 
 # %% ../../nbs/39_demo.ipynb

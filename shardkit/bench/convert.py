@@ -51,7 +51,7 @@ def _post_convert(root: Path, dest) -> tuple[int, int]:
     return n, sum(sizes)
 
 # %% ../../nbs/32_bench.convert.ipynb
-def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str | None) -> dict:
+def _convert_runs(root: Path, runs: dict, processes: int, repeat: int, dest: str | None) -> dict:
     "label -> [(seconds, samples, bytes, CPU seconds)] per converter in `runs` (label -> check, None: the seed loop)."
     times = {label: [] for label in runs}
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-"))
@@ -62,7 +62,7 @@ def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str |
                 c0, t0 = cpu_seconds(), time.perf_counter()
                 if check is None: n, nbytes = _post_convert(root, target)
                 else:
-                    m = convert_pets(root, target, workers=workers, check=check, progress=False)
+                    m = convert_pets(root, target, processes=processes, check=check, progress=False)
                     n, nbytes = m["samples"], m["bytes"]
                 times[label].append((time.perf_counter() - t0, n, nbytes, cpu_seconds() - c0))
                 if dest:  # leave the user's store as it was
@@ -74,7 +74,7 @@ def _convert_runs(root: Path, runs: dict, workers: int, repeat: int, dest: str |
 
 # %% ../../nbs/32_bench.convert.ipynb
 def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from `shardkit synth pets ROOT`)
-                  workers: int = 2,          # Processes for the validating converter
+                  processes: int = 2,        # Processes for the validating converter
                   repeat: int = 3,           # Runs of each; the median counts
                   check: str | None = None,  # Only this image check of convert_pets, decode or fast; default: each
                   dest: str | None = None,   # Store to write into, e.g. ais://bench; default: fresh temp directories
@@ -90,9 +90,9 @@ def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from
     # warm the page cache
     for p in list((root / "images").iterdir()) + list((root / "annotations" / "trimaps").iterdir()): p.read_bytes()
     runs = {"AIStore post's loop (no checks)": None}
-    runs.update({f"convert_pets (check={c}, {workers} workers)": c for c in ((check,) if check else CHECKS)})
+    runs.update({f"convert_pets (check={c}, {processes} processes)": c for c in ((check,) if check else CHECKS)})
     res = {}
-    for label, rs in _convert_runs(root, runs, workers, repeat, dest).items():
+    for label, rs in _convert_runs(root, runs, processes, repeat, dest).items():
         t, n, b, cpu = sorted(rs)[len(rs) // 2]
         res[label] = dict(seconds=t, samples=n, samples_per_s=n / t, mb_per_s=b / 1e6 / t,
                           cpu_ms_per_sample=1e3 * cpu / max(n, 1))

@@ -40,7 +40,7 @@ def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
 def bench_dask_etl(src,                     # Store of ImageNet-style shards: a directory or ais://bucket[/prefix]
                    fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # Transform, MODULE:FUNCTION
                    pattern: str = "*.tar",  # Which shards
-                   workers: int = 2,        # Worker processes for both engines
+                   processes: int = 2,      # Worker processes for both engines
                    seed: int = 0,           # Per-sample seed of the transform
                    cluster=None,            # A cluster (or its address) for the warm row; default: start one
                   ) -> list[dict]:          # One row per engine: shards, samples, seconds, rates, CPU ms per sample
@@ -49,14 +49,14 @@ def bench_dask_etl(src,                     # Store of ImageNet-style shards: a 
     try:
         _warm_up()
         for i, (engine, run) in enumerate([
-                ("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, workers, seed=seed, progress=False)),
+                ("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, processes, seed=seed, progress=False)),
                 ("local, 1 warm process", lambda d: run_etl(fn, src, d, pattern, 1, seed=seed, progress=False)),
                 ("dask, own LocalCluster",
-                 lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, workers=workers, progress=False))]):
+                 lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, processes=processes, progress=False))]):
             t0, c0 = time.perf_counter(), cpu_seconds()
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, cpu_seconds() - c0))
-        client, close = dask_client(cluster, workers)
+        client, close = dask_client(cluster, processes)
         try: rows.append(_warm_row(client, fn, src, root / "warm", pattern, seed))
         finally: close()
     finally: shutil.rmtree(root, ignore_errors=True)

@@ -56,12 +56,12 @@ def bench_mix(src,                        # Shards: a directory, ais://, s3://, 
               repeats: int = 3,           # Rounds: each times one epoch of every contender
               batch_size: int = 64,       # Samples per batch
               num_workers: int = 2,       # Loader workers
-              decode: bool = True,        # Decode + augment images (without: label and key only, mixing's worst case)
-              size: int = 224,            # The crop's size, with `decode`
+              images: bool = True,        # Decode + augment images (without: label and key only, mixing's worst case)
+              size: int = 224,            # The crop's size, with `images`
               seed: int = 0,              # Seed of orders, shuffles and crops
              ) -> list[dict]:             # One row per contender: medians, and the mix's ratios to one source
     "One source against the same shards as a mix of two, streamed and by random access: samples/s, CPU ms/sample."
-    if decode: f = shard_fields(shard_urls(src)[0]); keys, transform = (f["label"], f["image"]), train_transform(size)
+    if images: f = shard_fields(shard_urls(src)[0]); keys, transform = (f["label"], f["image"]), train_transform(size)
     else: keys, transform = ("__key__", "cls"), None
     makers = _contenders(src, keys, transform, batch_size, num_workers, seed)
     runs = {name: [] for name in makers}
@@ -76,14 +76,14 @@ def bench_mix(src,                        # Shards: a directory, ais://, s3://, 
     return rows
 
 # %% ../../nbs/36a_bench.mix.ipynb
-def mix_table(rows: list[dict], decode: bool = True) -> str:
+def mix_table(rows: list[dict], images: bool = True) -> str:
     "`bench_mix`'s rows as a table, with what the ratios say."
     cols = {"name": ("", "{}"), "samples": ("samples", "{:.0f}"), "rate": ("samples/s", "{:,.0f}"),
             "cpu_ms": ("CPU ms/sample", "{:.3f}"), "rate_ratio": ("speed vs one", "{:.2f}x"),
             "cpu_ratio": ("CPU vs one", "{:.2f}x")}
     named = [dict(r, name=f"{r['path']}, {r['kind']}") for r in rows]
     worst = max(r["cpu_ratio"] for r in rows if "cpu_ratio" in r)
-    what = "decode + augment" if decode else "label and key only, no decoding"
+    what = "decode + augment" if images else "label and key only, no decoding"
     return format_bench(named, cols, title=f"Mixing's cost ({what}; medians of the runs)",
                         notes=[f"the mix costs {worst - 1:+.1%} CPU per sample at most (goal: within +5%)"])
 
@@ -91,4 +91,4 @@ def mix_table(rows: list[dict], decode: bool = True) -> str:
 @command(bench_mix)
 def bench_mix_cli(rows, args):
     "Benchmark mixing: one source against the same shards read as a mix of two, streamed and by random access."
-    print(mix_table(rows, args.decode))
+    print(mix_table(rows, args.images))

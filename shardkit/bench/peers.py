@@ -235,14 +235,15 @@ class _RandomEpochs:
 # %% ../../nbs/34_bench.peers.ipynb
 def _repeated(spec: dict) -> list[str]: return list(spec["urls"]) * spec["passes"]
 
-def _make_default(spec, window: bool = True):
+def _make_default(spec, crop_decode: bool = True):
     fields = (spec["fields"]["image"], spec["fields"]["label"])
     def make():
-        ds = create_dataset(_repeated(spec), fields=fields, seed=spec["seed"], transform=train_transform(window=window))
+        ds = create_dataset(_repeated(spec), fields=fields, seed=spec["seed"],
+                            transform=train_transform(crop_decode=crop_decode))
         return create_dataloader(ds, num_workers=spec["workers"], batch_size=64), None
     return make
 
-def _make_whole(spec): return _make_default(spec, window=False)
+def _make_whole(spec): return _make_default(spec, crop_decode=False)
 
 def _make_random(spec): return lambda: (_RandomEpochs(spec), None)
 

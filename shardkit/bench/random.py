@@ -88,7 +88,7 @@ def _setup(store, mode: str, fields, batch_size: int, seed: int, shard_cache, nu
     dl = create_random_loader(store, fields, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
                               read=mode, shard_cache=shard_cache)
     ds, t0 = dl.dataset, time.perf_counter()
-    if mode == "cache": shutil.rmtree(ds.reader.cache.folder, ignore_errors=True); private_dir(ds.reader.cache.folder)
+    if mode == "cache": shutil.rmtree(ds.reader.copies.folder, ignore_errors=True); private_dir(ds.reader.copies.folder)
     if mode == "range":
         for s in range(len(ds.index.shards)): ds.reader._shard(ds.index, s)
     if mode == "getbatch": build_shard_index(store)

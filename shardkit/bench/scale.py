@@ -60,7 +60,7 @@ def scale_folder(root: str | Path,             # Folder of the pool (root/pool) 
                  classes: int = 100,           # Classes (folders); sample i is in class i % classes
                  size: tuple[int, int] = (64, 48),  # Width and height of every image
                  seed: int = 0,                # The same seed gives the same bytes
-                 workers: int | None = None,   # Processes drawing the pool (default: all cores)
+                 processes: int | None = None, # Processes drawing the pool (default: all cores)
                  progress: bool = True,        # A progress bar while drawing
                 ) -> Path:                     # The tree `root/n<N>/train`
     "An ImageFolder tree `root/n<N>/train` of `n` small synthetic JPEGs, linked from a pool drawn once (resumably)."
@@ -72,7 +72,7 @@ def scale_folder(root: str | Path,             # Folder of the pool (root/pool) 
         (pool / name).mkdir(parents=True, exist_ok=True); (tree / name).mkdir(parents=True, exist_ok=True)
     chunk = 2000
     jobs = [(str(pool), lo, min(lo + chunk, n), classes, tuple(size), seed) for lo in range(0, n, chunk)]
-    with ProcessPoolExecutor(workers or os.cpu_count()) as ex, \
+    with ProcessPoolExecutor(processes or os.cpu_count()) as ex, \
          tqdm(total=n, desc=f"drawing {shown_path(pool)}", unit="img", disable=not progress) as bar:
         for job, _ in zip(jobs, ex.map(_draw_range, jobs)): bar.update(job[2] - job[1])
     for i in range(n):
@@ -131,7 +131,7 @@ def _verify(spec):
 def _index(spec):
     w = _work(spec); _fresh(w / "index")
     def run():
-        idx = sample_index(w / "shuffled", fields=("cls", "jpg"), cache=w / "index")
+        idx = sample_index(w / "shuffled", fields=("cls", "jpg"), index_cache=w / "index")
         return dict(samples=len(idx), index_bytes=idx.nbytes, index_file_bytes=_dir_bytes(w / "index"))
     return run
 
@@ -206,7 +206,7 @@ def _ais_cache(spec):
     "One random-access epoch of the shuffled bucket through the shard cache, emptied first: every shard is fetched."
     dl = create_random_loader(_bucket(spec, True), fields=KEYS_ONLY, batch_size=spec["batch_size"],
                               num_workers=spec["workers"], read="cache")
-    for f in dl.dataset.reader.cache.files(): f.unlink()  # no copy left from an earlier run
+    for f in dl.dataset.reader.copies.files(): f.unlink()  # no copy left from an earlier run
     return lambda: dict(samples=_count_epoch(dl), window=dl.window)
 
 def _ais_shard_index(spec):
@@ -221,7 +221,7 @@ def _ais_s3_cache(spec):
     "`ais cache`, the same bucket read as `s3://`: every shard fetched through the S3 API into the shard cache."
     dl = create_random_loader(_s3(spec), fields=KEYS_ONLY, batch_size=spec["batch_size"], num_workers=spec["workers"],
                               read="cache")
-    for f in dl.dataset.reader.cache.files(): f.unlink()
+    for f in dl.dataset.reader.copies.files(): f.unlink()
     return lambda: dict(samples=_count_epoch(dl), window=dl.window)
 
 _STAGES = {"convert": _convert, "shuffle": _shuffle, "verify": _verify, "index": _index,

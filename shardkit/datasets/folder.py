@@ -116,16 +116,16 @@ def _jpeg_of(path: str, quality: int = 95) -> bytes:
         with Image.open(io.BytesIO(data)) as im: return jpeg_bytes(im.convert("RGB"), quality)
     except Exception as e: raise SkipSample("unreadable image", type(e).__name__) from None
 
-def folder_shard_samples(src: str | Path,     # ImageFolder tree (e.g. ROOT/train)
-                         shuffle: bool = True,  # Shuffle the samples once, as the WebDataset ImageNet example does
-                         seed: int = 0,         # Seed of that shuffle
+def folder_shard_samples(src: str | Path,            # ImageFolder tree (e.g. ROOT/train)
+                         shuffle_files: bool = True,  # Shuffle the samples once (as the WebDataset ImageNet example)
+                         seed: int = 0,                # Seed of that shuffle
                          skipped: Counter | None = None,  # Counts skipped files by reason, if given
                          pairs: Sequence | None = None):  # `folder_samples(src)[0]`, if the caller has it
     "Yield WebDataset samples `{__key__, jpg, cls}` of an ImageFolder tree, classes numbered as `ImageFolder` does."
     if pairs is None: pairs, _ = folder_samples(src)
     root = Path(src).resolve()
     order = list(range(len(pairs)))
-    if shuffle: random.Random(seed).shuffle(order)
+    if shuffle_files: random.Random(seed).shuffle(order)
     for i in order:
         path, cls = pairs[i]
         try:
@@ -151,7 +151,7 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
                    prefix: str | None = None,       # Shard names: PREFIX000000.tar, ...; default: the tree's name
                    maxcount: int | None = None,     # Samples per shard; default: 16 shards or more (`auto_maxcount`)
                    maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (int, or e.g. 100MB)
-                   shuffle: bool = True,            # Shuffle the samples once before writing
+                   shuffle_files: bool = True,      # Shuffle the samples once before writing
                    seed: int = 0,                   # Seed of that shuffle
                    progress: bool = True            # Show a progress bar
                   ) -> dict:
@@ -162,9 +162,10 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
     prefix = folder_prefix(src) if prefix is None else prefix
     if not pairs: raise FolderError(f"{shown_path(src)} holds no images in its class folders {classes[:3]}...")
     skipped = Counter()
-    m = write_shards(folder_shard_samples(src, shuffle, seed, skipped, pairs), dest, prefix=prefix, maxcount=maxcount,
-                     maxsize=maxsize, digits=6, total=len(pairs), progress=progress,
-                     info=dict(src=Path(src).name, images=len(pairs), classes=classes, shuffle=shuffle, seed=seed))
+    samples = folder_shard_samples(src, shuffle_files, seed, skipped, pairs)
+    m = write_shards(samples, dest, prefix=prefix, maxcount=maxcount, maxsize=maxsize, digits=6, total=len(pairs),
+                     progress=progress, info=dict(src=Path(src).name, images=len(pairs), classes=classes,
+                                                  shuffle_files=shuffle_files, seed=seed))
     return dict(src=str(src), dest=m["store"], shards=[s["name"] for s in m["shards"]], samples=m["samples"],
                 classes=len(classes), bytes=m["bytes"], skipped=dict(skipped))
 

@@ -109,12 +109,12 @@ def _quirk_bytes(quirk: str, jpg: bytes) -> bytes | None:
     return buf.getvalue()
 
 # %% ../../nbs/09_pets.ipynb
-def _draw_files(root: Path, names: list, extra: list, planted: dict, seed: int, workers: int, progress: bool):
+def _draw_files(root: Path, names: list, extra: list, planted: dict, seed: int, processes: int, progress: bool):
     "Draw every image (listed and unlisted) with its trimap, planting quirks, and a few head boxes as VOC XML."
     images, ann = root / "images", root / "annotations"
     jobs = [(seed, cid, k) for _, cid, k in names + extra]
     xmls = 0
-    drawn = zip(names + extra, ordered_map(_draw_pet, jobs, workers))
+    drawn = zip(names + extra, ordered_map(_draw_pet, jobs, processes))
     for (name, cid, k), (jpg, trimap, box) in tqdm(drawn, total=len(jobs), disable=not progress,
                                                    desc="drawing", unit="img"):
         quirk = next((q for q, nm in planted.items() if nm == name), None)
@@ -147,7 +147,7 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
                     n: int = 740,         # Number of images listed in list.txt (the real set has 7,349)
                     seed: int = 0,        # Random seed: the same seed gives the same bytes
                     quirks: bool = False, # Plant the real archives' defects (grayscale, CMYK, truncated, missing, junk)
-                    workers: int = 2,     # Processes drawing images (1: this process)
+                    processes: int = 2,   # Processes drawing images (1: this process)
                     progress: bool = False): # Show a progress bar
     "Write a synthetic data set in the Oxford-IIIT Pet layout; the plan of what a converter must find."
     if n < 1: raise UsageError(f"n must be >= 1, got {n}")
@@ -170,7 +170,7 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
              for cid in (1, 2)[:_UNLISTED]] if quirks else []
     # quirks go on images spread over the list, one each (n >= 14 keeps them apart)
     planted = {q: names[j * n // len(PET_QUIRKS) + 1][0] for j, q in enumerate(PET_QUIRKS)} if quirks else {}
-    _draw_files(root, names, extra, planted, seed, workers, progress)
+    _draw_files(root, names, extra, planted, seed, processes, progress)
     _write_lists(ann, names)
     junk = _write_junk(root, names) if quirks else []
     skipped = Counter(PET_QUIRKS[q][1] for q in planted if PET_QUIRKS[q][0] == "skip")
@@ -337,7 +337,7 @@ def _load(job): return load_pet_sample(*job)  # a module-level function: what a 
 
 def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, ROOT/annotations)
                 split: str = "all",      # 'all' (list.txt), 'trainval' or 'test'
-                workers: int = 2,        # Processes validating and normalising images (<= 1: this process)
+                processes: int = 2,      # Processes validating and normalising images (<= 1: this process)
                 stats: dict | None = None, # Filled with listed/kept/skipped/converted/unlisted/ignored counts
                 extras: bool = False,    # Add species.cls and pet.json (list.txt's original ids) to each sample
                 check: str = "decode"):  # Image check: 'decode' (the loader's decoder) or 'fast' (header, end marker)
@@ -349,8 +349,8 @@ def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, 
               **_pet_folder_stats(root, {r[0] for r in (pet_records(root, "all") if split != "all" else recs)}))
     skipped, converted = Counter(), Counter()
     if check not in CHECKS: raise UsageError(f"unknown check {check!r}; use one of {CHECKS}")
-    if check == "decode" and workers > 1: load_image_decoder()  # before the workers fork: they share it
-    for sample, what in ordered_map(_load, ((r, root, extras, check) for r in recs), workers, batch=32):
+    if check == "decode" and processes > 1: load_image_decoder()  # before the pool's processes fork: they share it
+    for sample, what in ordered_map(_load, ((r, root, extras, check) for r in recs), processes, batch=32):
         st["done"] = st.get("done", 0) + 1
         if sample is None: skipped[what] += 1
         else:
@@ -373,7 +373,7 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                  prefix: str = "pets-",     # Shard names PREFIX00000.tar, ...
                  maxcount: int = 400,       # Most samples per shard (the AIStore post used 400)
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB (default: no limit)
-                 workers: int = 2,          # Processes validating and normalising images
+                 processes: int = 2,        # Processes validating and normalising images
                  extras: bool = False,      # Add species.cls and pet.json (list.txt's original ids) to each sample
                  check: str = "decode",     # Image check: 'decode' (the loader's decoder) or 'fast' (header, end)
                  progress: bool = True):    # Progress bar and summary
@@ -385,7 +385,7 @@ def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/image
                 fingerprint=_fingerprint(root, split),
                 classes={"cls": "0-based: list.txt CLASS-ID - 1", "names": list(CLASS_NAMES)})
     stats = {}
-    samples = pet_samples(root, split, workers=workers, stats=stats, extras=extras, check=check)
+    samples = pet_samples(root, split, processes=processes, stats=stats, extras=extras, check=check)
     return write_shards(samples, dest, prefix=prefix, maxcount=maxcount, maxsize=maxsize, stats=stats, info=info,
                         total=n, progress=progress)
 

@@ -32,7 +32,7 @@ def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. sha
             src,                            # Source store: a directory, ais:// or s3://bucket[/prefix]
             dest,                           # Destination (made if missing): a directory, ais:// or s3://bucket[/prefix]
             pattern: str = "*.tar",         # Which shards: a glob, brace template or prefix
-            workers: int = 2,               # Local worker processes (1: in this process)
+            processes: int = 2,             # Local worker processes (1: in this process)
             decode: str | None = "pil",     # Decoding of the function's input (None: raw bytes, as `raw`)
             raw: bool = False,              # Hand the function raw bytes instead of decoded fields
             strict: bool = False,           # Stop at the first failing sample
@@ -45,7 +45,7 @@ def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. sha
     "Way 5: transform every shard of `src` matching `pattern` into `dest` (same names), resumably; a summary dict."
     run, decode = etl_engine(engine), None if raw else decode
     if scheduler is not None and engine != "dask": raise UsageError("scheduler= (--scheduler) needs engine='dask'")
-    kw = dict(workers=workers, decode=decode, strict=strict, seed=seed, progress=progress)
+    kw = dict(processes=processes, decode=decode, strict=strict, seed=seed, progress=progress)
     if engine == "dask": return run(fn, src, dest, pattern, scheduler=scheduler, **kw)
     src_store, dest_store, note = open_store(src), open_store(dest, create=True), None
     if (isinstance(src_store, AISStore) and isinstance(dest_store, AISStore)

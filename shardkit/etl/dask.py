@@ -36,23 +36,23 @@ def _distributed():
     return distributed
 
 # %% ../../nbs/18_etl.dask.ipynb
-def local_cluster(workers: int | None = None):  # Worker processes (default: one per core)
-    "A Dask `LocalCluster` for ETL on 127.0.0.1: `workers` processes of one thread; its dashboard on 127.0.0.1 too."
+def local_cluster(processes: int | None = None):  # Worker processes (default: one per core)
+    "A Dask `LocalCluster` for ETL on 127.0.0.1: `processes` processes of one thread; its dashboard on 127.0.0.1 too."
     d = _distributed()
-    if workers is not None and workers < 1: raise UsageError(f"workers must be at least 1, got {workers}")
-    return d.LocalCluster(n_workers=workers or os.cpu_count() or 1, threads_per_worker=1, processes=True,
+    if processes is not None and processes < 1: raise UsageError(f"processes must be at least 1, got {processes}")
+    return d.LocalCluster(n_workers=processes or os.cpu_count() or 1, threads_per_worker=1, processes=True,
                           host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
 
 # %% ../../nbs/18_etl.dask.ipynb
 def dask_client(scheduler,                    # None (a new local cluster), an address, a Client or a cluster object
-                workers: int | None = None,   # Workers of the new local cluster (default: one per core)
+                processes: int | None = None,  # Processes of the new local cluster (default: one per core)
                 timeout: float = 5,           # Seconds to wait for the scheduler at an address
                ) -> tuple:                    # (client, close): close() ends what this call started, nothing else
     "A Dask client for `scheduler`, and the function that closes what was opened for it."
     d = _distributed()
     if isinstance(scheduler, d.Client): return scheduler, lambda: None
     if scheduler is None:
-        cluster = local_cluster(workers)
+        cluster = local_cluster(processes)
         client = d.Client(cluster)
         return client, lambda: (client.close(), cluster.close())
     if hasattr(scheduler, "scheduler_address"):  # a cluster object the caller started
@@ -128,7 +128,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
                  strict: bool = False,        # A failing sample fails its shard (else it is skipped and counted)
                  seed: int | None = None,     # Per-sample seeds for random transforms (same bytes as the local engine)
                  scheduler=None,              # None: a LocalCluster here; 'tcp://host:8786', a Client or a cluster
-                 workers: int | None = None,  # Worker processes of the LocalCluster (default: one per core)
+                 processes: int | None = None,  # Worker processes of the LocalCluster (default: one per core)
                  retries: int = 2,            # Extra attempts for a failing shard
                  progress: bool = True,       # Show a progress bar
                 ) -> dict:
@@ -141,7 +141,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
     todo = [n for n in names if n not in done]
     t0, results, failed, where = time.perf_counter(), {}, {}, None
     if not todo: return _summary(src_store, dest_store, names, done, results, failed, t0, where)
-    client, close = dask_client(scheduler, workers)  # before the manifest is touched: a bad address changes nothing
+    client, close = dask_client(scheduler, processes)  # before the manifest is touched: a bad address changes nothing
     bar = tqdm(total=len(names), initial=len(done), unit="shard", disable=not progress,
                desc=f"dask etl {shown_path(src_store.spec)} -> {shown_path(dest_store.spec)}")
     try:

@@ -49,33 +49,33 @@ def _worker_run(name: str) -> dict:
     return res
 
 # %% ../../nbs/17_etl.local.ipynb
-def run_locally(shards: ShardTransform, src, dest, names: list[str], workers: int, progress: bool,
+def run_locally(shards: ShardTransform, src, dest, names: list[str], processes: int, progress: bool,
                 done=None) -> list[dict]:
-    "Run `shards` on shards `names` of `src` into `dest` with `workers` processes; the results (each also to `done`)."
+    "Run `shards` on shards `names` of `src` into `dest` with `processes` processes; the results (each also to `done`)."
     done = done or (lambda r: None)
     import cloudpickle
     payload, results = cloudpickle.dumps(shards), []
     bar = tqdm(total=len(names), desc=f"etl {shown_path(src.spec)} -> {shown_path(dest.spec)}", unit="shard",
                disable=not progress)
-    if workers <= 1:
+    if processes <= 1:
         _worker_init(payload, src.spec, dest.spec)
         for n in names: results.append(_worker_run(n)); done(results[-1]); bar.update()
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
-        from shardkit.etl.local import _worker_init as init  # by name: spawned workers import them
+        from shardkit.etl.local import _worker_init as init  # by name: spawned processes import them
         from shardkit.etl.local import _worker_run as run
-        with ProcessPoolExecutor(min(workers, len(names)), mp_context=mp.get_context("spawn"), initializer=init,
+        with ProcessPoolExecutor(min(processes, len(names)), mp_context=mp.get_context("spawn"), initializer=init,
                                  initargs=(payload, src.spec, dest.spec)) as pool:
             for r in pool.map(run, names): results.append(r); done(r); bar.update()
     bar.close()
     return results
 
 def _summary(results: list[dict], src, dest, t0: float, note: str | None = None) -> dict:
-    "run_etl's summary of the workers' results: shards written and failed, samples, bytes, seconds."
+    "run_etl's summary of the processes' results: shards written and failed, samples, bytes, seconds."
     counts, reasons = Counter(), Counter()
     for r in results: counts.update(r["counts"]); reasons.update(r["reasons"])
-    return dict(way="local workers", src=src.spec, dest=dest.spec, shards=len(results),
+    return dict(way="local processes", src=src.spec, dest=dest.spec, shards=len(results),
                 written=sum(r["error"] is None for r in results),
                 failed={r["name"]: r["error"] for r in results if r["error"]},
                 samples_in=counts["in"], samples_out=counts["out"], skipped=counts["skipped"], reasons=dict(reasons),
@@ -83,7 +83,7 @@ def _summary(results: list[dict], src, dest, t0: float, note: str | None = None)
                 seconds=round(time.perf_counter() - t0, 2), **({"note": note} if note else {}))
 
 # %% ../../nbs/17_etl.local.ipynb
-def run_resumably(fn, src, dest, names, workers, decode, strict, seed, progress, t0, note) -> dict:
+def run_resumably(fn, src, dest, names, processes, decode, strict, seed, progress, t0, note) -> dict:
     "The local engine: skip shards the manifest records as done, record each new one as it is stored, `complete` last."
     settings = etl_settings(fn, src, decode, seed)
     done = done_shards(dest, read_etl_manifest(dest), settings)
@@ -95,14 +95,14 @@ def run_resumably(fn, src, dest, names, workers, decode, strict, seed, progress,
                                      sha256=r["sha256"])
         write_etl_manifest(dest, settings, names, done, failed)
     shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
-    s = _summary(run_locally(shards, src, dest, todo, workers, progress, record) if todo else [], src, dest, t0, note)
+    s = _summary(run_locally(shards, src, dest, todo, processes, progress, record) if todo else [], src, dest, t0, note)
     return dict(s, shards=len(names), resumed=len(names) - len(todo), manifest=MANIFEST)
 
 # %% ../../nbs/17_etl.local.ipynb
-def run_local(fn: str | Callable, src, dest, pattern: str = "*.tar", workers: int = 2, decode: str | None = "pil",
+def run_local(fn: str | Callable, src, dest, pattern: str = "*.tar", processes: int = 2, decode: str | None = "pil",
               strict: bool = False, seed: int | None = None, progress: bool = True, note: str | None = None) -> dict:
-    "The local engine: each shard of `src` matching `pattern` through `workers` processes to `dest`, resumably."
+    "The local engine: each shard of `src` matching `pattern` through `processes` processes to `dest`, resumably."
     t0 = time.perf_counter()
     src, dest = open_store(src), open_store(dest, create=True)
-    return run_resumably(fn, src, dest, etl_shards(src, dest, pattern), workers, decode, strict, seed, progress, t0,
+    return run_resumably(fn, src, dest, etl_shards(src, dest, pattern), processes, decode, strict, seed, progress, t0,
                          note)

@@ -14,7 +14,7 @@ from torch.utils.data import default_convert, get_worker_info
 from .sources import LoaderError
 
 # %% auto 0
-__all__ = ['MAPPED_BUFFERS', 'LENT', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged', 'convert_batch']
+__all__ = ['POOL_SLOTS', 'MAPPED_BUFFERS', 'LENT', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged', 'convert_batch']
 
 # %% ../../nbs/24_collate.ipynb
 def _stack(col: tuple, i: int, buffers: dict | None = None):
@@ -54,11 +54,11 @@ def collate(samples: Sequence[tuple]) -> tuple:
 # %% ../../nbs/24_collate.ipynb
 # batches of one worker at once: DataLoader's prefetch_factor (2) on their way, one being made, the one the training
 # loop holds and the one before it (lent until the next batch arrives)
-_SLOTS = 5
+POOL_SLOTS = 5
 
 class _WorkerPool:
     "One worker's reusable shared batch buffers; flags[slot]: 0 free, 1 on its way, 2 lent to the training loop."
-    def __init__(self, slots: int = _SLOTS):
+    def __init__(self, slots: int = POOL_SLOTS):
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.buffers = [{} for _ in range(slots)]  # per slot: field index -> shared storage
 

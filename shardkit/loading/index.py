@@ -68,11 +68,11 @@ def _cache_path(path: Path, cache_dir: Path) -> Path:
     h = hashlib.blake2b(f"v2\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=16).hexdigest()
     return cache_dir / f"{h}.npz"
 
-def index_tar(path: str | Path, cache: bool | str | Path = True) -> dict:
-    "The sample index of local tar `path` (see `group_members`), cached (in `cache`, if a folder) by path, size, mtime."
+def index_tar(path: str | Path, index_cache: bool | str | Path = True) -> dict:
+    "The index of local tar `path` (`group_members`), cached (in `index_cache`, if a folder) by path, size and mtime."
     path = Path(path)
     if not path.is_file(): raise RandomAccessError(f"shard {shown_path(path)} does not exist; list the shards again")
-    cfile = _cache_path(path, index_cache_dir() if cache is True else Path(cache)) if cache else None
+    cfile = _cache_path(path, index_cache_dir() if index_cache is True else Path(index_cache)) if index_cache else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}
     g = group_members(*scan_tar(path), shard=str(path))
@@ -89,7 +89,7 @@ def _save_index(g: dict, cfile: Path, shard: str):
     except OSError as e:
         warnings.warn(f"cannot cache the index of {shard} in {shown_path(cfile.parent)} ({e.strerror}); "
                       "it is rebuilt every run. "
-                      "Set SHARDKIT_HOME to a writable folder, or pass index_cache=False (sample_index: cache=False)")
+                      "Set SHARDKIT_HOME to a writable folder, or pass index_cache=False")
 
 # %% ../../nbs/26_loading.index.ipynb
 def _data_fields(fields: Sequence[str]) -> tuple[str, ...]:
@@ -194,11 +194,11 @@ def load_index(folder: str | Path) -> SampleIndex:
     idx.versions = meta.get("versions")
     return idx
 
-def _joined_path(paths: list[str], fields: Sequence[str], cache: bool | str | Path) -> Path:
+def _joined_path(paths: list[str], fields: Sequence[str], index_cache: bool | str | Path) -> Path:
     "Where the joined index of local shards `paths` for `fields` is kept: named by each shard's path, size and mtime."
     h = hashlib.blake2b(repr(("joined-v1", tuple(fields))).encode(), digest_size=16)
     for p in paths: st = os.stat(p); h.update(f"\0{Path(p).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    return (index_cache_dir() if cache is True else Path(cache)) / "joined" / h.hexdigest()
+    return (index_cache_dir() if index_cache is True else Path(index_cache)) / "joined" / h.hexdigest()
 
 @contextmanager
 def file_lock(path: str | Path):
@@ -210,14 +210,15 @@ def file_lock(path: str | Path):
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../../nbs/26_loading.index.ipynb
-def index_url(url: str, cache: bool | str | Path = True, retries: Retries | None = None,
+def index_url(url: str, index_cache: bool | str | Path = True, retries: Retries | None = None,
               head: tuple[int, str] | None = None) -> tuple[dict, int, str]:
     "The index of the tar at http(s) or s3 `url` (its headers read through faults; cached by URL, size, version)."
     s3 = url.startswith("s3://")
     name, opener = (f"shard {s3_name(url)}", s3_open) if s3 else (f"shard {url}", open_remote)
     size, tag = head or (s3_head(url, retries) if s3 else remote_head(url, retries, name))  # (size, version)
     key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
-    cfile = (index_cache_dir() if cache is True else Path(cache)) / f"{key}.npz" if cache and tag else None
+    folder = index_cache and tag and (index_cache_dir() if index_cache is True else Path(index_cache))
+    cfile = folder / f"{key}.npz" if folder else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
     with opener(url, retries, name, tag, size if size >= 0 else None) as f:  # a cut read resumes; members skipped
@@ -227,10 +228,10 @@ def index_url(url: str, cache: bool | str | Path = True, retries: Retries | None
     return g, size, tag
 
 # %% ../../nbs/26_loading.index.ipynb
-def remote_index_path(parts: Sequence, cache: bool | str | Path = True) -> Path:
-    "Where the index of a remote source is kept: `<cache>/remote/<hash of parts>` (endpoint, bucket, fields, listing)."
+def remote_index_path(parts: Sequence, index_cache: bool | str | Path = True) -> Path:
+    "Where a remote source's index is kept: `<index_cache>/remote/<hash of parts>` (endpoint, bucket, fields, list)."
     h = hashlib.blake2b(repr(("remote-v1", *parts)).encode(), digest_size=16).hexdigest()
-    return (index_cache_dir() if cache is True else Path(cache)) / "remote" / h
+    return (index_cache_dir() if index_cache is True else Path(index_cache)) / "remote" / h
 
 def cached_index(folder: Path, build) -> SampleIndex:
     "The index saved in `folder`, else `build()` saved there: under a lock, so one process of a machine builds it."
@@ -239,7 +240,7 @@ def cached_index(folder: Path, build) -> SampleIndex:
     try: lock.parent.mkdir(parents=True, exist_ok=True); lock.touch()
     except OSError as e:
         warnings.warn(f"cannot keep indexes in {shown_path(lock.parent)} ({e.strerror}): each process builds its own. "
-                      "Set SHARDKIT_HOME to a writable folder, or pass index_cache=False (sample_index: cache=False)")
+                      "Set SHARDKIT_HOME to a writable folder, or pass index_cache=False")
         return build()
     with file_lock(lock):  # the other processes wait here, then map what the first one saved
         if (folder / "meta.json").exists(): return load_index(folder)
@@ -252,33 +253,33 @@ ARCHIVE_EXTS = (".tar", ".tgz", ".tar.gz", ".tar.lz4", ".zip")
 
 def sample_index(source,                                   # A directory, tar paths, a brace template, or `ais://bucket`
                  fields: Sequence[str] = ("cls", "image.jpg"), # The fields to index
-                 cache: bool | str | Path = True,          # Keep indexes on disk (in this folder, if one); False: never
+                 index_cache: bool | str | Path = True,    # Keep indexes on disk (in this folder, if one); False: never
                  pattern: str = "*.tar",                   # Which shards of a directory
                  retries: Retries | None = None,           # How reads of shards at URLs retry faults (and their counts)
                 ) -> SampleIndex:
     "The index of every sample in `source` (a directory, tar paths, a template, `ais://`, `s3://`) for `fields`."
     fields = _data_fields(fields)
     if isinstance(source, AISStore) or str(source).startswith("ais://"):
-        return _bucket_index(open_store(source), fields, cache)
+        return _bucket_index(open_store(source), fields, index_cache)
     if isinstance(source, S3Store) or (str(source).startswith("s3://") and "{" not in str(source)
                                        and not str(source).endswith(SHARD_SUFFIXES)):  # a prefix: its one listing
         store = open_store(source)
         if not (rows := store.listing(pattern)):
             raise RandomAccessError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls)")
-        return _url_index([store.url(n) for n, _, _ in rows], fields, store.spec, cache, retries,
+        return _url_index([store.url(n) for n, _, _ in rows], fields, store.spec, index_cache, retries,
                           [(n, t) for _, n, t in rows])
     paths = shard_urls(source, pattern)
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    if any("://" in p for p in paths): return _url_index(paths, fields, name, cache, retries)
-    joined = _joined_path(paths, fields, cache) if cache else None
+    if any("://" in p for p in paths): return _url_index(paths, fields, name, index_cache, retries)
+    joined = _joined_path(paths, fields, index_cache) if index_cache else None
     if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
-    idx = _select([index_tar(p, cache) for p in paths], paths, fields, source=name)
+    idx = _select([index_tar(p, index_cache) for p in paths], paths, fields, source=name)
     idx.shard_bytes = np.array([os.path.getsize(p) for p in paths], np.int64)
     if joined is None: return idx
     try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
-    except OSError: return idx  # an unwritable cache: index_tar has warned
+    except OSError: return idx  # an unwritable index cache: index_tar has warned
 
-def _url_index(paths: list[str], fields: Sequence[str], name: str, cache, retries: Retries | None,
+def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, retries: Retries | None,
                heads: list[tuple[int, str]] | None = None) -> SampleIndex:
     "The index of shards at http(s) or s3 URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
     s3 = all(p.startswith("s3://") for p in paths)
@@ -288,16 +289,16 @@ def _url_index(paths: list[str], fields: Sequence[str], name: str, cache, retrie
     if heads is None:  # s3: from the listings of their folders, not a HEAD each
         heads = s3_stat(paths, retries) if s3 else [remote_head(p, retries, f"shard {p}") for p in paths]
     def build():
-        got = [index_url(p, cache, retries, h) for p, h in zip(paths, heads)]
+        got = [index_url(p, index_cache, retries, h) for p, h in zip(paths, heads)]
         if [(n, t) for _, n, t in got] != heads:
             raise RandomAccessError(f"shards of {name} changed while they were indexed; run again")
         idx = _select([g for g, _, _ in got], paths, fields, source=name, keep_keys=True)
         idx.shard_bytes, idx.versions = np.array([n for n, _ in heads], np.int64), [t for _, t in heads]
         idx.kind = "s3" if s3 else "http"
         return idx
-    if not (cache and all(t for _, t in heads)): return build()  # without a validator, a change cannot be seen
-    return cached_index(remote_index_path(("s3" if s3 else "http", tuple(fields), list(zip(paths, heads))), cache),
-                        build)
+    if not (index_cache and all(t for _, t in heads)): return build()  # without a validator, a change cannot be seen
+    parts = ("s3" if s3 else "http", tuple(fields), list(zip(paths, heads)))
+    return cached_index(remote_index_path(parts, index_cache), build)
 
 # %% ../../nbs/26_loading.index.ipynb
 def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
@@ -333,14 +334,15 @@ def _index_listing(store: AISStore, fields: Sequence[str], expect: list | None) 
     idx.endpoint, idx.shard_bytes, idx.kind, idx.versions = store.endpoint, np.array(sizes, np.int64), "ais", versions
     return idx
 
-def _bucket_index(store: AISStore, fields: Sequence[str], cache) -> SampleIndex:
+def _bucket_index(store: AISStore, fields: Sequence[str], index_cache) -> SampleIndex:
     "`index_ais`, kept on disk by endpoint, bucket, fields and the shards' names, sizes and versions (a short listing)."
-    if not cache: return index_ais(store, fields)
+    if not index_cache: return index_ais(store, fields)
     listing = listed_settled(store, lambda: [  # the shards only, not their members: one entry a shard
         (e.name, int(e.size), _ais_version(e))
         for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version")
         if e.name.endswith(ARCHIVE_EXTS)])
-    folder = remote_index_path(("ais", store.endpoint, store.bucket.name, store.prefix, tuple(fields), listing), cache)
+    parts = ("ais", store.endpoint, store.bucket.name, store.prefix, tuple(fields), listing)
+    folder = remote_index_path(parts, index_cache)
     return cached_index(folder, lambda: index_ais(store, fields, expect=listing))
 
 # %% ../../nbs/26_loading.index.ipynb
@@ -370,13 +372,13 @@ def index_scale(n: int = 1_000_000, per_shard: int = 1000, fields: Sequence[str]
                 ais_bytes_per_sample=idx.shard.itemsize + idx.size.itemsize * len(fields) + key_bytes)
 
 # %% ../../nbs/26_loading.index.ipynb
-def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls", "jpg"), keys: bool = False
+def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls", "jpg"), keep_keys: bool = False
                    ) -> SampleIndex:
     "An index of `n` made-up samples built as arrays: offsets (keys in tar headers), or 15-character keys (AIStore)."
     S, F = -(-n // per_shard), len(fields)
     shard, size = (np.arange(n) // per_shard).astype(np.int32), np.full((n, F), 110_000, np.int32)
     offset, kb, key_end = None, None, None
-    if keys:  # img000000000042 ...: built a million at a time
+    if keep_keys:  # img000000000042 ...: built a million at a time
         kb = np.empty((n, 15), np.uint8); kb[:, :3] = np.frombuffer(b"img", np.uint8)
         for a in range(0, n, 1 << 20):
             i = np.arange(a, min(a + (1 << 20), n), dtype=np.int64)[:, None]
@@ -395,13 +397,14 @@ a0 = anon(); idx = load_index(sys.argv[1]); idx.key(len(idx) - 1) if idx.keys is
 print(json.dumps(dict(load=a1 - a0)))
 '''
 
-def index_memory(n: int = 10_000_000, keys: bool = False, folder: str | Path | None = None) -> dict:
+def index_memory(n: int = 10_000_000, keep_keys: bool = False, folder: str | Path | None = None) -> dict:
     "Bytes on disk per sample of the saved index of `n` samples, and the private memory of a fresh process mapping it."
     import subprocess
     import sys
     import tempfile
     with tempfile.TemporaryDirectory(dir=folder) as d:
-        disk = sum(f.stat().st_size for f in save_index(synthetic_index(n, keys=keys), Path(d) / "i").iterdir())
+        saved = save_index(synthetic_index(n, keep_keys=keep_keys), Path(d) / "i")
+        disk = sum(f.stat().st_size for f in saved.iterdir())
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
     if out.returncode: raise ShardkitError(f"measuring the mapped index failed: {out.stderr[-500:]}")
     m = json.loads(out.stdout.strip().splitlines()[-1])

@@ -32,7 +32,7 @@ __all__ = ['shard_dataset', 'create_dataset', 'create_dataloader', 'ahead', 'Dev
 
 # %% ../../nbs/27a_pipeline.ipynb
 def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`shard_urls`)
-                  decode: Callable,                     # A raw sample -> what a batch holds; also given `shards=`
+                  prepare: Callable,                    # A raw sample -> what a batch holds; also given `shards=`
                   fields: Sequence[str],                  # Fields of each sample, in this order
                   batch_size: int | None,               # Samples per batch, made in the workers; None: single samples
                   collation_fn: Callable = collate,     # Makes a batch of `batch_size` decoded samples
@@ -50,7 +50,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     "The stages of every streaming pipeline: the epoch's shards, their samples, shuffled, resumed, decoded, batched."
     seed_given = seed is not None
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
-    shards = EpochShards(urls, seed, shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
+    shards = EpochShards(urls, seed, shard_shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler, retries=retries), partial(drop_planned, shards=shards)]
     if mix: stages.append(partial(mix_samples, shards=shards, names=mix[0], weights=mix[1], others=mix[2],
@@ -58,7 +58,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     if resampled: stages.append(partial(take_share, shards=shards, total=epoch_samples))
     if shuffle: stages.append(partial(shuffle_samples, shards=shards, bufsize=shuffle))
     stages.append(partial(skip_resumed, shards=shards))  # a resumed epoch: drop, undecoded, what was handed out before
-    stages.append(wds.map(partial(decode, shards=shards), handler=handler))
+    stages.append(wds.map(partial(prepare, shards=shards), handler=handler))
     if batch_size: stages.append(wds.batched(batch_size, collation_fn=collation_fn, partial=True))
     ds = ShardDataset(*stages, shards=shards, fields=fields, batch_size=batch_size, epoch_samples=epoch_samples,
                       handler=handler, shuffle=shuffle, retries=retries)

@@ -224,11 +224,11 @@ def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, keys: list[s
 # %% ../../nbs/26b_readers.ipynb
 class CachedShardReader:
     "Reads fields of samples from whole-shard copies in a `ShardCache` with `os.pread`, fetching a shard on a miss."
-    def __init__(self, index: SampleIndex, cache: ShardCache, fetch=None):
+    def __init__(self, index: SampleIndex, copies: ShardCache, fetch=None):
         if index.shard_bytes is None:
             raise UsageError("a shard cache needs the shards' sizes: build the index with sample_index")
-        self.cache, self.fetch, self.open, self.pid = cache, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
-        self.max_open, self.retries = max(64, 2 * cache.max_shards), getattr(self.fetch, "retries", None)
+        self.copies, self.fetch, self.open, self.pid = copies, fetch or shard_fetcher(index), OrderedDict(), os.getpid()
+        self.max_open, self.retries = max(64, 2 * copies.max_shards), getattr(self.fetch, "retries", None)
         self.token = os.urandom(8).hex()  # shared by its workers: one giving up on a shard spares the others the wait
 
     def _shard(self, idx: SampleIndex, s: int) -> tuple:
@@ -241,7 +241,7 @@ class CachedShardReader:
             version = idx.versions[s] if idx.versions else ""
             checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
             fetch = partial(self.fetch, version=version) if checked else self.fetch
-        fd, (a, b) = self.cache.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version, self.token), _rows(idx, s)
+        fd, (a, b) = self.copies.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version, self.token), _rows(idx, s)
         try:
             if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
             else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
@@ -438,9 +438,9 @@ def shard_reader(index: SampleIndex,              # What to read
     if read == "local": return LocalReader(), None
     if read == "range": return RangeReader(index, retries), None
     if read == "getbatch": return AISReader(index, retries), None
-    if isinstance(shard_cache, int): cache = ShardCache(shard_cache_dir(index), max_shards=shard_cache)
-    else: cache = ShardCache(shard_cache_dir(index), max_shards=max(len(index.shards), 1), max_bytes=shard_cache)
-    fits = cache.max_shards if cache.max_bytes is None else cache.max_bytes // max(int(index.shard_bytes.max()), 1)
+    if isinstance(shard_cache, int): copies = ShardCache(shard_cache_dir(index), max_shards=shard_cache)
+    else: copies = ShardCache(shard_cache_dir(index), max_shards=max(len(index.shards), 1), max_bytes=shard_cache)
+    fits = copies.max_shards if copies.max_bytes is None else copies.max_bytes // max(int(index.shard_bytes.max()), 1)
     if fits < 1: raise UsageError(f"a shard cache of {shard_cache} holds no shard of {shown_path(index.source)} "
                                   f"(the largest is {index.shard_bytes.max() / 1e6:.1f} MB); give it more")
-    return CachedShardReader(index, cache, shard_fetcher(index, retries)), int(min(fits, cache.max_shards))
+    return CachedShardReader(index, copies, shard_fetcher(index, retries)), int(min(fits, copies.max_shards))

@@ -71,12 +71,12 @@ class TrainTransform(torch.nn.Module):
                  scale: tuple[float, float] = (0.08, 1.0),    # Range of the crop's share of the image area
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), # Range of the crop's aspect ratio
                  normalize: bool = False,                     # Return float32, ImageNet-normalised images
-                 window: bool = True,                         # JPEGs handed over encoded: decode only the crop
+                 crop_decode: bool = True,                    # JPEGs handed over encoded: decode only the crop
                  dct: str = "off"):                           # Decode large crops at M/8 scale: "off", "pow2", "any"
         super().__init__()
         self.size = [size, size] if isinstance(size, int) else list(size)  # as v2.RandomResizedCrop keeps it
         self.scale, self.ratio, self.p = tuple(scale), tuple(ratio), 0.5  # p: the flip's probability
-        self.normalize, self.window, self.dct = normalize, window, dct
+        self.normalize, self.crop_decode, self.dct = normalize, crop_decode, dct
 
     @property
     def transforms(self) -> list:
@@ -88,8 +88,8 @@ class TrainTransform(torch.nn.Module):
         return tfs
 
     def takes_encoded(self) -> bool:
-        "Whether to hand it JPEGs undecoded (`EncodedJpeg`): `window` is on and this machine decodes windows."
-        return self.window and why_no_window_decode() is None
+        "Whether to hand it JPEGs undecoded (`EncodedJpeg`): `crop_decode` is on and this machine decodes windows."
+        return self.crop_decode and why_no_window_decode() is None
 
     def forward(self, *inputs):
         values = inputs if len(inputs) > 1 else inputs[0]
@@ -103,7 +103,7 @@ class TrainTransform(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"size={self.size}, scale={self.scale}, ratio={tuple(round(r, 4) for r in self.ratio)}, "
-                f"normalize={self.normalize}, window={self.window}, dct={self.dct!r}")
+                f"normalize={self.normalize}, crop_decode={self.crop_decode}, dct={self.dct!r}")
 
 def _decoded(values):
     "`values` with every EncodedJpeg (at the top level or in one tuple or list) decoded to an Image, for v2's own path."
@@ -113,11 +113,11 @@ def _decoded(values):
 def train_transform(size: int = 224,                     # Output side, pixels
                     scale: tuple[float, float] = (0.08, 1.0), # Range of the crop's share of the image area
                     normalize: bool = False,             # Return float32, ImageNet-normalised images
-                    window: bool = True,                 # JPEGs handed over encoded: decode only the crop
+                    crop_decode: bool = True,            # JPEGs handed over encoded: decode only the crop
                     dct: str = "off",                    # Decode large crops at M/8 scale: "off", "pow2", "any"
                    ) -> TrainTransform:
     "The post's training augmentation of (image, trimap, ...) tuples: one crop and flip for all, optional normalising."
-    return TrainTransform(size, scale, normalize=normalize, window=window, dct=dct)
+    return TrainTransform(size, scale, normalize=normalize, crop_decode=crop_decode, dct=dct)
 
 # %% ../../nbs/23_transforms.ipynb
 @functools.lru_cache(maxsize=None)

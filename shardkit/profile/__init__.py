@@ -17,15 +17,15 @@ from ..loading.sources import shard_urls
 from ..loading.stream import restart_workers
 from .measure import Profile, profile_pipeline
 from .timing import batch_len, loader_parts
-from .verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_timeline, profile_report, report, verdicts
+from .verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_timeline, profile_report, verdicts
 
 # %% auto 0
 __all__ = ['PIPELINES', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_summary',
-           'profile_shards', 'profile_cli', 'MAIN_PARTS', 'COLORS', 'Profile', 'profile_pipeline', 'verdicts', 'report',
+           'profile_shards', 'profile_cli', 'MAIN_PARTS', 'COLORS', 'Profile', 'profile_pipeline', 'verdicts',
            'profile_report', 'compare', 'plot_stages', 'plot_timeline']
 
 # %% ../../nbs/42b_profile.ipynb
-_all_ = ["MAIN_PARTS", "COLORS", "Profile", "profile_pipeline", "verdicts", "report", "profile_report",
+_all_ = ["MAIN_PARTS", "COLORS", "Profile", "profile_pipeline", "verdicts", "profile_report",
          "compare", "plot_stages", "plot_timeline"]
 
 # %% ../../nbs/42b_profile.ipynb
@@ -78,7 +78,7 @@ def build_loader(src,                    # Shards: a directory, ais://, s3://, a
         return create_gpu_loader(urls, fields=(f["label"], f["image"]), batch_size=batch_size, num_workers=num_workers,
                                  seed=seed, device=device)
     keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
-    ds = create_dataset(urls, fields=keys, transform=train_transform(window=pipeline == "default"), seed=seed)
+    ds = create_dataset(urls, fields=keys, transform=train_transform(crop_decode=pipeline == "default"), seed=seed)
     return create_dataloader(ds, num_workers=num_workers, batch_size=batch_size)
 
 # %% ../../nbs/42b_profile.ipynb
@@ -115,7 +115,7 @@ def _changes(text: str) -> dict:
 def profile_summary(res: dict) -> str:
     "What `shardkit profile` prints of `profile_shards`'s result: the report, a change's effect, the overhead, files."
     p, o = res["profiles"], res["overhead"]
-    lines = [report(p[0])]
+    lines = [profile_report(p[0])]
     if len(p) > 1: lines.append(f"\ntried {p[1].label}: {p[0].rate:,.0f} -> {p[1].rate:,.0f} samples/s "
                                 f"({p[1].rate / p[0].rate - 1:+.0%}), measured\n" + compare(p))
     if o: lines.append(f"\nprofiler overhead: {o['overhead']:+.1%} of throughput (median of 3 side-by-side pairs: "

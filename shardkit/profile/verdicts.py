@@ -9,7 +9,7 @@ from ..bench.core import format_bench
 from .measure import Profile
 
 # %% auto 0
-__all__ = ['MAIN_PARTS', 'profile_report', 'COLORS', 'verdicts', 'report', 'compare', 'plot_stages', 'plot_timeline']
+__all__ = ['MAIN_PARTS', 'COLORS', 'verdicts', 'profile_report', 'compare', 'plot_stages', 'plot_timeline']
 
 # %% ../../nbs/42a_profile.verdicts.ipynb
 def _without(p: Profile, ms: float) -> float:
@@ -38,7 +38,7 @@ def _stage_advice(p: Profile,  # The profile
     elif b == "decode":
         if p.windows.startswith("unavailable"): todo.append(f"Window decoding is {p.windows.rstrip('.')}.")
         if p.windows == "available but off":
-            todo.append("Decode only the crop's window (train_transform(window=True), the default).")
+            todo.append("Decode only the crop's window (train_transform(crop_decode=True), the default).")
         if p.kind == "webdataset":
             todo.append("Decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
                         "and only the crop's window of each JPEG.")
@@ -183,7 +183,7 @@ def _rows(p: Profile) -> list[tuple]:
     return w + d + [(f"main: {MAIN_PARTS[k]}", v, None) for k, v in p.main.items() if v > 0.0005]
 
 # %% ../../nbs/42a_profile.verdicts.ipynb
-def report(p: Profile,  # A profile from `profile_pipeline`
+def profile_report(p: Profile,  # A profile from `profile_pipeline`
           ) -> str:      # Its table and verdicts, as text
     "A text report of `p`: per stage and per loop part, ms per sample and shares; the rates; the verdicts."
     rows = [dict(stage=n, wall=w, cpu=c) for n, w, c in _rows(p)]
@@ -196,15 +196,13 @@ def report(p: Profile,  # A profile from `profile_pipeline`
     return format_bench(rows, cols, title, ["verdict: " + v for v in verdicts(p)])
 
 # %% ../../nbs/42a_profile.verdicts.ipynb
-profile_report = report  # the name `shardkit` offers it by
-
 @patch
-def __repr__(self: Profile) -> str: return report(self)
+def __repr__(self: Profile) -> str: return profile_report(self)
 
 @patch
 def _repr_markdown_(self: Profile) -> str:
     "The report in a code block: Jupyter shows the table as `print` does."
-    return f"```\n{report(self)}\n```"
+    return f"```\n{profile_report(self)}\n```"
 
 # %% ../../nbs/42a_profile.verdicts.ipynb
 def compare(profiles: list[Profile]) -> str:

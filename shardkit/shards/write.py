@@ -44,18 +44,18 @@ def _pool_init(parent: int):
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
 
-def ordered_map(fn: Callable, items: Iterable, workers: int = 1, batch: int = 16) -> Iterator:
-    "`map(fn, items)` in order, on `workers` processes (in this process if workers <= 1), a few batches ahead."
-    if workers <= 1:
+def ordered_map(fn: Callable, items: Iterable, processes: int = 1, batch: int = 16) -> Iterator:
+    "`map(fn, items)` in order, on `processes` processes (in this process if processes <= 1), a few batches ahead."
+    if processes <= 1:
         yield from map(fn, items)
         return
     it = iter(items)
     batches = iter(lambda: list(islice(it, batch)), [])
-    # fork keeps functions defined in a notebook usable in the workers; elsewhere fall back to the default
+    # fork keeps functions defined in a notebook usable in the processes; elsewhere fall back to the default
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pool_init, initargs=(os.getpid(),))
+    ex = ProcessPoolExecutor(processes, mp_context=ctx, initializer=_pool_init, initargs=(os.getpid(),))
     try:
-        pending = deque(ex.submit(_apply, fn, b) for b in islice(batches, 2 * workers))
+        pending = deque(ex.submit(_apply, fn, b) for b in islice(batches, 2 * processes))
         while pending:
             done = pending.popleft().result()
             nxt = next(batches, None)

@@ -95,14 +95,14 @@ def _killed_worker() -> str | None:
 
 # %% ../../nbs/30b_train.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size=64,
-                   pipeline="shardkit", decode="cpu", dev=None, pad=False):
+                   pipeline="shardkit", decode_on="cpu", dev=None, pad=False):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
-    random = pipeline == "shardkit" and decode == "cpu" and not any(u.startswith("pipe:") for u in urls)
+    random = pipeline == "shardkit" and decode_on == "cpu" and not any(u.startswith("pipe:") for u in urls)
     if pad and not random:
         raise TrainError("--pad fills the last step of the default loader (random access); with --pipeline example, "
-                         "--decode gpu or pipe: URLs every rank reads its own shards: drop --pad")
+                         "--decode-on gpu or pipe: URLs every rank reads its own shards: drop --pad")
     if not random and len(urls) < world_size:
         raise TrainError(f"{len(urls)} shards cannot feed {world_size} ranks: split_by_node gives each rank whole "
                          "shards; write more, smaller shards (a smaller --maxsize) or use fewer ranks")
@@ -129,7 +129,7 @@ def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, c
         val_loader = example_loader(val_urls, val_tf, batch_size, num_workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world_size)  # this rank's shards, as split_by_node deals them: no sample shared
-    make = _gpu_train_loader if decode == "gpu" else _cpu_train_loader
+    make = _gpu_train_loader if decode_on == "gpu" else _cpu_train_loader
     return make(mine, size, batch_size, min(num_workers, len(mine)), nbatches, seed, dev), val_loader, classes, nbatches
 
 # %% ../../nbs/30b_train.ipynb
@@ -214,14 +214,14 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
           samples: int | None = None,      # Number of training samples (default: counted from the shards)
           classes: int | None = None,      # Number of classes (default: counted from the shards or folder)
           keys_out: str | None = None,     # Folder to write keys-rank<R>.txt, the sample keys each rank trained on
-          json_out: str | None = None,     # File to write the per-epoch results to as JSON (rank 0)
+          json: str | None = None,         # File to write the per-epoch results to as JSON (rank 0)
           device: str | None = None,       # Device: cpu or cuda (default: cuda when available)
           threads: int | None = None,      # CPU threads of torch per rank (default: cores / (ranks x (1 + workers)))
           seed: int = 0,                   # Random seed (model init, shard order)
           checkpoint: str | None = None,   # Save the run here (a file per rank under torchrun); run again to go on
           every: int = 50,                 # Save every this many steps (and after each epoch, and at max_steps)
           pipeline: str = "shardkit",      # 'shardkit' (uint8 batches, resumable) or 'example' (WebDataset example's)
-          decode: str = "cpu",             # Where JPEGs are decoded: 'cpu' (loader workers), 'gpu' (nvJPEG) or 'auto'
+          decode_on: str = "cpu",          # Where JPEGs are decoded: 'cpu' (loader workers), 'gpu' (nvJPEG) or 'auto'
           precision: str | None = None,    # Precision: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)
           pad: bool = False,               # Several ranks: repeat samples to fill each epoch's last step, not drop it
           ) -> list[dict]:                 # Per epoch: samples, steps, samples/s, loss, validation accuracy, waiting
@@ -245,20 +245,21 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
         if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../../nbs/30b_train.ipynb
-def _check_options(pipeline: str, decode: str, checkpoint, dev: torch.device) -> str:
+def _check_options(pipeline: str, decode_on: str, checkpoint, dev: torch.device) -> str:
     "The decode path to take ('cpu' or 'gpu') after refusing options that cannot work together."
     if pipeline not in ("shardkit", "example"):
         raise TrainError(f"pipeline must be 'shardkit' or 'example', not {pipeline!r}")
-    if decode not in ("cpu", "gpu", "auto"): raise TrainError(f"decode must be 'cpu', 'gpu' or 'auto', not {decode!r}")
+    if decode_on not in ("cpu", "gpu", "auto"):
+        raise TrainError(f"decode_on must be 'cpu', 'gpu' or 'auto', not {decode_on!r}")
     if pipeline == "example":
         if checkpoint:
             raise TrainError("--pipeline example cannot resume mid-epoch: the WebDataset example's pipeline cannot say "
                              "where it is (it has no state_dict); drop --checkpoint, or use --pipeline shardkit")
-        if decode == "gpu":
-            raise TrainError("--decode gpu needs --pipeline shardkit: the example's pipeline decodes with PIL")
+        if decode_on == "gpu":
+            raise TrainError("--decode-on gpu needs --pipeline shardkit: the example's pipeline decodes with PIL")
         return "cpu"
-    if decode == "auto": return "gpu" if dev.type == "cuda" and why_no_gpu(str(dev)) is None else "cpu"
-    return decode
+    if decode_on == "auto": return "gpu" if dev.type == "cuda" and why_no_gpu(str(dev)) is None else "cpu"
+    return decode_on
 
 # %% ../../nbs/30b_train.ipynb
 def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world_size: int, ck,
@@ -273,25 +274,25 @@ def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, wor
     return model, net, OPTIMIZERS["sgd"](net.parameters(), lr), saved
 
 # %% ../../nbs/30b_train.ipynb
-def _reading(shards, pipeline: str, decode: str, dev) -> str:
+def _reading(shards, pipeline: str, decode_on: str, dev) -> str:
     "How the run reads its data, for the first line it prints."
-    how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" * (decode == "gpu"))
+    how = "" if shards is None else f", {pipeline} pipeline" + (", JPEGs decoded on the device" * (decode_on == "gpu"))
     n = torch.get_num_threads()
     return how + (f" ({n} thread{'s' * (n != 1)} per rank)" if dev.type == "cpu" else "")
 
 # %% ../../nbs/30b_train.ipynb
 def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
-           classes, keys_out, json_out, device, threads, seed, checkpoint, every, pipeline, decode, precision, pad,
+           classes, keys_out, json, device, threads, seed, checkpoint, every, pipeline, decode_on, precision, pad,
            dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world_size * (1 + num_workers))))
     else: torch.backends.cudnn.benchmark = True  # the input size is fixed: let cuDNN pick its fastest convolutions once
-    decode, precision = _check_options(pipeline, decode, checkpoint, dev), pick_precision(precision, dev)
+    decode_on, precision = _check_options(pipeline, decode_on, checkpoint, dev), pick_precision(precision, dev)
     if shards is not None:
         make_train, val_loader, classes, nbatches = _shard_loaders(
             shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size, pipeline,
-            decode, dev, pad)
+            decode_on, dev, pad)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
             folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers, classes)
     ck = rank_checkpoint(checkpoint, rank, world_size) if checkpoint else None  # where this rank saves
@@ -305,10 +306,10 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
                f"{world_size} rank{'s' * (world_size != 1)}, "
                f"batch {batch_size} per rank, {num_workers} worker{'s' * (num_workers != 1)} per rank, "
                f"device {dev}, {precision}"
-               + _reading(shards, pipeline, decode, dev))
+               + _reading(shards, pipeline, decode_on, dev))
     hist = run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
                       world_size, keys_out, val_loader)[0]
-    if json_out and rank == 0: write_json(json_out, hist)  # atomically, as every command's --json
+    if json and rank == 0: write_json(json, hist)  # atomically, as every command's --json
     return hist
 
 # %% ../../nbs/30b_train.ipynb

@@ -143,6 +143,10 @@ def load_checkpoint(ck: Path | None, model: nn.Module, dev, world_size: int) -> 
     return saved
 
 # %% ../../nbs/30a_train.loop.ipynb
+def _shape(saved: dict) -> tuple[int, int]:
+    "(rank, world size) of the run that saved `saved` (a checkpoint that names its world size `world` is read too)."
+    return saved.get("rank", 0), saved.get("world_size", saved.get("world", 1))
+
 def _resume(saved: dict | None, opt, make_train, rank: int, ck, world_size: int = 1) -> tuple:
     "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
     if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
@@ -157,7 +161,7 @@ def _resume(saved: dict | None, opt, make_train, rank: int, ck, world_size: int 
     log_rank0(rank, f"resumed from {shown_path(saved.get('from', ck))}: epoch {saved['epoch'] + 1}, "
                f"after {saved['done']} of its steps ({saved['steps']} steps in all)")
     stats = saved["stats"].cpu()  # torch.load put it on the device
-    shape = saved.get("rank", 0), saved.get("world", 1)
+    shape = _shape(saved)
     if shape != (rank, world_size): stats = stats * shape[1] / world_size  # a rank's counts: its share of the job's
     return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
 
@@ -167,7 +171,7 @@ def _keys_file(keys_out, rank: int, saved: dict | None, world_size: int = 1):
     if not keys_out: return open(os.devnull, "w")
     Path(keys_out).mkdir(parents=True, exist_ok=True)
     path = Path(keys_out) / f"keys-rank{rank}.txt"
-    own = saved and (saved.get("rank", 0), saved.get("world", 1)) == (rank, world_size) and path.exists()
+    own = saved and _shape(saved) == (rank, world_size) and path.exists()
     if own: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
     return open(path, "a" if saved else "w")  # another shape's checkpoint: this rank's keys go on after its own
 
@@ -187,7 +191,7 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
                 ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank,
-                world=world_size,  # the checkpoint's key for it (read back by _resume, _keys_file)
+                world_size=world_size,
                 keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
             save = None if not (ck and hasattr(loader, "state_dict")) else \
                 lambda s, st, last: (last or s % every == 0) and at(s, st)
@@ -202,7 +206,7 @@ def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: 
             if log: log_rank0(rank, _epoch_line(row, epochs))
             if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
             if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
-                                    rank=rank, world=world_size,
+                                    rank=rank, world_size=world_size,
                                     stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file),
                                     losses=losses)
     return history, losses

@@ -26,8 +26,8 @@ step = lambda b: time.sleep(0.004)  # a stand-in GPU step: the CPU stays free
 
 def real(tmp: Path) -> dict:
     urls = write_pet_shards(tmp / "shards", 4, 16, (320, 240), 0, True)
-    sk = lambda workers, window=True: create_dataloader(create_dataset(
-        urls, fields=("cls", "image.jpg", "trimap.png"), transform=train_transform(window=window), seed=0),
+    sk = lambda workers, crop_decode=True: create_dataloader(create_dataset(
+        urls, fields=("cls", "image.jpg", "trimap.png"), transform=train_transform(crop_decode=crop_decode), seed=0),
         num_workers=workers, batch_size=16)
     synthesize_folder(tmp / "folder", classes=4, per_class=12, val_per_class=0, progress=False)
     tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
