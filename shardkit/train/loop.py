@@ -155,9 +155,9 @@ def _resume(saved: dict | None, opt, make_train, rank: int, ck, world_size: int 
     if saved["loader"] is not None and loader is not None:
         try: loader.load_state_dict(saved["loader"])
         except LoaderError as e:
-            raise TrainError(f"checkpoint {shown_path(saved.get('from', ck))} cannot place this run's loader: {e}. A "
-                             "checkpoint of `shardkit train` before 2026-11-27 (streaming epochs) resumes only with "
-                             "that version; delete it to start afresh") from None
+            raise TrainError(f"checkpoint {shown_path(saved.get('from', ck))} cannot place this run's loader: {e}. "
+                             "It was saved with other shards or loader settings, or by a shardkit whose streaming "
+                             "epochs differ: resume with those, or delete it to start afresh") from None
     log_rank0(rank, f"resumed from {shown_path(saved.get('from', ck))}: epoch {saved['epoch'] + 1}, "
                f"after {saved['done']} of its steps ({saved['steps']} steps in all)")
     stats = saved["stats"].cpu()  # torch.load put it on the device
