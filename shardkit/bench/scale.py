@@ -57,6 +57,7 @@ def _link(src: Path, dst: Path):
 # %% ../../nbs/43_bench.scale.ipynb
 def scale_folder(root: str | Path,             # Folder of the pool (root/pool) and the trees (root/n<N>/train)
                  n: int,                       # Images in the tree
+                 *,
                  classes: int = 100,           # Classes (folders); sample i is in class i % classes
                  size: tuple[int, int] = (64, 48),  # Width and height of every image
                  seed: int = 0,                # The same seed gives the same bytes
@@ -266,6 +267,7 @@ def _spec(root, n, stage, **kw) -> dict:
 
 # %% ../../nbs/43_bench.scale.ipynb
 def bench_scale(root: str | Path,                           # Work folder (a few GB at 1,000,000): pool, trees, shards
+                *,
                 n: str | Sequence[int] = "20000,200000",    # Sizes, comma-separated (e.g. 20000,200000,1000000)
                 stages: str | Sequence[str] | None = None,  # Stages, comma-separated (default: all that can run here)
                 cold: bool = False,                         # Drop the page cache before each stage, where permitted
