@@ -167,7 +167,8 @@ def _crop_flip(tf: TrainTransform, values: tuple, wrap: bool = True) -> tuple | 
     out = []
     for v in values:
         if type(v) is EncodedJpeg or (Image is not None and type(v) is Image):
-            if type(v) is EncodedJpeg: x = v.crop(top, left, h, w, tf.size, flipped, tf.dct)  # decoded, cut, flipped
+            if type(v) is EncodedJpeg: x = v.crop(top, left, h, w, size=tf.size, flip=flipped,
+                                                  dct=tf.dct)  # decoded, cut, flipped
             else:
                 F = _tv()[1]
                 x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, tf.size, antialias=True)
