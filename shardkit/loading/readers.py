@@ -149,7 +149,7 @@ class _HTTPFetch:
         "Stream `shard` to `dest` (a cut read resumes); if `version` is given, refuse other content (rewritten since)."
         opener = s3_open if shard.startswith("s3://") else open_remote  # s3: the same reader, each request signed
         try:
-            with opener(self.url(shard), self.retries, f"shard {self.name(shard)}", version) as src, \
+            with opener(self.url(shard), self.retries, f"shard {self.name(shard)}", version=version) as src, \
                  open(dest, "wb") as f: shutil.copyfileobj(src, f, 1 << 20)
         except ObjectChanged as e: raise RandomAccessError(str(e)) from None  # the error of a shard changed since
 
