@@ -47,7 +47,7 @@ def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. sha
     run, decode = etl_engine(engine), None if raw else decode
     if scheduler is not None and engine != "dask": raise UsageError("scheduler= (--scheduler) needs engine='dask'")
     kw = dict(workers=workers, decode=decode, strict=strict, seed=seed, progress=progress)
-    if engine == "dask": return run(fn, src, dest, pattern, scheduler=scheduler, **kw)
+    if engine == "dask": return run(fn, src, dest, pattern=pattern, scheduler=scheduler, **kw)
     src_store, dest_store, note = open_store(src), open_store(dest, create=True), None
     if (isinstance(src_store, AISStore) and isinstance(dest_store, AISStore)
             and src_store.endpoint == dest_store.endpoint):
@@ -56,7 +56,7 @@ def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. sha
             names = etl_shards(src_store, dest_store, pattern)
             return run_in_cluster(fn, src_store, dest_store, names, decode=decode, strict=strict, seed=seed,
                                   etl_name=etl_name, t0=time.perf_counter())
-    return run(fn, src_store, dest_store, pattern, note=note, **kw)
+    return run(fn, src_store, dest_store, pattern=pattern, note=note, **kw)
 
 # %% ../../nbs/19_etl.ipynb
 def etl_summary(s: dict,  # What `run_etl` returns
