@@ -204,7 +204,7 @@ def _shard_keys(idx: SampleIndex, a: int, b: int) -> list[str]:
     blob = bytes(idx.keys[k0:k0 + (ends[-1] if ends else 0)])
     return [blob[x:y].decode() for x, y in zip([0] + ends[:-1], ends)]
 
-def member_offsets(idx: SampleIndex, s: int, names, offsets, *, sizes, keys: list[str] | None = None
+def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, *, keys: list[str] | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
     (a, b), col = _rows(idx, s), {f: j for j, f in enumerate(idx.fields)}
