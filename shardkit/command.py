@@ -74,7 +74,7 @@ def function_options(fn, hide=()) -> list[Option]:
         if name in hide or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD): continue
         if not docs.get(name): raise TypeError(f"{fn.__qualname__}({name}=...) has no docment to be its option's help")
         typ, flag = cli_type(p.annotation, p.default)
-        opts.append(Option(name, typ, False if flag == "on" else p.default, docs[name], flag,
+        opts.append(Option(name, typ, False if flag == "on" else p.default, docs[name], flag=flag,
                            many=typing.get_origin(p.annotation) is list))
     return opts
 

@@ -372,6 +372,7 @@ def refused(auth, name: str, code: int, text: str = "", verb: str = "read") -> R
 class RemoteStream(io.RawIOBase):
     "The body of a GET of `url`, read through faults: a cut or stalled read resumes from the byte reached."
     def __init__(self, url: str,                    # An http(s) URL (a redirect, as AIStore's, is followed)
+                 *,
                  retries: Retries | None = None,    # Settings and counts (None: DEFAULT_RETRIES)
                  name: str | None = None,           # For messages, e.g. "shard ais://b/x.tar"; default the URL
                  version: str = "",                 # The content version it must have (from an index), if known
@@ -467,10 +468,11 @@ def readinto(self: RemoteStream, b) -> int:
         if n: self.pos += n; self.at = self.pos; self.tries.progress()
         return n
 
-def open_remote(url: str, retries: Retries | None = None, name: str | None = None, version: str = "",
+def open_remote(url: str, retries: Retries | None = None, name: str | None = None, *, version: str = "",
                 size: int | None = None, auth=None) -> io.BufferedReader:
     "A buffered stream of the body at `url` that survives faults (`RemoteStream`, read 1 MB at a time)."
-    return io.BufferedReader(RemoteStream(url, retries, name, version, size, auth), 1 << 20)
+    return io.BufferedReader(RemoteStream(url, retries=retries, name=name, version=version, size=size, auth=auth),
+                             1 << 20)
 
 # %% ../nbs/01a_remote.ipynb
 READ_THROUGH = 1 << 20  # a seek forward by at most this many bytes reads on; a longer one asks for a new range
@@ -508,7 +510,7 @@ def answer_ok(r: requests.Response, name: str, verb: str = "read", ok: tuple = (
     if fault_cause(answer): raise answer
     if r.status_code == 404 and objects_moving((r.history[0] if r.history else r).url, r.url):
         raise ClusterBusy(f"{name}: HTTP 404 while AIStore moves objects")
-    raise refused(auth, name, r.status_code, r.text[:300], verb)
+    raise refused(auth, name, r.status_code, r.text[:300], verb=verb)
 
 def remote_request(method: str,                     # "GET", "POST", "PUT", ...
                    url: str,                        # The whole URL
@@ -522,7 +524,7 @@ def remote_request(method: str,                     # "GET", "POST", "PUT", ...
     call = lambda: answer_ok(http_session().request(method, url, timeout=retries.timeout, **kw), name, "call", ok)
     return retried(call, name, retries, "calling")
 
-def read_range(url: str, start: int, end: int, retries: Retries | None = None, name: str | None = None,
+def read_range(url: str, start: int, end: int, retries: Retries | None = None, *, name: str | None = None,
                version: str = "", size: int | None = None, auth=None, locate: Callable[[], str] | None = None
               ) -> bytes:
     "Bytes `start` to `end - 1` of the object at `url` (after a fault: at `locate()`), one range GET through faults."

@@ -232,7 +232,7 @@ class S3Auth(requests.auth.AuthBase):
         return r
     def refusal(self, name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
         "The error for an answer that is not retried, in S3's terms (`s3_refusal`)."
-        return s3_refusal(self.client, self.bucket, name, code, text, verb)
+        return s3_refusal(self.client, self.bucket, name, code, text=text, verb=verb)
     def __repr__(self): return f"S3Auth(s3://{self.bucket}/{self.key}, {self.client!r})"
 
 # %% ../nbs/01b_s3.ipynb
@@ -245,7 +245,7 @@ _ACTION = {"read": "s3:GetObject", "list": "s3:ListBucket", "upload": "s3:PutObj
            "create": "s3:CreateBucket"}
 
 # %% ../nbs/01b_s3.ipynb
-def s3_refusal(client: S3Client, bucket: str, name: str, status: int, text: str = "", verb: str = "read"
+def s3_refusal(client: S3Client, bucket: str, name: str, status: int, *, text: str = "", verb: str = "read"
               ) -> RemoteError:
     "The error for S3's answer `status` (body `text`) to a request for `name` in `bucket`: what to check."
     code, msg = s3_code(text)
@@ -333,13 +333,15 @@ def s3_open(url: str, retries: Retries | None = None, name: str | None = None, v
             size: int | None = None) -> io.BufferedReader:
     "A stream of the object at `url` that survives faults (`open_remote`, signed): as `open_remote` does for HTTP."
     client, bucket, key, http = s3_object(url)
-    return open_remote(http, retries, name or s3_name(url), version, size, auth=S3Auth(client, bucket, key))
+    return open_remote(http, retries, name or s3_name(url), version=version, size=size,
+                       auth=S3Auth(client, bucket, key))
 
-def s3_range(url: str, start: int, end: int, retries: Retries | None = None, name: str | None = None,
+def s3_range(url: str, start: int, end: int, retries: Retries | None = None, *, name: str | None = None,
              version: str = "", size: int | None = None) -> bytes:
     "Bytes `start` to `end - 1` of the object at `url` (one signed range GET, retried; `read_range`)."
     client, bucket, key, http = s3_object(url)
-    return read_range(http, start, end, retries, name or s3_name(url), version, size, auth=S3Auth(client, bucket, key))
+    return read_range(http, start, end, retries, name=name or s3_name(url), version=version, size=size,
+                      auth=S3Auth(client, bucket, key))
 
 def s3_head(url: str, retries: Retries | None = None) -> tuple[int, str]:
     "The size and ETag of the object at `url`, from a HEAD."

@@ -127,7 +127,8 @@ class _OutputShards:
         save_manifest(self.dest, self.m)
 
 # %% ../nbs/11_shuffle.ipynb
-def _shuffle_local(src, dest, names, shard_size: int, seed, output_prefix: str, m: dict | None = None, progress=True):
+def _shuffle_local(src, dest, names, shard_size: int, *, seed, output_prefix: str, m: dict | None = None,
+                   progress=True):
     "The local algorithm: index, permute, copy records into new shards, after those manifest `m` already records."
     m = m or dict(prefix=output_prefix, info={}, store=dest.spec, shards=[], complete=False, samples=0, bytes=0)
     t0, work = time.time(), staging_dir(dest, output_prefix, "shuffle")
@@ -139,7 +140,7 @@ def _shuffle_local(src, dest, names, shard_size: int, seed, output_prefix: str, 
             index.extend(rows); skipped += s
         index = np.array(index, dtype=np.int64).reshape(-1, 4)
         order = np.random.default_rng(seed).permutation(len(index))[m["samples"]:]  # a resumed run skips what is stored
-        out = _OutputShards(dest, output_prefix, shard_size, work, m)
+        out = _OutputShards(dest, output_prefix, shard_size, work, m=m)
         for shard, offset, members, size in tqdm(index[order], desc="write", unit="sample", disable=not progress):
             out.add(inputs.file(int(shard)), int(offset), int(members), int(size))
         out.finish()
@@ -147,7 +148,8 @@ def _shuffle_local(src, dest, names, shard_size: int, seed, output_prefix: str, 
         inputs.close(); shutil.rmtree(work, ignore_errors=True)
     m.update(complete=True, skipped=skipped)
     save_manifest(dest, m)
-    return Shuffled(dest.spec, out.names, len(index), m["bytes"], "local", time.time() - t0, skipped)
+    return Shuffled(dest.spec, out.names, len(index), m["bytes"], backend="local", seconds=time.time() - t0,
+                    skipped=skipped)
 
 # %% ../nbs/11_shuffle.ipynb
 def brace_template(names: list[str]) -> str | None:
@@ -170,7 +172,7 @@ def _dsort_spec_class():
         def to_spec(self): return {**super().to_spec(), "dsorter_type": self.dsorter_type}
     return _Framework
 
-def dsort_framework(src: AISStore, dest: AISStore, names: list[str], shard_size: int, seed, output_prefix: str,
+def dsort_framework(src: AISStore, dest: AISStore, names: list[str], shard_size: int, *, seed, output_prefix: str,
                     dsorter: str = "dsort_general"):
     "The `DsortFramework` that shuffles shards `names` of `src` into `<output_prefix>NNNNN.tar` shards in `dest`."
     from aistore.sdk.dsort import DsortAlgorithm, DsortShardsGroup
@@ -243,7 +245,7 @@ def wait_dsort(job,                    # A started dSort job (the SDK's `client.
     finally: bar.close()
 
 # %% ../nbs/11_shuffle.ipynb
-def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, seed, output_prefix: str,
+def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, *, seed, output_prefix: str,
                    timeout=600, progress=True):
     t0 = time.time()
     head = src._obj(names[0]).get_reader(byte_range=f"bytes=0-{(1 << 20) - 1}").read_all()
@@ -251,19 +253,20 @@ def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, seed, 
     def run():  # one job; one that a rebalance stopped runs again, whole, into a clean prefix (the rebalance goes on)
         for n in dest.list(f"{output_prefix}*.tar"): dest.delete(n)
         job = src.client.dsort()
-        job.start(dsort_framework(src, dest, names, size, seed, output_prefix))
+        job.start(dsort_framework(src, dest, names, size, seed=seed, output_prefix=output_prefix))
         wait_dsort(job, len(names), timeout, progress)
         return job
     job = retried(run, f"the dSort job of {src.spec}", verb="running", job=True)
     out = dest.list(f"{output_prefix}*.tar")
     # dSort reports tar members, not samples; counting samples would mean reading every output shard
-    return Shuffled(dest.spec, out, None, sum(dest.size(n) for n in out), f"dsort {job.dsort_id}", time.time() - t0)
+    return Shuffled(dest.spec, out, None, sum(dest.size(n) for n in out), backend=f"dsort {job.dsort_id}",
+                    seconds=time.time() - t0)
 
 # %% ../nbs/11_shuffle.ipynb
 def _same_cluster(a, b) -> bool:
     return isinstance(a, AISStore) and isinstance(b, AISStore) and a.endpoint == b.endpoint
 
-def _job_settings(src, names, shard_size: int, seed, output_prefix: str, backend: str) -> dict:
+def _job_settings(src, names, shard_size: int, seed, *, output_prefix: str, backend: str) -> dict:
     "What identifies a shuffle (inputs by name and size, seed, size, backend): a re-run with the same settings resumes."
     inputs = hashlib.sha256("".join(f"{n} {src.size(n)}\n" for n in names).encode()).hexdigest()
     return dict(prefix=output_prefix, info=dict(kind="shuffle", src=src.spec, inputs=inputs, seed=seed,
@@ -294,6 +297,7 @@ def _shuffle_inputs(src, dest, input_template: str | None, output_prefix: str, b
 def shuffle_shards(src,                            # Input: a directory, ais:// or s3:// (or a Store)
                    dest,                           # Output: a directory, ais:// or s3://, made if missing
                    shard_size: str | int = "100MB",  # Output shard size: bytes, or e.g. 100MB, 64MiB
+                   *,
                    seed: int = 0,                  # Shuffle seed: the same seed gives the same order (local)
                    input_template: str | None = None,  # Input shards: glob or brace template (default: all *.tar)
                    output_prefix: str = "shuffled-",  # Output names: <prefix>00000.tar, ...
@@ -305,9 +309,10 @@ def shuffle_shards(src,                            # Input: a directory, ais:// 
     "Shuffle the samples of shards in `src` into new shards of about `shard_size` bytes in `dest`; resumable."
     shard_size = _check_shuffle_args(backend, shard_size, output_prefix)
     src, dest = open_store(src), open_store(dest, create=True)
-    names = _shuffle_inputs(src, dest, input_template, output_prefix, backend)
+    names = _shuffle_inputs(src, dest, input_template, output_prefix, backend=backend)
     use_dsort = backend != "local" and _same_cluster(src, dest)
-    settings = _job_settings(src, names, shard_size, seed, output_prefix, "dsort" if use_dsort else "local")
+    settings = _job_settings(src, names, shard_size, seed, output_prefix=output_prefix,
+                             backend="dsort" if use_dsort else "local")
     old, old_names = read_manifest(dest, output_prefix), dest.list(f"{output_prefix}*.tar")
     same = old is not None and not overwrite and all(old.get(k) == v for k, v in settings.items())
     if (old_names or old) and not same and not overwrite:
@@ -318,17 +323,19 @@ def shuffle_shards(src,                            # Input: a directory, ais:// 
     keep = resume_point(dest, old, settings) if same and not use_dsort else []
     if same and old.get("complete") and len(keep) == len(old["shards"]):
         if progress: print(f"nothing to do: {shown_path(dest.spec)} already holds this shuffle ({len(keep)} shards)")
-        return Shuffled(dest.spec, [s["name"] for s in keep], old["samples"], old["bytes"], "local (done earlier)", 0.0,
-                        old.get("skipped", 0))
+        return Shuffled(dest.spec, [s["name"] for s in keep], old["samples"], old["bytes"],
+                        backend="local (done earlier)", seconds=0.0,
+                        skipped=old.get("skipped", 0))
     m = dict(settings, store=dest.spec, shards=keep, complete=False,
              samples=sum(s["samples"] for s in keep), bytes=sum(s["bytes"] for s in keep))
     if use_dsort:
         for n in old_names: dest.delete(n)  # dSort numbers its outputs from 00000; stale higher numbers must not linger
-        res = _shuffle_dsort(src, dest, names, shard_size, seed, output_prefix, timeout, progress)
+        res = _shuffle_dsort(src, dest, names, shard_size, seed=seed, output_prefix=output_prefix, timeout=timeout,
+                             progress=progress)
         save_manifest(dest, dict(m, complete=True, bytes=res.bytes, samples=None,
                                   shards=[dict(name=n, bytes=dest.size(n)) for n in res.names]))
         return res
-    res = _shuffle_local(src, dest, names, shard_size, seed, output_prefix, m, progress)
+    res = _shuffle_local(src, dest, names, shard_size, seed=seed, output_prefix=output_prefix, m=m, progress=progress)
     for n in set(old_names) - set(res.names): dest.delete(n)
     return res
 

@@ -249,7 +249,7 @@ def _bucket_exists(bucket) -> bool:
 # %% ../nbs/02_store.ipynb
 class AISStore:
     "Objects in AIStore bucket `bucket`, under `prefix`, through the official SDK (reads and uploads: faults retried)."
-    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, create: bool = False, client=None,
+    def __init__(self, bucket: str, *, prefix: str = "", endpoint: str | None = None, create: bool = False, client=None,
                  retries: Retries | None = None):
         self.endpoint, self.retries = ais_endpoint(endpoint), as_retries(retries)
         self.client = client or ais_client(self.endpoint)
@@ -468,7 +468,7 @@ def open_store(spec: str | Path | LocalStore | AISStore | S3Store,  # A director
     if spec.startswith("ais://"):
         bucket, _, prefix = spec[len("ais://"):].partition("/")
         if not bucket: raise StoreError(f"{spec!r} names no bucket; use ais://BUCKET or ais://BUCKET/PREFIX")
-        return AISStore(bucket, prefix, endpoint=endpoint, create=create)
+        return AISStore(bucket, prefix=prefix, endpoint=endpoint, create=create)
     if spec.startswith("file://"): spec = urllib.parse.unquote(urllib.parse.urlparse(spec).path)
     elif "://" in spec:
         raise StoreError(f"unsupported store {spec!r}: use a local directory, file:///path, ais://bucket[/prefix] "
@@ -505,6 +505,7 @@ def s3_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
 # %% ../nbs/02_store.ipynb
 def upload_shards(src: str | Path,                    # A local folder of shards
                   dest: str,                            # The bucket, `ais://BUCKET[/PREFIX]` (made if missing)
+                  *,
                   pattern: str = "*.tar",               # Which files of `src`: a glob, a brace template or a prefix
                   retry_wait: float | Retries = 120,    # Seconds a PUT may retry faults (a target restarting, a 503)
                   endpoint: str | None = None,          # AIStore's endpoint (default: AIS_ENDPOINT)

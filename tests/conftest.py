@@ -218,7 +218,8 @@ def headless_chromium(page_load_timeout: float = 60, extra_args=()):
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def write_pet_shards(folder: Path, n_shards: int = 6, per_shard: int = 5, size=(64, 48), seed: int = 0, trimap: bool = True) -> list[str]:
+def write_pet_shards(folder: Path, n_shards: int = 6, per_shard: int = 5, *, size=(64, 48), seed: int = 0,
+                     trimap: bool = True) -> list[str]:
     "Pet-like shards `pets-00000.tar`, ...: `per_shard` samples of a synthetic image (`size`), a class and (with `trimap`) a trimap."
     import numpy as np
     import webdataset as wds

@@ -38,7 +38,7 @@ class FaultServer:
                 and (listing is None or (r[2] is not None and str(r[2]).startswith("list-type")) == listing)]
     def urls(self, names) -> list[str]: return [self.url(n) for n in names]
 
-    def fault(self, kind, pattern: str = "*", when: str = "first", times: int | None = None, retry_after: float = 1,
+    def fault(self, kind, pattern: str = "*", when: str = "first", *, times: int | None = None, retry_after: float = 1,
               stall: float = 3.0) -> "FaultServer":
         "Play `kind` on the GETs of paths matching `pattern` (`when`: first, ranged, fresh, always), at most `times`."
         assert when in ("first", "ranged", "fresh", "always"), when
@@ -189,7 +189,7 @@ def _s3_handler(server: FaultServer):
         def _refused(self, body: bytes = b"") -> bool:
             if not server.keys: return False
             url = f"http://{self.headers['Host']}{self.path}"
-            try: why = _signature_problem(server, self, self.command, url, body)
+            try: why = _signature_problem(server, self, self.command, url, body=body)
             except (KeyError, ValueError): why = "AccessDenied"
             if why: self._error(403, why, body=self.command != "HEAD")
             return bool(why)

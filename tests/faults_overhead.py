@@ -82,7 +82,7 @@ def main():
             for r in range(a.rounds):
                 for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     res = _run(a.old.resolve() if name == "old" else a.new.resolve(), "ais://sk-overhead",
-                               a.epochs, a.workers, env)
+                               a.epochs, a.workers, env=env)
                     runs[name].append(res)
                     print(f"round {r} {name}: {res['rate']:8,.0f} samples/s {res['cpu_ms']:.4f} CPU ms/sample",
                           flush=True)

@@ -70,7 +70,7 @@ def _next(it):
 def _section(title: str, out: io.StringIO): out.write(f"\n{'=' * 100}\n== {title}\n{'=' * 100}\n")
 
 
-def profile_case(title, make, step, n, sync, dev, out, torch_prof: bool = True):
+def profile_case(title, make, step, n, *, sync, dev, out, torch_prof: bool = True):
     "cProfile (and torch.profiler) over `n` batches of `make()` fed to `step`."
     _section(title, out)
     r = _loop(_images(make(), dev), step, n, sync)
@@ -128,14 +128,15 @@ def main():
     out.write(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
               f"batch {a.batch_size}, {a.step}\n")
     step = make_step(a.step, dev)
-    gpu = lambda: create_gpu_loader(a.shards, (a.image,), a.batch_size, a.workers, 0, dev, a.size)
+    gpu = lambda: create_gpu_loader(a.shards, fields=(a.image,), batch_size=a.batch_size, num_workers=a.workers, seed=0,
+                                    device=dev, size=a.size)
     def cpu():
         ds = create_dataset(a.shards, fields=(a.image,), transform=train_transform(a.size), seed=0, batch_size=a.batch_size)
         return create_dataloader(ds, num_workers=a.cpu_workers, batch_size=a.batch_size, device=dev)
-    profile_case(f"GPU loader alone, {a.workers} workers", gpu, None, a.batches, sync, dev, out)
-    profile_case(f"GPU loader + {a.step} step, {a.workers} workers", gpu, step, a.batches, sync, dev, out)
-    profile_case(f"CPU loader (DeviceLoader) + {a.step} step, {a.cpu_workers} workers", cpu, step, a.batches, sync,
-                 dev, out)
+    profile_case(f"GPU loader alone, {a.workers} workers", gpu, None, a.batches, sync=sync, dev=dev, out=out)
+    profile_case(f"GPU loader + {a.step} step, {a.workers} workers", gpu, step, a.batches, sync=sync, dev=dev, out=out)
+    profile_case(f"CPU loader (DeviceLoader) + {a.step} step, {a.cpu_workers} workers", cpu, step, a.batches, sync=sync,
+                 dev=dev, out=out)
     with open(a.out, "w") as f: f.write(out.getvalue())
     print("\n".join(l for l in out.getvalue().splitlines() if l.startswith(("==", "plain"))))
 

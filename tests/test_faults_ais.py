@@ -256,7 +256,7 @@ def test_targets_leave_and_join_mid_epoch(cluster, bucket, capfd):
                ("a target joins", lambda: joined.append(ais_join(root)),
                 lambda: _notebook_while_rebalancing("36_bench.random.ipynb", endpoint)),
                ("target1 decommissioned", lambda: ais_decommission("target1", root),
-                lambda: _index_while_rebalancing(endpoint, name, src, capfd, later))]
+                lambda: _index_while_rebalancing(endpoint, name, src, capfd, loaders=later))]
     rows = []
     for what, change, meanwhile in changes:
         retries = Retries(backoff=0.1, max_backoff=1.0, wait=120)

@@ -103,7 +103,7 @@ def test_worker_crops_are_the_cpu_loaders_and_the_references(shards):
     for epoch in range(2):
         for keys, images in dl:
             decoded = [torch.from_numpy(np.frombuffer(raw[k], np.uint8).copy()) for k in keys]
-            ref = augment_batch(decode_batch(decoded, keys, "cpu"), keys, 3, epoch, 32)
+            ref = augment_batch(decode_batch(decoded, keys, "cpu"), keys, 3, epoch, size=32)
             assert (ref.float() - images.float()).abs().mean() < 0.5
 
 
@@ -111,7 +111,7 @@ def test_worker_crops_are_the_cpu_loaders_and_the_references(shards):
 def test_batched_crops_match_the_per_image_reference(noise):
     images = _images(32, np.random.default_rng(2), noise=noise)
     keys, crops, flips = _draws(images)
-    ref = augment_batch(images, keys, 0, 0, 64)
+    ref = augment_batch(images, keys, 0, 0, size=64)
     for dtype in (torch.float32, torch.float16):  # float16: CUDA's default
         d = (ref.float() - crop_batch(images, crops, flips, 64, dtype=dtype).float()).abs()
         # measured here: mean ~0.2 levels, max 1, in both
@@ -122,7 +122,8 @@ def test_batched_crops_enlarge_and_shrink_alike():
     images = _images(8, np.random.default_rng(3), lo=300, hi=400)
     keys, crops, flips = _draws(images)
     for size in (32, 224, 480):  # shrinking a lot, about even, enlarging
-        d = (augment_batch(images, keys, 0, 0, size).float() - crop_batch(images, crops, flips, size).float()).abs()
+        d = (augment_batch(images, keys, 0, 0, size=size).float() - crop_batch(images, crops, flips,
+                                                                               size).float()).abs()
         assert d.mean() < 0.5 and d.max() <= 2, (size, d.mean(), d.max())
 
 
@@ -247,7 +248,7 @@ def test_cuda_batched_crops_match_the_per_image_reference():
     for noise in (False, True):
         images = [im.cuda() for im in _images(64, np.random.default_rng(4), noise=noise, lo=200, hi=500)]
         keys, crops, flips = _draws(images)
-        ref, got = augment_batch(images, keys, 0, 0, 224), crop_batch(images, crops, flips, 224)
+        ref, got = augment_batch(images, keys, 0, 0, size=224), crop_batch(images, crops, flips, 224)
         d = (ref.float() - got.float()).abs()
         assert got.device.type == "cuda" and d.mean() < 0.5 and d.max() <= 3, (noise, d.mean(), d.max())
         x = crop_batch(images, crops, flips, 224, normalize=True, channels_last=True)

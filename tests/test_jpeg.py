@@ -132,7 +132,7 @@ def test_train_transform_crops_an_encoded_jpeg_as_the_decoded_image():
 
 
 def test_the_loader_hands_over_encoded_jpegs_when_windows_decode(native):
-    assert decode_window(_jpeg(61, 45), 7, 13, 20, 31).shape == (3, 20, 31)
+    assert decode_window(_jpeg(61, 45), 7, 13, 20, width=31).shape == (3, 20, 31)
     assert TrainTransform(crop_decode=True).takes_encoded() is True
     assert TrainTransform(crop_decode=False).takes_encoded() is False
 
@@ -150,7 +150,7 @@ DATA = _jpeg(120, 90, subsampling=2, seed=3)  # baseline 4:2:0, one scan
 ], ids=["bogus-huffman", "marker-in-scan", "truncated", "not-a-jpeg", "empty", "only-soi"])
 def test_bad_jpegs_are_errors_that_say_what_libjpeg_found(native, bad, fragment):
     with pytest.raises(JpegError, match=f"^cannot decode this JPEG: .*{fragment}") as e:
-        decode_window(bad, 82, 0, 8, 120)
+        decode_window(bad, 82, 0, 8, width=120)
     assert isinstance(e.value, ShardkitError) and isinstance(e.value, ValueError)
     with pytest.raises(JpegError, match=fragment): EncodedJpeg(bad, 120, 90).window(82, 0, 8, 120)
 
@@ -184,7 +184,8 @@ def test_a_jpeg_cut_below_the_window_still_yields_it(native):
     data = _jpeg(120, 90, subsampling=0, seed=4)
     cut = data[:int(len(data) * 0.6)]
     with pytest.raises(JpegError, match="incomplete or truncated"): EncodedJpeg(cut, 120, 90).decode()
-    with pytest.raises(JpegError, match="Premature end"): decode_window(cut, 74, 0, 16, 120)  # the cut is above this one
+    with pytest.raises(JpegError, match="Premature end"): decode_window(cut, 74, 0, 16,
+                                                                        width=120)  # the cut is above this one
     for box in [(0, 0, 16, 120), (16, 40, 16, 40), (0, 119, 20, 1)]:
         assert torch.equal(decode_window(cut, *box), _crop(_full(data), *box)), box
         assert torch.equal(EncodedJpeg(cut, 120, 90).window(*box), _crop(_full(data), *box)), box
@@ -192,7 +193,8 @@ def test_a_jpeg_cut_below_the_window_still_yields_it(native):
 
 def test_a_cut_progressive_jpeg_is_an_error_even_above_the_cut(native):
     data = _jpeg(120, 90, subsampling=2, progressive=True, seed=5)  # its scans each cover the whole image
-    with pytest.raises(JpegError, match="Premature end of JPEG file"): decode_window(data[:int(len(data) * 0.9)], 0, 0, 8, 120)
+    with pytest.raises(JpegError, match="Premature end of JPEG file"): decode_window(data[:int(len(data) * 0.9)], 0, 0,
+                                                                                     8, width=120)
 
 
 def _cmyk(w=40, h=30):
@@ -212,7 +214,7 @@ def test_cmyk_jpegs_are_cut_from_the_full_decode():
 
 
 def test_decode_window_leaves_cmyk_to_the_full_decoder(native):
-    assert decode_window(_cmyk(), 2, 3, 10, 12) is None
+    assert decode_window(_cmyk(), 2, 3, 10, width=12) is None
 
 
 @pytest.mark.parametrize("box", [(20, 0, 11, 40), (0, 30, 5, 11), (-1, 0, 5, 5), (0, 0, -1, 5), (0, 0, 0, 5), (30, 0, 1, 1)])

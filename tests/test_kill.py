@@ -68,7 +68,7 @@ def test_a_training_process_killed_mid_epoch_leaves_nothing_and_resumes_exactly(
                            text=True, stdin=subprocess.DEVNULL, timeout=300)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     ck, keys = tmp_path / "ck.pt", tmp_path / "resumed"
-    killed, pids = _kill_mid_epoch(_train_cmd(shards, ck, keys), env, ck, keys, victim)
+    killed, pids = _kill_mid_epoch(_train_cmd(shards, ck, keys), env, ck, keys, victim=victim)
     if victim == "main": assert killed.returncode == -signal.SIGKILL
     else:  # one line that says what happened and what to do, no traceback
         assert killed.returncode != 0 and "Traceback" not in killed.stderr, killed.stderr

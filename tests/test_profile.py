@@ -18,8 +18,8 @@ from shardkit.profile.timing import SLOTS
 from conftest import main_cli, write_pet_shards
 
 
-def _write(folder: Path, n_shards: int, per_shard: int, size, seed=0, trimap=True):
-    return write_pet_shards(folder, n_shards, per_shard, size, seed, trimap)
+def _write(folder: Path, n_shards: int, per_shard: int, size, *, seed=0, trimap=True):
+    return write_pet_shards(folder, n_shards, per_shard, size=size, seed=seed, trimap=trimap)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Project-level promises: the installed set is consistent, and the README's two commands are what CI runs."""
-import ast, json, re, subprocess, sys
+import ast, contextlib, json, re, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -342,3 +342,47 @@ def test_no_history_in_prose_or_comments():
     found = [f"{where}: ...{text[max(0, m.start() - 50):m.end() + 30]!r}" for where, text in _prose_and_comments()
              for m in HISTORY.finditer(text) if (where, m.group(0)) not in HISTORY_ALLOWED]
     assert not found, "history in prose or comments (say what is; a measured figure keeps its date):\n" + "\n".join(found)
+
+
+# Another library's method that shardkit overrides or wraps keeps that library's convention.
+_FOREIGN_CALLS = {"super().merge_environment_settings",  # requests.Session's, overridden in remote.py
+                  "native.window", "native.crop"}  # ctypes functions of the JPEG extension: C's arguments
+
+
+def _code_units() -> list[tuple[str, ast.AST]]:
+    "(where, tree) of each module of the package, each test file and each notebook's code cell (magics left out)."
+    units = [(str(p.relative_to(ROOT)), ast.parse(p.read_text())) for p in sorted((ROOT / "shardkit").rglob("*.py"))
+             if p.name != "_modidx.py"]
+    units += [(str(p.relative_to(ROOT)), ast.parse(p.read_text())) for p in sorted((ROOT / "tests").glob("*.py"))]
+    for p in sorted([*ROOT.glob("nbs/*.ipynb"), *ROOT.glob("nbs/tutorials/*.ipynb")]):
+        for i, c in enumerate(json.loads(p.read_text())["cells"]):
+            src = "".join(c["source"])
+            if c["cell_type"] != "code" or src.lstrip().startswith("%%"): continue
+            src = "\n".join("#" + x if x.lstrip()[:1] in ("%", "!") else x for x in src.split("\n"))
+            with contextlib.suppress(SyntaxError): units.append((f"{p.relative_to(ROOT)} cell {i}", ast.parse(src)))
+    return units
+
+
+def test_calls_name_their_arguments():
+    """No call of shardkit's own functions passes more than 4 arguments by position, and no function takes more than 5
+    by position (the rest keyword-only, after `*`): in the package, the tests and the notebooks' code cells."""
+    units = _code_units()
+    defined = [n for _, t in units for n in ast.walk(t)
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    fixture = lambda n: any("fixture" in ast.unparse(d) for d in n.decorator_list)  # a call is of what it returns
+    by_position = {n.name for n in defined if isinstance(n, ast.ClassDef) or not (n.args.vararg or fixture(n))}
+    own = by_position - {n.name for n in defined if not isinstance(n, ast.ClassDef) and n.args.vararg}  # cli(*argv)
+    calls, defs = [], []
+    for where, tree in units:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and len(n.args) > 4 and not any(isinstance(a, ast.Starred) for a in n.args):
+                name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+                if name in own and ast.unparse(n.func) not in _FOREIGN_CALLS:
+                    calls.append(f"{where}:{n.lineno} {ast.unparse(n.func)}({len(n.args)} by position)")
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                pos = [a.arg for a in n.args.posonlyargs + n.args.args if a.arg not in ("self", "cls")]
+                if len(pos) > 5: defs.append(f"{where}:{n.lineno} {n.name}({len(pos)} by position)")
+    assert not calls, (f"{len(calls)} calls pass more than 4 arguments by position; name the rest "
+                       "(f(a, b, c, d, e=e)): " + ", ".join(calls[:30]))
+    assert not defs, (f"{len(defs)} functions take more than 5 parameters by position; put `*` after the first few: "
+                      + ", ".join(defs[:30]))

@@ -260,14 +260,16 @@ def test_batches_of_a_huge_epoch_need_no_array_of_its_samples():
         assert len(b) == n // (64 * 8)
         late = b[len(b) - 1]
         assert len(late) == 64 and len(set(late.tolist())) == 64 and ((0 <= late) & (late < n)).all()
-        assert np.array_equal(late, EpochBatches(EpochOrder(starts, 0, 3, window), 64, 1, 8)[-1])  # from the seed
+        assert np.array_equal(late,
+                              EpochBatches(EpochOrder(starts, 0, 3, window), 64, rank=1,
+                                           world_size=8)[-1])  # from the seed
 
 
 def test_a_late_window_batch_equals_the_whole_order():
     from shardkit.loading.order import EpochBatches, EpochOrder, epoch_batches, shard_starts
     shard = np.repeat(np.arange(50, dtype=np.int32), np.arange(50) % 7 + 1)  # uneven shards, some of one sample
     whole = epoch_batches(len(shard), 3, 5, 2, rank=1, world_size=2, pad=True, order=epoch_order(shard, 5, 2, 4))
-    lazy = EpochBatches(EpochOrder(shard_starts(shard, 50), 5, 2, 4), 3, 1, 2, pad=True)
+    lazy = EpochBatches(EpochOrder(shard_starts(shard, 50), 5, 2, 4), 3, rank=1, world_size=2, pad=True)
     for b in (len(whole) - 1, 0, len(whole) // 2):  # out of order, as a resumed loader asks
         assert lazy[b].tolist() == whole[b].tolist()
 

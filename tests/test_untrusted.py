@@ -291,8 +291,8 @@ KILL_ETL = textwrap.dedent("""
     from shardkit import etl
     from shardkit.etl import local
     real = local.write_etl_manifest
-    def save(store, settings, names, done, failed, engine="local"):
-        m = real(store, settings, names, done, failed, engine)
+    def save(store, settings, names, done, *, failed, engine="local"):
+        m = real(store, settings, names, done, failed=failed, engine=engine)
         if len(done) == 2: os.kill(os.getpid(), signal.SIGKILL)
         return m
     local.write_etl_manifest = save

@@ -91,11 +91,11 @@ def _go_build(out: Path, cmd: str, tags: tuple = (), force: bool = False, quiet:
 
 def build_aisnode(force: bool = False, quiet: bool = False) -> Path:
     "Build `aisnode` (with the dSort build tag) unless a build of this version exists; return its path."
-    return _go_build(aisnode_path(), "aisnode", BUILD_TAGS, force, quiet)
+    return _go_build(aisnode_path(), "aisnode", BUILD_TAGS, force, quiet=quiet)
 
 def build_aisloader(force: bool = False, quiet: bool = False) -> Path:
     "Build AIStore's load generator `aisloader` (of the same module) unless a build of this version exists; its path."
-    return _go_build(shardkit_home() / "bin" / f"aisloader-{AIS_VERSION}", "aisloader", (), force, quiet)
+    return _go_build(shardkit_home() / "bin" / f"aisloader-{AIS_VERSION}", "aisloader", (), force, quiet=quiet)
 
 # %% ../../nbs/07_cluster.ipynb
 def build_ais_cli(version: str = AIS_CLI_VERSION, quiet: bool = False) -> Path | None:
@@ -300,7 +300,7 @@ def ais_up(targets: int = 2,                 # number of storage targets
         if n["role"] == "proxy": time.sleep(1)  # upstream's deploy gives the primary a head start too
     _state_file(root).write_text(json.dumps(dict(endpoint=endpoint, port=port, targets=targets, root=str(root),
                                                  version=AIS_VERSION, started=time.time(), nodes=nodes), indent=1))
-    _await_ready(root, endpoint, nodes, targets, timeout)
+    _await_ready(root, endpoint, nodes, targets, timeout=timeout)
     if not quiet: print(f"AIStore {AIS_VERSION} is up: 1 proxy, {targets} target(s), data under {root}\n"
                         f"  export AIS_ENDPOINT={endpoint}\n"
                         f"  note: AIStore listens for clients on every interface (ports {port}-{port + targets}); "

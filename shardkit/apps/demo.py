@@ -161,7 +161,7 @@ def _plot_losses(losses: list[float], acc: float, epochs: int, path: Path):
     fig.tight_layout(); fig.savefig(path, dpi=90); plt.close(fig)
 
 # %% ../../nbs/39_demo.ipynb
-def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str, fingerprint, epochs: int,
+def step_train(state: DemoState, out: Path, shards_spec: str, shuffled_spec: str, *, fingerprint, epochs: int,
                num_workers: int, quiet: bool) -> dict:
     "Sample grid, then a small CNN trained through the ETL sidecar and loader, tested on the test split."
     import matplotlib.pyplot as plt
@@ -227,7 +227,7 @@ def demo_table(res: dict) -> str:
     return format_bench(out, cols, title, [textwrap.fill(n, 116, subsequent_indent="  ") for n in notes])
 
 # %% ../../nbs/39_demo.ipynb
-def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, num_workers: int, samples: int,
+def step_bench(state: DemoState, out: Path, shuffled_spec: str, fingerprint, *, num_workers: int, samples: int,
                quiet: bool) -> dict:
     "The loader benchmark on the shuffled shards: the demo's table, the full one (`bench-loader.txt`) and the plot."
     import matplotlib.pyplot as plt
@@ -288,6 +288,7 @@ def _check_demo(pets: str | None, n: int, epochs: int, num_workers: int):
 
 # %% ../../nbs/39_demo.ipynb
 def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, on the embedded default, the data)
+             *,
              pets: str | None = None,         # Use the real Oxford-IIIT Pet folder at PETS (default: synthesize one)
              n: int = 740,                    # Synthetic images to draw (not used with a real Pet folder)
              epochs: int = 3,                 # Training epochs of the small CNN
@@ -311,15 +312,17 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
     bar.set_postfix_str(names[0])
     try:
         r = dict(out=str(out), stores=stores, workers=num_workers, epochs=epochs)
-        r["data"] = step_data(state, out, pets, n, quiet); advance()
-        r["shards"] = step_shards(state, r["data"], stores["shards"], quiet, fresh); advance()
+        r["data"] = step_data(state, out, pets, n, quiet=quiet); advance()
+        r["shards"] = step_shards(state, r["data"], stores["shards"], quiet, fresh=fresh); advance()
         fingerprint = [r["data"]["root"], r["data"]["images"], r["shards"]]
-        r["shuffle"] = step_shuffle(state, stores["shards"], stores["shuffled"], fingerprint, quiet); advance()
-        r["train"] = step_train(state, out, stores["shards"], stores["shuffled"], fingerprint, epochs, num_workers,
-                                quiet)
+        r["shuffle"] = step_shuffle(state, stores["shards"], stores["shuffled"], fingerprint, quiet=quiet); advance()
+        r["train"] = step_train(state, out, stores["shards"], stores["shuffled"], fingerprint=fingerprint,
+                                epochs=epochs, num_workers=num_workers,
+                                quiet=quiet)
         advance()
         if bench:
-            r["bench"] = step_bench(state, out, stores["shuffled"], fingerprint, num_workers, bench_samples, quiet)
+            r["bench"] = step_bench(state, out, stores["shuffled"], fingerprint, num_workers=num_workers,
+                                    samples=bench_samples, quiet=quiet)
             advance()
     finally: bar.close()
     r["seconds"] = time.time() - t0

@@ -92,7 +92,7 @@ def bench_convert(root: str | Path,          # Oxford-IIIT Pet folder (e.g. from
     runs = {"AIStore post's loop (no checks)": None}
     runs.update({f"convert_pets (check={c}, {processes} processes)": c for c in ((check,) if check else CHECKS)})
     res = {}
-    for label, rs in _convert_runs(root, runs, processes, repeat, dest).items():
+    for label, rs in _convert_runs(root, runs, processes, repeat, dest=dest).items():
         t, n, b, cpu = sorted(rs)[len(rs) // 2]
         res[label] = dict(seconds=t, samples=n, samples_per_s=n / t, mb_per_s=b / 1e6 / t,
                           cpu_ms_per_sample=1e3 * cpu / max(n, 1))

@@ -29,7 +29,7 @@ def _row(engine: str, s: dict, dt: float, cpu: float) -> dict:
                 shards_per_s=round(s["written"] / dt, 2), samples_per_s=round(s["samples_in"] / dt, 1),
                 cpu_ms_per_sample=round(1000 * cpu / n, 1))
 
-def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
+def _warm_row(client, fn, src, dest, *, pattern: str, seed: int) -> dict:
     "The Dask engine on a running cluster; CPU read from each worker and this process."
     client.run(_warm_up)  # a cluster that has run before: torch and torchvision imported
     w0, t0, c0 = client.run(cpu_seconds), time.perf_counter(), cpu_seconds()
@@ -38,6 +38,7 @@ def _warm_row(client, fn, src, dest, pattern: str, seed: int) -> dict:
     return _row("dask, warm cluster", s, dt, cpu_seconds() - c0 + sum(w1[k] - w0[k] for k in w1 if k in w0))
 
 def bench_dask_etl(src,                     # Store of ImageNet-style shards: a directory or ais://bucket[/prefix]
+                   *,
                    fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # Transform, MODULE:FUNCTION
                    pattern: str = "*.tar",  # Which shards
                    processes: int = 2,      # Worker processes for both engines
@@ -49,15 +50,17 @@ def bench_dask_etl(src,                     # Store of ImageNet-style shards: a 
     try:
         _warm_up()
         for i, (engine, run) in enumerate([
-                ("local (run_etl)", lambda d: run_etl(fn, src, d, pattern, processes, seed=seed, progress=False)),
-                ("local, 1 warm process", lambda d: run_etl(fn, src, d, pattern, 1, seed=seed, progress=False)),
+                ("local (run_etl)",
+                 lambda d: run_etl(fn, src, d, pattern=pattern, processes=processes, seed=seed, progress=False)),
+                ("local, 1 warm process",
+                 lambda d: run_etl(fn, src, d, pattern=pattern, processes=1, seed=seed, progress=False)),
                 ("dask, own LocalCluster",
                  lambda d: run_etl_dask(fn, src, d, pattern, seed=seed, processes=processes, progress=False))]):
             t0, c0 = time.perf_counter(), cpu_seconds()
             s = run(root / str(i))
             rows.append(_row(engine, s, time.perf_counter() - t0, cpu_seconds() - c0))
         client, close = dask_client(cluster, processes)
-        try: rows.append(_warm_row(client, fn, src, root / "warm", pattern, seed))
+        try: rows.append(_warm_row(client, fn, src, root / "warm", pattern=pattern, seed=seed))
         finally: close()
     finally: shutil.rmtree(root, ignore_errors=True)
     return rows

@@ -73,7 +73,7 @@ def _decoded(urls, image_field: str, batch_size: int, device, most: int = 1024) 
         yield from (decode_batch(b, [str(i) for i in range(len(b))], device) for b in batches)
         yield None
 
-def _cpu_loader(urls, image_field, batch_size, num_workers, size, scale, device, thread=None) -> Iterator:
+def _cpu_loader(urls, image_field, batch_size, num_workers, *, size, scale, device, thread=None) -> Iterator:
     ds = create_dataset(urls, fields=(image_field,), transform=train_transform(size, scale), seed=0)
     if "device" in inspect.signature(create_dataloader).parameters:  # the loader copies to the device itself
         dl = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size, device=device)
@@ -82,7 +82,7 @@ def _cpu_loader(urls, image_field, batch_size, num_workers, size, scale, device,
     return _images_forever(create_dataloader(ds, num_workers=num_workers, batch_size=batch_size), 0, device)
 
 # %% ../../nbs/38_bench.gpu.ipynb
-def _dali_images(urls, image_field: str, batch_size: int, threads: int, size: int, scale, seed: int, device="cuda"):
+def _dali_images(urls, image_field: str, batch_size: int, threads: int, *, size: int, scale, seed: int, device="cuda"):
     "NVIDIA DALI's GPU pipeline on the same shards: webdataset reader, nvJPEG ('mixed') decoder, random crop, flip."
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
@@ -126,14 +126,17 @@ def _rate(images: Iterator, samples: int, sync, step=None) -> dict:
     return dict(samples=n, seconds=secs, rate=n / secs, cpu_ms=cpu / n * 1e3)
 
 # %% ../../nbs/38_bench.gpu.ipynb
-def _contenders(urls, image_field, batch_size, num_workers, size, dev, step: str, threads: list, dali: bool) -> list:
+def _contenders(urls, image_field, batch_size, num_workers, *, size, dev, step: str, threads: list, dali: bool) -> list:
     "(row name, a function making its stream of image batches, the step to feed or None) for each contender."
     scale, on = (0.08, 1.0), f"decode on {dev.type}" + (" (nvJPEG)" if dev.type == "cuda" else "")
     gpu = lambda t: lambda: _images_forever(
-        create_gpu_loader(urls, (image_field,), batch_size, num_workers, 0, dev, size, scale, thread=t), 0, dev)
-    cpu = lambda t: lambda: _cpu_loader(urls, image_field, batch_size, num_workers, size, scale, dev, t)
+        create_gpu_loader(urls, fields=(image_field,), batch_size=batch_size, num_workers=num_workers, seed=0,
+                          device=dev, size=size, scale=scale, thread=t), 0, dev)
+    cpu = lambda t: lambda: _cpu_loader(urls, image_field, batch_size, num_workers, size=size, scale=scale, device=dev,
+                                        thread=t)
     how = lambda t: "" if len(threads) == 1 else ", thread" if t else ", in the loop"
-    dali_run = lambda: _dali_images(urls, image_field, batch_size, num_workers, size, scale, 0, dev)
+    dali_run = lambda: _dali_images(urls, image_field, batch_size, num_workers, size=size, scale=scale, seed=0,
+                                    device=dev)
     if step == "none":
         runs = [(f"shardkit, {on}{how(t)}", gpu(t), None) for t in threads]
         runs += [(f"shardkit CPU loader{how(t)}", cpu(t), None) for t in threads]
@@ -149,6 +152,7 @@ def _contenders(urls, image_field, batch_size, num_workers, size, dev, step: str
 
 # %% ../../nbs/38_bench.gpu.ipynb
 def bench_gpu_decode(sources,                      # Shards with JPEGs: a directory, ais://bucket, a template, a .tar
+                     *,
                      image_field: str = "image.jpg", # The JPEG field of the samples ("jpg" in ImageNet-style shards)
                      batch_size: int = 64,         # Samples per batch, for every contender
                      num_workers: int = 4,         # DataLoader workers for every loader (CPU threads for DALI)
@@ -169,8 +173,9 @@ def bench_gpu_decode(sources,                      # Shards with JPEGs: a direct
     if threads is None: raise LoaderError(f"thread must be on, off, both or default, not {thread!r}")
     if dev.type == "cuda": torch.backends.cudnn.benchmark = True
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    runs = _contenders(shard_urls(sources), image_field, batch_size, num_workers, size, dev, step, threads,
-                       dali and dev.type == "cuda" and _has_dali())
+    runs = _contenders(shard_urls(sources), image_field, batch_size, num_workers, size=size, dev=dev, step=step,
+                       threads=threads,
+                       dali=dali and dev.type == "cuda" and _has_dali())
     rows = [dict(name=name, **_rate(make(), samples, sync, fn)) for name, make, fn in runs]
     base = rows[0] if step != "none" else next(r for r in rows if r["name"].startswith("shardkit CPU loader"))
     for r in rows: r["vs_step" if step != "none" else "vs_cpu"] = r["rate"] / base["rate"]

@@ -103,11 +103,11 @@ def _floor(spec: dict) -> dict:
     out = torch.empty(3, 224, 224, dtype=torch.uint8)
     cpu, n = dict.fromkeys(DCT_MODES, 0.0), dict.fromkeys(DCT_MODES, 0)
     for mode in cpu:  # warm up
-        for data, box, flip in work[:20]: decode_crop(data, *box, 224, flip, mode, out)
+        for data, box, flip in work[:20]: decode_crop(data, *box, size=224, flip=flip, dct=mode, out=out)
     while sum(cpu.values()) < spec.get("seconds", 3.0):
         for mode in cpu:  # a pass at each scale in turn
             c0 = time.process_time()
-            for data, box, flip in work: decode_crop(data, *box, 224, flip, mode, out)
+            for data, box, flip in work: decode_crop(data, *box, size=224, flip=flip, dct=mode, out=out)
             cpu[mode] += time.process_time() - c0; n[mode] += len(work)
     ms = {m: 1000 * cpu[m] / n[m] for m in cpu}
     return dict(ms=min(ms.values()), mode=min(ms, key=ms.get), modes=ms)
@@ -160,6 +160,7 @@ def run_record(sources,                    # The shards, as given: a path, a tem
                num_workers: int,           # Worker processes for every loader
                repeats: int,               # Runs per loader
                samples: int,               # Samples per epoch at least
+               *,
                peers: bool = False,        # Whether the peers ran
                cold: bool = False,         # Whether the page cache was dropped before each run
                max_shards: int | None = None,  # Only the first N shards
@@ -194,7 +195,7 @@ def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dic
     return rows, specs
 
 # %% ../../nbs/35_bench.loader.ipynb
-def _rounds(specs: dict, root: str, repeats: int, timeout: float, cold: bool, seconds: float, progress: bool):
+def _rounds(specs: dict, root: str, repeats: int, timeout: float, *, cold: bool, seconds: float, progress: bool):
     "Each row's runs, the ceilings and the floors: `repeats` interleaved rounds of fresh processes; the cache note."
     from tqdm.auto import tqdm
     runs, yard, note = {n: [] for n in specs}, {"ceiling": [], "floor": []}, None
@@ -232,6 +233,7 @@ def _checked_urls(sources, num_workers: int, repeats: int, samples: int) -> list
 
 # %% ../../nbs/35_bench.loader.ipynb
 def bench_loader(sources,                           # Shards: a directory, ais://, s3://, a brace template, or a .tar
+                 *,
                  num_workers: int = 2,              # Worker processes for every loader (DALI and FFCV: threads)
                  repeats: int = 3,                  # Runs per loader, interleaved, each a fresh process; medians shown
                  samples: int = 2000,               # Samples per epoch at least (a small set is read several times)
@@ -253,7 +255,8 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
     rows, specs = _plan(names, data, base, timeout)
     warm_page_cache([Path(u) for u in data.urls if "://" not in u] + [data.root])
     load_start = os.getloadavg()
-    runs, yard, note = _rounds(specs, str(data.root), repeats, timeout, cold, ceiling_seconds, progress)
+    runs, yard, note = _rounds(specs, str(data.root), repeats, timeout, cold=cold, seconds=ceiling_seconds,
+                               progress=progress)
     load_end = os.getloadavg()
     rows.update({n: _summary(rs) for n, rs in runs.items()})
     rows = {n: rows[n] for n in names}
@@ -272,7 +275,7 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
                 load_start=load_start[0], load_end=load_end[0], load=load_end[0], window=why_no_window_decode(),
                 cache_note=(note or "page cache dropped before each run") if cold else "page cache warm",
-                run=run_record(sources, num_workers, repeats, samples, peers, cold, max_shards))
+                run=run_record(sources, num_workers, repeats, samples, peers=peers, cold=cold, max_shards=max_shards))
 
 # %% ../../nbs/35_bench.loader.ipynb
 LOADER_GOALS = {"peer": 1.3, "ceiling": 0.85, "cpu": 0.75, "floor": 1.25, "first_batch": 0.3}

@@ -29,14 +29,15 @@ def mix_halves(src) -> tuple[dict, dict]:
     return {"first": urls[:h], "second": urls[h:]}, {"first": h, "second": len(urls) - h}
 
 # %% ../../nbs/36a_bench.mix.ipynb
-def _contenders(src, fields, transform, batch_size: int, num_workers: int, seed: int) -> dict:
+def _contenders(src, fields, transform, batch_size: int, *, num_workers: int, seed: int) -> dict:
     "Makers of fresh loaders: (path, one source or a mix) -> a function of no arguments."
     halves, weights = mix_halves(src)
     urls = shard_urls(src)
     def stream(s, w): return create_dataloader(create_dataset(s, fields=fields, transform=transform,
                                                               batch_size=batch_size,
                                                               seed=seed, weights=w), num_workers=num_workers)
-    def random(s, w): return create_random_loader(s, fields, transform, batch_size, num_workers, seed, weights=w)
+    def random(s, w): return create_random_loader(s, fields, transform=transform, batch_size=batch_size,
+                                                  num_workers=num_workers, seed=seed, weights=w)
     return {(path, kind): (lambda f=make, s=s, w=w: f(s, w))
             for path, make in (("stream", stream), ("random access", random))
             for kind, s, w in (("one source", urls, None), ("mix of 2", halves, weights))}
@@ -53,6 +54,7 @@ def _epoch(make) -> tuple[int, float, float]:
 
 # %% ../../nbs/36a_bench.mix.ipynb
 def bench_mix(src,                        # Shards: a directory, ais://, s3://, a brace template or URLs (2 or more)
+              *,
               repeats: int = 3,           # Rounds: each times one epoch of every contender
               batch_size: int = 64,       # Samples per batch
               num_workers: int = 2,       # Loader workers
@@ -63,7 +65,7 @@ def bench_mix(src,                        # Shards: a directory, ais://, s3://, 
     "One source against the same shards as a mix of two, streamed and by random access: samples/s, CPU ms/sample."
     if images: f = shard_fields(shard_urls(src)[0]); keys, transform = (f["label"], f["image"]), train_transform(size)
     else: keys, transform = ("__key__", "cls"), None
-    makers = _contenders(src, keys, transform, batch_size, num_workers, seed)
+    makers = _contenders(src, keys, transform, batch_size, num_workers=num_workers, seed=seed)
     runs = {name: [] for name in makers}
     for r in range(repeats):
         for name in (list(makers) if r % 2 == 0 else list(makers)[::-1]):  # alternate who goes first

@@ -122,7 +122,7 @@ def prepare_bench_data(urls: Sequence[str], samples: int = 2000, cache: str | Pa
     meta = json.loads((root / "data.json").read_text())
     n = int(sum(meta["hist"]))
     if not n: raise BenchError(f"no samples in the {len(urls)} shards starting with {shown_path(urls[0])}")
-    return BenchData(urls, max(1, -(-samples // n)), meta["fields"], meta["hist"], root)
+    return BenchData(urls, max(1, -(-samples // n)), meta["fields"], meta["hist"], root=root)
 
 # %% ../../nbs/34_bench.peers.ipynb
 PEER_LOADERS = {"litdata": ("litdata", "pip install litdata"),

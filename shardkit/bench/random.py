@@ -36,12 +36,13 @@ def _timed_pass(loader: RandomAccessLoader, read_only: bool = False) -> tuple[in
         for b in loader: n += len(b[0])
     return n, time.perf_counter() - t0, cpu_seconds() - c0
 
-def bench_random(source, fields: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
+def bench_random(source, *, fields: Sequence[str] = ("cls", "image.jpg"), batch_size: int = 64, num_workers: int = 2,
                  samples: int = 2000, size: int = 224, seed: int = 0, read_only: bool = False,
                  read: str = "auto") -> dict:
     "Samples/s, CPU ms/sample of the random-access loader on `source` (epochs, >= `samples`); `read_only`: bytes only."
     t0 = time.perf_counter()
-    loader = create_random_loader(source, fields, train_transform(size), batch_size, num_workers, seed, read=read)
+    loader = create_random_loader(source, fields, transform=train_transform(size), batch_size=batch_size,
+                                  num_workers=num_workers, seed=seed, read=read)
     index_s, n, secs, cpu = time.perf_counter() - t0, 0, 0.0, 0.0
     while n < samples:
         k, s, c = _timed_pass(loader, read_only)
@@ -83,7 +84,7 @@ def ais_cluster_cpu(endpoint: str) -> float:
     return total
 
 # %% ../../nbs/36_bench.random.ipynb
-def _setup(store, mode: str, fields, batch_size: int, seed: int, shard_cache, num_workers: int) -> tuple:
+def _setup(store, mode: str, fields, batch_size: int, *, seed: int, shard_cache, num_workers: int) -> tuple:
     "A loader reading with `mode` (a `read=` of create_random_loader), made ready for a timed epoch; setup seconds."
     dl = create_random_loader(store, fields, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
                               read=mode, shard_cache=shard_cache)
@@ -95,6 +96,7 @@ def _setup(store, mode: str, fields, batch_size: int, seed: int, shard_cache, nu
     return dl, time.perf_counter() - t0
 
 def bench_read_modes(store,                                   # An ais:// bucket of shards
+                     *,
                      fields: Sequence[str] = ("__key__", "cls", "bin"),  # What both loaders deliver (no image decoding)
                      modes: Sequence[str] = ("stream", "cache", "range", "getbatch"),  # What to compare
                      batch_size: int = 64,                    # Samples per batch
@@ -111,7 +113,8 @@ def bench_read_modes(store,                                   # An ais:// bucket
             dl = create_dataset(store, fields=fields, batch_size=batch_size, seed=seed)
             if num_workers: dl = create_dataloader(dl, num_workers=num_workers, batch_size=batch_size)
         else:
-            dl, setup_s = _setup(store, mode, fields, batch_size, seed, shard_cache, num_workers)
+            dl, setup_s = _setup(store, mode, fields, batch_size, seed=seed, shard_cache=shard_cache,
+                                 num_workers=num_workers)
             most = getbatch_samples if mode == "getbatch" else None
         c0, t0, n = ais_cluster_cpu(endpoint), time.perf_counter(), 0
         it = iter(dl)
@@ -141,6 +144,7 @@ def random_table(rows: dict) -> str:
     return format_bench([dict(r, name=k) for k, r in rows.items()], cols)
 
 def bench_random_access(src,                       # Shards: a directory, a brace template of tars, or ais://bucket
+                        *,
                         num_workers: int = 2,      # DataLoader workers
                         samples: int = 2000,       # Samples per timed run (whole epochs)
                         batch_size: int = 64,      # Samples per batch

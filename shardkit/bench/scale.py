@@ -29,6 +29,7 @@ from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards
 from ..store import open_store, shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children
+from .random import ais_cluster_cpu
 
 # %% auto 0
 __all__ = ['KEYS_ONLY', 'LOCAL_STAGES', 'AIS_STAGES', 'SCALE_COLUMNS', 'scale_folder', 'bench_scale', 'scale_growth',
@@ -57,6 +58,7 @@ def _link(src: Path, dst: Path):
 # %% ../../nbs/43_bench.scale.ipynb
 def scale_folder(root: str | Path,             # Folder of the pool (root/pool) and the trees (root/n<N>/train)
                  n: int,                       # Images in the tree
+                 *,
                  classes: int = 100,           # Classes (folders); sample i is in class i % classes
                  size: tuple[int, int] = (64, 48),  # Width and height of every image
                  seed: int = 0,                # The same seed gives the same bytes
@@ -165,15 +167,6 @@ class _RawBatches(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return [sum(len(v) for k, v in s.items() if not k.startswith("__")) for s in self.ds.samples(self.batches[i])]
 
-def _cluster_cpu() -> float:
-    "CPU seconds used so far by this machine's AIStore nodes (`aisnode` processes): what the cluster spends on a stage."
-    import psutil
-    total = 0.0
-    for p in psutil.process_iter(["name", "cpu_times"]):
-        if (p.info["name"] or "").startswith("aisnode") and p.info["cpu_times"]:
-            total += p.info["cpu_times"].user + p.info["cpu_times"].system
-    return total
-
 def _bucket(spec, shuffled=False) -> str: return f"ais://shardkit-scale-{spec['n']}" + ("-shuffled" if shuffled else "")
 
 def _ais_put(spec):
@@ -241,10 +234,13 @@ def _run_stage(spec: dict) -> dict:
     work = _STAGES[spec["stage"]](spec)
     gc.collect()
     ais = spec["stage"].startswith("ais")
-    (r0, w0), c0, a0, t0 = _io(), cpu_seconds(), _cluster_cpu() if ais else 0, time.perf_counter()
+    # what the cluster at AIS_ENDPOINT spends on the stage (its own nodes: not another cluster's on this machine)
+    cluster_cpu = lambda: ais_cluster_cpu(os.environ["AIS_ENDPOINT"]) if ais else math.nan
+    (r0, w0), c0, a0, t0 = _io(), cpu_seconds(), cluster_cpu(), time.perf_counter()
     res = work()
     dt = time.perf_counter() - t0
-    cpu, cluster = cpu_seconds(descendants=True) - c0, _cluster_cpu() - a0 if ais else None
+    cpu, cluster = cpu_seconds(descendants=True) - c0, cluster_cpu() - a0
+    cluster = None if math.isnan(cluster) else cluster  # not a stage on AIStore, or a cluster on another machine
     r1, w1 = _io()
     return dict(res, seconds=dt, cpu_s=cpu, cluster_cpu_s=cluster, read_mb=(r1 - r0) / 1e6, written_mb=(w1 - w0) / 1e6)
 
@@ -266,6 +262,7 @@ def _spec(root, n, stage, **kw) -> dict:
 
 # %% ../../nbs/43_bench.scale.ipynb
 def bench_scale(root: str | Path,                           # Work folder (a few GB at 1,000,000): pool, trees, shards
+                *,
                 n: str | Sequence[int] = "20000,200000",    # Sizes, comma-separated (e.g. 20000,200000,1000000)
                 stages: str | Sequence[str] | None = None,  # Stages, comma-separated (default: all that can run here)
                 cold: bool = False,                         # Drop the page cache before each stage, where permitted

@@ -145,6 +145,7 @@ def soak_summary(rows: list[dict],  # `soak`'s records
 
 # %% ../../nbs/45_bench.soak.ipynb
 def bench_soak(src,                        # Shards: a directory, ais://bucket, a brace template or URLs
+               *,
                epochs: int = 100,          # Epochs of each loader
                warmup: int = 10,           # Epochs of warm-up: epoch `warmup` is compared with the last
                modes: str = "stream,random",  # The default loaders to run, comma-separated: stream, random
@@ -159,7 +160,7 @@ def bench_soak(src,                        # Shards: a directory, ais://bucket, 
     out = {}
     for mode in wanted:
         with _own_tmp() as tmp:
-            rows = soak(_loader(mode, src, num_workers, batch_size), epochs, tmp, f"soak {mode}", progress)
+            rows = soak(_loader(mode, src, num_workers, batch_size), epochs, tmp, f"soak {mode}", progress=progress)
         out[mode] = dict(rows=rows, summary=soak_summary(rows, warmup))
     return out
 
@@ -225,7 +226,7 @@ for e in range(epochs):
 print(json.dumps(out))
 """
 
-def _jobs(src: str, n: int, mode: str, epochs: int, num_workers: int, batch_size: int, timeout: float,
+def _jobs(src: str, n: int, mode: str, epochs: int, *, num_workers: int, batch_size: int, timeout: float,
           beside=None) -> list:
     "Run `n` loader jobs at once (started together, `beside()` first), each a process of its own; their epochs."
     args = [str(src), mode, str(epochs), str(num_workers), str(batch_size)]
@@ -288,6 +289,7 @@ def _stop_aisloader(p: subprocess.Popen) -> dict:
 
 # %% ../../nbs/45_bench.soak.ipynb
 def bench_tenants(src: str,                 # An AIStore bucket of shards, ais://BUCKET (AIS_ENDPOINT set)
+                  *,
                   jobs: int = 4,            # Loader jobs at once, each a process of its own
                   epochs: int = 3,          # Epochs of each job
                   mode: str = "stream",     # Which default loader each job runs: stream or random
@@ -305,7 +307,8 @@ def bench_tenants(src: str,                 # An AIStore bucket of shards, ais:/
     for name, n in (("alone", 1), ("together", jobs)):  # aisloader beside both: the number of jobs is what differs
         tenant = []  # started once the jobs are ready: it reads beside them from their first batch to their last
         start = lambda: tenant.append(_aisloader(store.endpoint, store.bucket.name, aisloader, nice))
-        try: runs[name] = _jobs(src, n, mode, epochs, num_workers, batch_size, timeout, start if aisloader else None)
+        try: runs[name] = _jobs(src, n, mode, epochs, num_workers=num_workers, batch_size=batch_size, timeout=timeout,
+                                beside=start if aisloader else None)
         finally: runs[f"aisloader {name}"] = _stop_aisloader(tenant[0]) if tenant else None
     tenants = [t for t in (runs["aisloader alone"], runs["aisloader together"]) if t]
     return dict(runs, verdicts=_tenant_verdicts(runs["alone"], runs["together"], tenants))

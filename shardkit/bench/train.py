@@ -54,6 +54,7 @@ def _task(spec: dict) -> dict: return _direct(spec) if spec["contender"] == "dir
 CONTENDERS = {"direct": None, "train": "shardkit", "train --pipeline example": "example"}
 
 def bench_train(src,                          # Shards with NAME.jpg + NAME.cls: a directory, a brace template, or URLs
+                *,
                 classes: int | None = None,   # Number of classes, told to every contender; default: counted, once
                 runs: int = 3,                # Rounds; each runs every contender once, interleaved (medians over them)
                 size: int = 64,               # Image size the model sees

@@ -34,12 +34,13 @@ def class_names(classes: int) -> list[str]:
 # %% ../../nbs/10_folder.ipynb
 FOLDER_SPLITS = ("train", "val")
 
-def _draw_file(path: Path, split: str, cls: int, k: int, seed: int, quality: int):
+def _draw_file(path: Path, split: str, cls: int, k: int, *, seed: int, quality: int):
     rng = np.random.default_rng([seed, FOLDER_SPLITS.index(split), cls, k])
     img, _ = draw_animal(cls, rng)
     path.write_bytes(jpeg_bytes(img, quality))
 
 def synthesize_folder(root: str | Path,        # Folder to write train/ and val/ into
+                      *,
                       classes: int = 10,        # Number of classes (subfolders per split)
                       per_class: int = 20,      # Training images per class
                       val_per_class: int = 6,   # Validation images per class
@@ -56,7 +57,7 @@ def synthesize_folder(root: str | Path,        # Folder to write train/ and val/
     for split in FOLDER_SPLITS:
         for name in names: (root / split / name).mkdir(parents=True, exist_ok=True)
     for split, c, k in tqdm(jobs, desc=f"drawing {shown_path(root)}", unit="img", disable=not progress):
-        _draw_file(root / split / names[c] / f"{names[c]}_{k:05d}.jpg", split, c, k, seed, quality)
+        _draw_file(root / split / names[c] / f"{names[c]}_{k:05d}.jpg", split, c, k, seed=seed, quality=quality)
     return root
 
 # %% ../../nbs/10_folder.ipynb
@@ -148,6 +149,7 @@ def folder_prefix(src: str | Path) -> str:
 # %% ../../nbs/10_folder.ipynb
 def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROOT/train
                    dest,                            # Store for the shards: a directory, ais:// or s3://bucket[/prefix]
+                   *,
                    prefix: str | None = None,       # Shard names: PREFIX000000.tar, ...; default: the tree's name
                    maxcount: int | None = None,     # Samples per shard; default: 16 shards or more (`auto_maxcount`)
                    maxsize: int | str = "1GB",      # Close a shard once it holds this many bytes (int, or e.g. 100MB)
@@ -162,7 +164,7 @@ def convert_folder(src: str | Path,                 # ImageFolder tree, e.g. ROO
     prefix = folder_prefix(src) if prefix is None else prefix
     if not pairs: raise FolderError(f"{shown_path(src)} holds no images in its class folders {classes[:3]}...")
     skipped = Counter()
-    samples = folder_shard_samples(src, shuffle_files, seed, skipped, pairs)
+    samples = folder_shard_samples(src, shuffle_files, seed, skipped, pairs=pairs)
     m = write_shards(samples, dest, prefix=prefix, maxcount=maxcount, maxsize=maxsize, digits=6, total=len(pairs),
                      progress=progress, info=dict(src=Path(src).name, images=len(pairs), classes=classes,
                                                   shuffle_files=shuffle_files, seed=seed))

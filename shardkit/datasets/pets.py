@@ -109,7 +109,7 @@ def _quirk_bytes(quirk: str, jpg: bytes) -> bytes | None:
     return buf.getvalue()
 
 # %% ../../nbs/09_pets.ipynb
-def _draw_files(root: Path, names: list, extra: list, planted: dict, seed: int, processes: int, progress: bool):
+def _draw_files(root: Path, names: list, extra: list, planted: dict, *, seed: int, processes: int, progress: bool):
     "Draw every image (listed and unlisted) with its trimap, planting quirks, and a few head boxes as VOC XML."
     images, ann = root / "images", root / "annotations"
     jobs = [(seed, cid, k) for _, cid, k in names + extra]
@@ -144,6 +144,7 @@ def _write_junk(root: Path, names: list) -> list[str]:
 
 # %% ../../nbs/09_pets.ipynb
 def synthesize_pets(root: str | Path,     # Folder to write the data set into (created)
+                    *,
                     n: int = 740,         # Number of images listed in list.txt (the real set has 7,349)
                     seed: int = 0,        # Random seed: the same seed gives the same bytes
                     quirks: bool = False, # Plant the real archives' defects (grayscale, CMYK, truncated, missing, junk)
@@ -170,7 +171,7 @@ def synthesize_pets(root: str | Path,     # Folder to write the data set into (c
              for cid in (1, 2)[:_UNLISTED]] if quirks else []
     # quirks go on images spread over the list, one each (n >= 14 keeps them apart)
     planted = {q: names[j * n // len(PET_QUIRKS) + 1][0] for j, q in enumerate(PET_QUIRKS)} if quirks else {}
-    _draw_files(root, names, extra, planted, seed, processes, progress)
+    _draw_files(root, names, extra, planted, seed=seed, processes=processes, progress=progress)
     _write_lists(ann, names)
     junk = _write_junk(root, names) if quirks else []
     skipped = Counter(PET_QUIRKS[q][1] for q in planted if PET_QUIRKS[q][0] == "skip")
@@ -337,6 +338,7 @@ def _load(job): return load_pet_sample(*job)  # a module-level function: what a 
 
 def pet_samples(root: str | Path,        # Oxford-IIIT Pet folder (ROOT/images, ROOT/annotations)
                 split: str = "all",      # 'all' (list.txt), 'trainval' or 'test'
+                *,
                 processes: int = 2,      # Processes validating and normalising images (<= 1: this process)
                 stats: dict | None = None, # Filled with listed/kept/skipped/converted/unlisted/ignored counts
                 extras: bool = False,    # Add species.cls and pet.json (list.txt's original ids) to each sample
@@ -369,6 +371,7 @@ def _fingerprint(root: Path, split: str) -> str:
 
 def convert_pets(root: str | Path,          # Oxford-IIIT Pet folder (ROOT/images, ROOT/annotations)
                  dest,                      # Store for the shards: a local directory, ais:// or s3://bucket[/prefix]
+                 *,
                  split: str = "all",        # 'all', 'trainval' or 'test'
                  prefix: str = "pets-",     # Shard names PREFIX00000.tar, ...
                  maxcount: int = 400,       # Most samples per shard (the AIStore post used 400)

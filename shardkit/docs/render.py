@@ -100,7 +100,7 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
     docs = build / "docs"
     try:
         rels = find_notebooks(nbs)
-        failed = process_notebooks(nbs, rels, docs, root, quiet)
+        failed = process_notebooks(nbs, rels, docs, root, quiet=quiet)
         if failed: raise DocsError(_failures(failed, len(rels)))
         _copy_images(nbs, docs)
         (docs / "shardkit.css").write_text(_CSS)

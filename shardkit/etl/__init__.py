@@ -31,6 +31,7 @@ def etl_engine(name: str) -> Callable:
 def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
             src,                            # Source store: a directory, ais:// or s3://bucket[/prefix]
             dest,                           # Destination (made if missing): a directory, ais:// or s3://bucket[/prefix]
+            *,
             pattern: str = "*.tar",         # Which shards: a glob, brace template or prefix
             processes: int = 2,             # Local worker processes (1: in this process)
             decode: str | None = "pil",     # Decoding of the function's input (None: raw bytes, as `raw`)
@@ -46,15 +47,16 @@ def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. sha
     run, decode = etl_engine(engine), None if raw else decode
     if scheduler is not None and engine != "dask": raise UsageError("scheduler= (--scheduler) needs engine='dask'")
     kw = dict(processes=processes, decode=decode, strict=strict, seed=seed, progress=progress)
-    if engine == "dask": return run(fn, src, dest, pattern, scheduler=scheduler, **kw)
+    if engine == "dask": return run(fn, src, dest, pattern=pattern, scheduler=scheduler, **kw)
     src_store, dest_store, note = open_store(src), open_store(dest, create=True), None
     if (isinstance(src_store, AISStore) and isinstance(dest_store, AISStore)
             and src_store.endpoint == dest_store.endpoint):
         note = etl_unavailable(src_store.client)  # None: the cluster runs the transform itself
         if note is None:
             names = etl_shards(src_store, dest_store, pattern)
-            return run_in_cluster(fn, src_store, dest_store, names, decode, strict, seed, etl_name, time.perf_counter())
-    return run(fn, src_store, dest_store, pattern, note=note, **kw)
+            return run_in_cluster(fn, src_store, dest_store, names, decode=decode, strict=strict, seed=seed,
+                                  etl_name=etl_name, t0=time.perf_counter())
+    return run(fn, src_store, dest_store, pattern=pattern, note=note, **kw)
 
 # %% ../../nbs/19_etl.ipynb
 def etl_summary(s: dict,  # What `run_etl` returns

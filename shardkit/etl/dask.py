@@ -79,6 +79,7 @@ def transform_shard(shards: ShardTransform,  # The transform (pickled to the wor
                     src: str,                # Source store spec: a directory, ais:// or s3://bucket[/prefix]
                     dest: str,               # Destination store spec: a directory, ais:// or s3://bucket[/prefix]
                     name: str,               # The shard, in `src`; written under the same name to `dest`
+                    *,
                     src_endpoint: str | None = None,   # AIStore endpoint of `src`
                     dest_endpoint: str | None = None,  # AIStore endpoint of `dest`
                    ) -> dict:
@@ -102,11 +103,12 @@ def _why(fut, attempts: int) -> str:
     except Exception as c: return f"{type(c).__name__}: cancelled"
     return f"{type(e).__name__}: {e} (after {attempts} attempt{'s' * (attempts > 1)})"
 
-def _run_tasks(client, shards: ShardTransform, src, dest, names: list[str], retries: int, bar) -> tuple[dict, dict]:
+def _run_tasks(client, shards: ShardTransform, src, dest, *, names: list[str], retries: int, bar) -> tuple[dict, dict]:
     "Run `transform_shard` for each of `names` on `client`; (results, errors) by shard name."
     d = _distributed()
     run = uuid.uuid4().hex[:8]
-    futures = {client.submit(transform_shard, shards, src.spec, dest.spec, n, _endpoint(src), _endpoint(dest),
+    futures = {client.submit(transform_shard, shards, src.spec, dest.spec, n, src_endpoint=_endpoint(src),
+                             dest_endpoint=_endpoint(dest),
                              key=f"shardkit-etl-{run}-{n}", retries=retries, pure=False): n for n in names}
     results, failed = {}, {}
     try:
@@ -124,6 +126,7 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
                  src,                         # Source store: a directory, ais:// or s3://bucket[/prefix]
                  dest,                        # Destination store: a directory, ais:// or s3://bucket[/prefix]
                  pattern: str = "*.tar",      # Which shards: a glob, brace template or prefix
+                 *,
                  decode: str | None = "pil",  # Decoding of the function's input (None: raw bytes)
                  strict: bool = False,        # A failing sample fails its shard (else it is skipped and counted)
                  seed: int | None = None,     # Per-sample seeds for random transforms (same bytes as the local engine)
@@ -140,18 +143,18 @@ def run_etl_dask(fn: str | Callable,          # Sample function, 'module:functio
     done = done_shards(dest_store, read_etl_manifest(dest_store), settings)
     todo = [n for n in names if n not in done]
     t0, results, failed, where = time.perf_counter(), {}, {}, None
-    if not todo: return _summary(src_store, dest_store, names, done, results, failed, t0, where)
+    if not todo: return _summary(src_store, dest_store, names, done, results=results, failed=failed, t0=t0, where=where)
     client, close = dask_client(scheduler, processes)  # before the manifest is touched: a bad address changes nothing
     bar = tqdm(total=len(names), initial=len(done), unit="shard", disable=not progress,
                desc=f"dask etl {shown_path(src_store.spec)} -> {shown_path(dest_store.spec)}")
     try:
         where = dict(scheduler=client.scheduler.address, dashboard=_dashboard_link(client))
         if progress and where["dashboard"]: print(f"Dask dashboard: {where['dashboard']}")
-        results, failed = _run_tasks(client, shards, src_store, dest_store, todo, retries, bar)
+        results, failed = _run_tasks(client, shards, src_store, dest_store, names=todo, retries=retries, bar=bar)
     finally:
         bar.close(); close()
-        write_etl_manifest(dest_store, settings, names, {**done, **results}, failed, engine="dask")
-    return _summary(src_store, dest_store, names, done, results, failed, t0, where)
+        write_etl_manifest(dest_store, settings, names, {**done, **results}, failed=failed, engine="dask")
+    return _summary(src_store, dest_store, names, done, results=results, failed=failed, t0=t0, where=where)
 
 # %% ../../nbs/18_etl.dask.ipynb
 def _dashboard_link(client) -> str:
@@ -159,7 +162,7 @@ def _dashboard_link(client) -> str:
     if "dashboard" not in client.scheduler_info().get("services", {}): return ""
     return client.dashboard_link
 
-def _summary(src, dest, names, done, results, failed, t0, where) -> dict:
+def _summary(src, dest, names, done, *, results, failed, t0, where) -> dict:
     counts, reasons = Counter(), Counter()
     for r in results.values(): counts.update(r["counts"]); reasons.update(r["reasons"])
     if failed:

@@ -49,7 +49,7 @@ def _worker_run(name: str) -> dict:
     return res
 
 # %% ../../nbs/17_etl.local.ipynb
-def run_locally(shards: ShardTransform, src, dest, names: list[str], processes: int, progress: bool,
+def run_locally(shards: ShardTransform, src, dest, names: list[str], *, processes: int, progress: bool,
                 done=None) -> list[dict]:
     "Run `shards` on shards `names` of `src` into `dest` with `processes` processes; the results (each also to `done`)."
     done = done or (lambda r: None)
@@ -83,26 +83,29 @@ def _summary(results: list[dict], src, dest, t0: float, note: str | None = None)
                 seconds=round(time.perf_counter() - t0, 2), **({"note": note} if note else {}))
 
 # %% ../../nbs/17_etl.local.ipynb
-def run_resumably(fn, src, dest, names, processes, decode, strict, seed, progress, t0, note) -> dict:
+def run_resumably(fn, src, dest, names, *, processes, decode, strict, seed, progress, t0, note) -> dict:
     "The local engine: skip shards the manifest records as done, record each new one as it is stored, `complete` last."
     settings = etl_settings(fn, src, decode, seed)
     done = done_shards(dest, read_etl_manifest(dest), settings)
     todo, failed = [n for n in names if n not in done], {}
-    write_etl_manifest(dest, settings, names, done, {})  # an interrupted run leaves complete=false, never a silent half
+    write_etl_manifest(dest, settings, names, done,
+                       failed={})  # an interrupted run leaves complete=false, never a silent half
     def record(r):
         if r["error"]: failed[r["name"]] = r["error"]
         else: done[r["name"]] = dict(name=r["name"], samples=r["counts"].get("out", 0), bytes=r["bytes_out"],
                                      sha256=r["sha256"])
-        write_etl_manifest(dest, settings, names, done, failed)
+        write_etl_manifest(dest, settings, names, done, failed=failed)
     shards = ShardTransform(fn, decode, "strict" if strict else "skip", seed)
-    s = _summary(run_locally(shards, src, dest, todo, processes, progress, record) if todo else [], src, dest, t0, note)
+    s = _summary(run_locally(shards, src, dest, todo, processes=processes, progress=progress,
+                             done=record) if todo else [], src, dest, t0, note=note)
     return dict(s, shards=len(names), resumed=len(names) - len(todo), manifest=MANIFEST)
 
 # %% ../../nbs/17_etl.local.ipynb
-def run_local(fn: str | Callable, src, dest, pattern: str = "*.tar", processes: int = 2, decode: str | None = "pil",
+def run_local(fn: str | Callable, src, dest, *, pattern: str = "*.tar", processes: int = 2, decode: str | None = "pil",
               strict: bool = False, seed: int | None = None, progress: bool = True, note: str | None = None) -> dict:
     "The local engine: each shard of `src` matching `pattern` through `processes` processes to `dest`, resumably."
     t0 = time.perf_counter()
     src, dest = open_store(src), open_store(dest, create=True)
-    return run_resumably(fn, src, dest, etl_shards(src, dest, pattern), processes, decode, strict, seed, progress, t0,
-                         note)
+    return run_resumably(fn, src, dest, etl_shards(src, dest, pattern), processes=processes, decode=decode,
+                         strict=strict, seed=seed, progress=progress, t0=t0,
+                         note=note)

@@ -38,7 +38,7 @@ def done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
     return {sh["name"]: sh for sh in old.get("shards", [])
             if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
 
-def write_etl_manifest(store, settings: dict, names: list[str], done: dict[str, dict], failed: dict[str, str],
+def write_etl_manifest(store, settings: dict, names: list[str], done: dict[str, dict], *, failed: dict[str, str],
                     engine: str = "local") -> dict:
     "Write the ETL manifest (done shards, missing ones and why, complete or not) into `store`; the manifest."
     missing = {n: failed.get(n, "not run") for n in names if n not in done}

@@ -91,7 +91,7 @@ def etl_unavailable(client_or_endpoint=None) -> str | None:
                 f"(HTTP {e.status_code}: {msg}): AIStore runs ETL only on Kubernetes in builds with the `etl` tag; "
                 "run the transform in a sidecar instead (shardkit etl serve)")
 
-def init_etl(name: str, fn: str | Callable, client=None, decode: str | None = "pil", strict: bool = False,
+def init_etl(name: str, fn: str | Callable, *, client=None, decode: str | None = "pil", strict: bool = False,
              seed: int | None = None, comm_type: str = "hpull", **kwargs) -> str:
     "Way 3 in a cluster: start ETL `name` running `fn` on whole shards by `init_class`; ETLUnavailable if it cannot."
     client = client or ais_client()
@@ -106,11 +106,11 @@ def init_etl(name: str, fn: str | Callable, client=None, decode: str | None = "p
     return name
 
 # %% ../../nbs/15_etl.server.ipynb
-def run_in_cluster(fn, src, dest, names, decode, strict, seed, etl_name, t0) -> dict:
+def run_in_cluster(fn, src, dest, names, *, decode, strict, seed, etl_name, t0) -> dict:
     "AIStore's bucket-to-bucket transform with our ETL server class (needs a cluster that runs ETL)."
     f = resolve_fn(fn)
     name = etl_name or ("shardkit-" + getattr(f, "__name__", "etl").replace("_", "-"))[:32]
-    init_etl(name, f, src.client, decode, strict, seed)
+    init_etl(name, f, client=src.client, decode=decode, strict=strict, seed=seed)
     job = src.bucket.transform(etl_name=name, to_bck=dest.bucket, prefix_filter=src.prefix, cont_on_err=not strict)
     src.client.job(job).wait(verbose=True)
     done = dest.list()

@@ -66,11 +66,11 @@ def _guard(app, store):
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/ws"]
     @app.middleware("http")
     async def refuse(request, call_next):
-        why = _refusal(request.method, request.url.path, request.query_params, request.headers.keys(), store)
+        why = _refusal(request.method, request.url.path, request.query_params, request.headers.keys(), store=store)
         return PlainTextResponse(why[1], status_code=why[0]) if why else await call_next(request)
 
 # %% ../../nbs/20_sidecar.ipynb
-def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: int = 8000, decode: str | None = "pil",
+def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: int = 8000, *, decode: str | None = "pil",
                    strict: bool = False, seed: int | None = None) -> ShardETLServer:
     "The ETL server of way 3, set up to pull shards from store `source` (AIStore, or a local directory it serves)."
     store, port = open_store(source), _check_port(port)
@@ -103,6 +103,7 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
 # %% ../../nbs/20_sidecar.ipynb
 def serve(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
           source=None,                 # Store the shards come from: a directory or ais://bucket[/prefix] (required)
+          *,
           host: str = "127.0.0.1",     # Address to bind (127.0.0.1: this machine only)
           port: int = 8000,            # Port to listen on
           decode: str | None = "pil",  # Decoding of the function's input (None: raw bytes, as `raw`)
@@ -118,7 +119,7 @@ def serve(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shard
     store = open_store(source)
     import uvicorn
     one_torch_thread()
-    server = sidecar_server(fn, store, host, port, None if raw else decode, strict, seed)
+    server = sidecar_server(fn, store, host, port, decode=None if raw else decode, strict=strict, seed=seed)
     example = store.list("*.tar")[:1] or ["NAME.tar"]
     path = f"{store.bucket.name}/{store.prefix}{example[0]}" if isinstance(store, AISStore) else example[0]
     url = f"http://{_local_url(host)}:{port}"
@@ -140,6 +141,7 @@ class Sidecar:
     "Way 4: an ETL server before store `source`, in a subprocess or thread; `url_for` gives URLs of transformed shards."
     def __init__(self, fn: str | Callable,          # Sample function or 'module:function'
                  source,                            # Store the shards come from (directory or ais://bucket)
+                 *,
                  host: str = "127.0.0.1",           # Address to bind
                  port: int = 0,                     # Port (0: a free one)
                  decode: str | None = "pil",        # Decoding of the function's input (None: raw bytes)

@@ -47,7 +47,7 @@ def _epoch_shards(job: dict, urls: Sequence[str]) -> list[list]:
     if plan is not None and plan.get("epoch") == job["epoch"]: return [[n, list(p)] for n, p in plan["shards"]]
     return [[shard_name(u), []] for u in epoch_shard_order(urls, job["seed"], job["epoch"], job["shard_shuffle"])]
 
-def _places(names: Sequence[str], by_name: dict, gone: dict, sizes: dict, handler: Callable, retries):
+def _places(names: Sequence[str], by_name: dict, gone: dict, sizes: dict, *, handler: Callable, retries):
     "(name, place) of each sample of shards `names` in order, but the places `gone` names; `sizes` of those read."
     for name in names:
         i, skip = 0, gone.get(name, ())
@@ -71,7 +71,7 @@ def handed_out(job: dict,                    # `merge_states`'s
     for rank, counts in job["batches"].items():
         for worker, n in enumerate(counts):
             slot = worker * world + rank
-            items = _places(names[slot::world * workers], by_name, gone, sizes, handler, retries)
+            items = _places(names[slot::world * workers], by_name, gone, sizes, handler=handler, retries=retries)
             if job["shuffle"]:
                 items = buffer_shuffle(items, job["shuffle"], seeded_rng(job["seed"], job["epoch"], "samples", slot))
             for name, i in islice(items, n * per_batch): out.setdefault(name, set()).add(i)

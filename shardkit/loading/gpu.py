@@ -61,6 +61,7 @@ def augment_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any
                   keys: Sequence[str],             # The samples' keys (they seed the crops)
                   seed: int,                       # The loader's seed
                   epoch: int,                      # The epoch
+                  *,
                   size: int = 224,                 # Side of the square crops
                   scale=(0.08, 1.0),               # RandomResizedCrop's range of crop areas
                  ) -> torch.Tensor:                # uint8 B x 3 x size x size
@@ -96,6 +97,7 @@ def decode_batch(blobs: Sequence[torch.Tensor],  # JPEG bytes, 1-D uint8 CPU ten
 def jpeg_sample(sample: dict,                       # A raw sample from `url_samples`
                 fields: Sequence[str],                # The fields of the batch, in order
                 image_field: str,                     # The JPEG field among them
+                *,
                 shards: EpochShards | None = None,  # The loader's shards: seed and epoch of the crops (None: 0 and 0)
                 scale=(0.08, 1.0),                  # RandomResizedCrop's range of crop areas
                 ratio=(3 / 4, 4 / 3),               # RandomResizedCrop's range of aspect ratios
@@ -120,7 +122,7 @@ def jpeg_sample(sample: dict,                       # A raw sample from `url_sam
         raise LoaderError(f"sample {key!r} in {url}: {e}") from None
     ctx = shards.ctx if shards is not None else None
     seed = seed_for(shards.seed, ctx["epoch"], "augment", key) if ctx else seed_for(0, 0, "augment", key)
-    return key, data, draw_crop(height, width, seed, scale, ratio), values
+    return key, data, draw_crop(height, width, seed, scale, ratio=ratio), values
 
 # %% ../../nbs/29_gpu.ipynb
 class JpegBatch(NamedTuple):
@@ -146,7 +148,7 @@ def pack_jpegs(samples: list[tuple]) -> JpegBatch:
     data = torch.frombuffer(bytearray().join(blobs), dtype=torch.uint8)
     crops = torch.tensor(crops, dtype=torch.int64)
     return JpegBatch(data, torch.tensor([len(b) for b in blobs], dtype=torch.int64), crops[:, :4].contiguous(),
-                     crops[:, 4].bool(), list(keys), tuple(_column(c) for c in zip(*values)))
+                     crops[:, 4].bool(), keys=list(keys), columns=tuple(_column(c) for c in zip(*values)))
 
 # %% ../../nbs/29_gpu.ipynb
 def resize_weights(lengths: torch.Tensor,  # B crop lengths along one axis (float, on the device)
@@ -196,7 +198,8 @@ def _padded(views: list[torch.Tensor], dtype, H: int, W: int, nested: bool = Tru
     for i, v in enumerate(views): x[i, :, :v.shape[1], :v.shape[2]] = v
     return x
 
-def _products(x: torch.Tensor, crops: torch.Tensor, flips: torch.Tensor, size: int, dtype, whole: bool) -> torch.Tensor:
+def _products(x: torch.Tensor, crops: torch.Tensor, flips: torch.Tensor, size: int, *, dtype,
+              whole: bool) -> torch.Tensor:
     "float32 B x 3 x size x size: `Wy @ x @ Wx^T` per image of `x` (B x 3 x H x W, whole images or crops at 0, 0)."
     c = crops.float()
     wy = resize_weights(c[:, 2], size, x.shape[-2], c[:, 0] if whole else None).to(dtype)
@@ -208,7 +211,7 @@ def _resize_group(views: list[torch.Tensor], crops: torch.Tensor, flips: torch.T
                  ) -> torch.Tensor:
     "float32 B x 3 x size x size: the crops `views` (3 x h x w each) resized together in `dtype`, flipped at `flips`."
     H, W = max(v.shape[1] for v in views), max(v.shape[2] for v in views)
-    return _products(_padded(views, dtype, H, W), crops, flips, size, dtype, whole=False)
+    return _products(_padded(views, dtype, H, W), crops, flips, size, dtype=dtype, whole=False)
 
 def _crop_view(image: torch.Tensor, top: int, left: int, height: int, width: int) -> torch.Tensor:
     return image[:, top:top + height, left:left + width]
@@ -224,6 +227,7 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
                crops: torch.Tensor,             # (top, left, height, width) of each crop: int64 B x 4, on the CPU
                flips: torch.Tensor,             # Which crops to flip left-right: bool B, on the CPU
                size: int = 224,                 # Side of the square output
+               *,
                normalize: bool = False,         # float32 ImageNet-normalised output instead of uint8
                channels_last: bool = False,     # Output in channels-last memory format
                budget: int = 2**28,             # Most elements padded at once (3 x H x W per image); larger: in groups
@@ -245,10 +249,11 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
     groups = shapes if whole else _groups([3 * h * w for _, _, h, w in boxes], budget)
     for g in groups:
         idx = _on(torch.tensor(g), dev) if len(groups) > 1 else slice(None)
-        if whole: x = _products(torch.stack([images[i] for i in g]), crops_d[idx], flips_d[idx], size, dtype, True)
+        if whole: x = _products(torch.stack([images[i] for i in g]), crops_d[idx], flips_d[idx], size, dtype=dtype,
+                                whole=True)
         else:  # each crop a view (no copy, no kernel), padded into one tensor
             views = [_crop_view(images[i], *boxes[i]) for i in g]
-            x = _resize_group(views, crops_d[idx], flips_d[idx], size, dtype)
+            x = _resize_group(views, crops_d[idx], flips_d[idx], size, dtype=dtype)
         if normalize: m, s = _mean_std(dev); x = x.sub_(m).div_(s)
         else: x = x.round_().clamp_(0, 255)
         if len(groups) == 1: out.copy_(x)  # one kernel: to uint8 (or not) and to the output's memory format
@@ -260,7 +265,8 @@ class GpuLoader:
     "Batches whose JPEGs are decoded and augmented on `device`, `prefetch` batches ahead (made by `create_gpu_loader`)."
     time_device: bool = False  # record (stage, start, end, samples) of each batch's copy, decode and augment
 
-    def __init__(self, loader: ShardLoader, fields: Sequence[str], image_field: str, device, size: int, normalize: bool,
+    def __init__(self, loader: ShardLoader, fields: Sequence[str], image_field: str, device, *, size: int,
+                 normalize: bool,
                  channels_last: bool = False, prefetch: int = 2, thread: bool | None = None):
         self.loader, self.fields, self.image_field = loader, tuple(fields), image_field
         self.device = torch.device(device)
@@ -308,14 +314,15 @@ def to_device(self: GpuLoader, batch: JpegBatch, stream=None) -> tuple:
     t = _mark(self, stream)
     data = _pinned(self, batch.data) if dev.type == "cuda" else batch.data
     columns = [_on(c, dev) if isinstance(c, torch.Tensor) else c for c in batch.columns]
-    _stage(self, "copy", t, stream, n)
+    _stage(self, "copy", t, stream, n=n)
     if stream is not None: stream.synchronize()  # the loader's last batch is done: decode's memory is free (#9606)
     t = _mark(self, stream)
     images = decode_batch(data.split(batch.lengths.tolist()), batch.keys, dev)
-    _stage(self, "decode", t, stream, n)
+    _stage(self, "decode", t, stream, n=n)
     t = _mark(self, stream)
-    out = crop_batch(images, batch.crops, batch.flips, self.size, self.normalize, self.channels_last)
-    _stage(self, "augment", t, stream, n)
+    out = crop_batch(images, batch.crops, batch.flips, self.size, normalize=self.normalize,
+                     channels_last=self.channels_last)
+    _stage(self, "augment", t, stream, n=n)
     return tuple(out if c is None else c for c in columns)
 
 @patch
@@ -371,6 +378,7 @@ def load_state_dict(self: GpuLoader, state: dict):
 
 # %% ../../nbs/29_gpu.ipynb
 def create_gpu_loader(sources,                           # Shards: a store, a directory, ais://bucket, a template, URLs
+                      *,
                       fields: Sequence[str] = ("cls", "image.jpg"),  # Fields of a batch; exactly one JPEG (decoded)
                       batch_size: int = 64,              # Samples per batch
                       num_workers: int = 4,              # DataLoader workers (they read and draw crops, not decode)
@@ -399,7 +407,9 @@ def create_gpu_loader(sources,                           # Shards: a store, a di
                           "sources, ...)), or device='cpu' to run this same pipeline on the CPU")
     to_jpeg = partial(jpeg_sample, fields=tuple(fields), image_field=images[0], scale=tuple(scale),
                       allow_pickle=allow_pickle)
-    dataset = shard_dataset(shard_urls(sources), to_jpeg, fields, batch_size, pack_jpegs, seed, shuffle, rank,
-                            world_size)
+    dataset = shard_dataset(shard_urls(sources), to_jpeg, fields, batch_size, collation_fn=pack_jpegs, seed=seed,
+                            shuffle=shuffle, rank=rank,
+                            world_size=world_size)
     loader = create_dataloader(dataset, num_workers=num_workers, batch_size=batch_size)
-    return GpuLoader(loader, fields, images[0], device, size, normalize, channels_last, prefetch, thread)
+    return GpuLoader(loader, fields, images[0], device, size=size, normalize=normalize, channels_last=channels_last,
+                     prefetch=prefetch, thread=thread)

@@ -109,7 +109,7 @@ class SampleIndex:
     shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
     kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs), 'ais' (a bucket), 's3' (s3:// URLs)
     versions = None     # each shard's content version when indexed (AIStore: checksum/version; http, s3: ETag), or None
-    def __init__(self, shards: list[str], shard, offset, size, keys, key_end, fields: Sequence[str], source: str):
+    def __init__(self, shards: list[str], shard, offset, size, *, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.keys, self.key_end, self.fields, self.source = keys, key_end, tuple(fields), source
     def __len__(self): return len(self.shard)
@@ -147,10 +147,10 @@ def _select(groups: list[dict], shards: list[str], fields: Sequence[str], source
             offset[rows, j], size[rows, j] = g["m_offset"][m], g["m_size"][m]
     key_base = np.concatenate([[0], np.cumsum([len(g["keys"]) for g in groups])])
     idx = SampleIndex(shards, np.repeat(np.arange(len(groups), dtype=np.int32), counts), offset, size,
-                      np.concatenate([g["keys"] for g in groups] or [np.zeros(0, np.uint8)]),
-                      np.concatenate([g["key_end"] + key_base[s] for s, g in enumerate(groups)]
+                      keys=np.concatenate([g["keys"] for g in groups] or [np.zeros(0, np.uint8)]),
+                      key_end=np.concatenate([g["key_end"] + key_base[s] for s, g in enumerate(groups)]
                                      or [np.zeros(0, np.int64)]),
-                      fields, source)
+                      fields=fields, source=source)
     _check_complete(idx, groups)
     if not (offset >= 0).all(): idx.offset = None  # a listing (AIStore): members are read by name
     elif F and not keep_keys and all(bool(g["plain"]) for g in groups):
@@ -187,8 +187,9 @@ def load_index(folder: str | Path) -> SampleIndex:
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     a = {n: np.load(folder / f"{n}.npy", mmap_mode="r") if (folder / f"{n}.npy").exists() else None for n in _ARRAYS}
-    idx = SampleIndex(meta["shards"], a["shard"], a["offset"], a["size"], a["keys"], a["key_end"], meta["fields"],
-                      meta["source"])
+    idx = SampleIndex(meta["shards"], a["shard"], a["offset"], a["size"], keys=a["keys"], key_end=a["key_end"],
+                      fields=meta["fields"],
+                      source=meta["source"])
     idx.shard_bytes, idx.kind = a["shard_bytes"], meta["kind"]
     if meta["endpoint"]: idx.endpoint = meta["endpoint"]
     idx.versions = meta.get("versions")
@@ -221,7 +222,8 @@ def index_url(url: str, index_cache: bool | str | Path = True, retries: Retries 
     cfile = folder / f"{key}.npz" if folder else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
-    with opener(url, retries, name, tag, size if size >= 0 else None) as f:  # a cut read resumes; members skipped
+    with opener(url, retries, name, version=tag,
+                size=size if size >= 0 else None) as f:  # a cut read resumes; members skipped
         ents = [e for e in tar_entries(f, name[len("shard "):], data=False) if e.is_file and not is_meta_member(e.name)]
     g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
     if cfile is not None: _save_index(g, cfile, url)
@@ -266,11 +268,11 @@ def sample_index(source,                                   # A directory, tar pa
         store = open_store(source)
         if not (rows := store.listing(pattern)):
             raise RandomAccessError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls)")
-        return _url_index([store.url(n) for n, _, _ in rows], fields, store.spec, index_cache, retries,
-                          [(n, t) for _, n, t in rows])
+        return _url_index([store.url(n) for n, _, _ in rows], fields, store.spec, index_cache, retries=retries,
+                          heads=[(n, t) for _, n, t in rows])
     paths = shard_urls(source, pattern)
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    if any("://" in p for p in paths): return _url_index(paths, fields, name, index_cache, retries)
+    if any("://" in p for p in paths): return _url_index(paths, fields, name, index_cache, retries=retries)
     joined = _joined_path(paths, fields, index_cache) if index_cache else None
     if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
     idx = _select([index_tar(p, index_cache) for p in paths], paths, fields, source=name)
@@ -279,7 +281,7 @@ def sample_index(source,                                   # A directory, tar pa
     try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
     except OSError: return idx  # an unwritable index cache: index_tar has warned
 
-def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, retries: Retries | None,
+def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, *, retries: Retries | None,
                heads: list[tuple[int, str]] | None = None) -> SampleIndex:
     "The index of shards at http(s) or s3 URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
     s3 = all(p.startswith("s3://") for p in paths)
@@ -385,7 +387,8 @@ def synthetic_index(n: int, per_shard: int = 1000, fields: Sequence[str] = ("cls
             kb[a:a + len(i), 3:] = 48 + i // 10 ** np.arange(11, -1, -1) % 10
         kb, key_end = kb.ravel(), 15 * np.arange(1, n + 1, dtype=np.int64)
     else: offset = 1024 + 111_616 * np.arange(n * F, dtype=np.int64).reshape(n, F)
-    idx = SampleIndex([f"s{s:07d}.tar" for s in range(S)], shard, offset, size, kb, key_end, fields, "synthetic")
+    idx = SampleIndex([f"s{s:07d}.tar" for s in range(S)], shard, offset, size, keys=kb, key_end=key_end, fields=fields,
+                      source="synthetic")
     idx.shard_bytes = np.full(S, per_shard * F * 111_616, np.int64)
     return idx
 

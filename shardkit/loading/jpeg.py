@@ -129,7 +129,7 @@ def _bind(lib) -> _Native:
 def _failed(msg) -> JpegError:
     return JpegError(f"cannot decode this JPEG: {msg.value.decode(errors='replace') or 'libjpeg gave no reason'}")
 
-def _call(native: _Native, data: bytes, top: int, left: int, height: int, width: int) -> torch.Tensor | None:
+def _call(native: _Native, data: bytes, top: int, left: int, *, height: int, width: int) -> torch.Tensor | None:
     fits = 0 < height <= 65535 and 0 < width <= 65535
     out = torch.empty((height, width, 3) if fits else (0, 0, 3), dtype=torch.uint8)
     msg = ctypes.create_string_buffer(256)
@@ -138,7 +138,7 @@ def _call(native: _Native, data: bytes, top: int, left: int, height: int, width:
     if r or not fits: raise _failed(msg)
     return out.permute(2, 0, 1)
 
-def _call_crop(native: _Native, data: bytes, box, size, flip: bool, scale: int, out: torch.Tensor):
+def _call_crop(native: _Native, data: bytes, box, size, *, flip: bool, scale: int, out: torch.Tensor):
     "sk_decode_crop into `out`: `out`, or None for a CMYK JPEG."
     msg = ctypes.create_string_buffer(256)
     r = native.crop(bytes(data), len(data), *box, scale, *size, int(flip), out.data_ptr(), out.stride(0),
@@ -195,14 +195,15 @@ def _agrees(native: _Native) -> bool:
     "Whether the window decoder gives the reference's pixels for the probe's windows, the whole image among them."
     ref = _reference()
     probe, full = ref["probe"].tobytes(), torch.from_numpy(ref["full"])
-    return all(torch.equal(_call(native, probe, top, left, h, w), full[:, top:top + h, left:left + w])
+    return all(torch.equal(_call(native, probe, top, left, height=h, width=w), full[:, top:top + h, left:left + w])
                for top, left, h, w in _PROBES)
 
 def _crop_agrees(native: _Native) -> bool:
     "Whether sk_decode_crop resizes (down and up) and flips the probe's windows to the reference's pixels."
     ref = _reference()
     for i, (box, size, flip) in enumerate(zip(_PROBES, _SIZES, _FLIPS)):
-        got = _call_crop(native, ref["probe"].tobytes(), box, size, flip, 8, torch.empty((3, *size), dtype=torch.uint8))
+        got = _call_crop(native, ref["probe"].tobytes(), box, size, flip=flip, scale=8,
+                         out=torch.empty((3, *size), dtype=torch.uint8))
         if not torch.equal(got, torch.from_numpy(ref[f"crop{i}"])): return False
     return True
 
@@ -291,7 +292,7 @@ def decode_window(data: bytes, top: int, left: int, height: int, width: int) -> 
     "Rows `top`..`top+height`, columns `left`..`left+width` of `data`: uint8 RGB, 3 x height x width; None for CMYK."
     native, why, _ = _decoder()
     if native is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
-    return _call(native, data, top, left, height, width)
+    return _call(native, data, top, left, height=height, width=width)
 
 # %% ../../nbs/22_jpeg.ipynb
 DCT_MODES = ("off", "pow2", "any")  # what `dct_scale` may be asked for
@@ -312,6 +313,7 @@ def dct_scale(height: int,    # The crop's height in the image, pixels
 def decode_crop(data: bytes,             # A JPEG
                 top: int, left: int,     # The crop's top-left corner in the image
                 height: int, width: int, # Its size
+                *,
                 size,                    # The output's (height, width), or one int for a square
                 flip: bool = False,      # Mirror it left to right
                 dct: str = "off",        # Decode at a smaller DCT scale where the crop allows: `dct_scale`'s mode
@@ -327,14 +329,14 @@ def decode_crop(data: bytes,             # A JPEG
     if native is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
     if native.crop is not None:
         scale = dct_scale(height, width, *size, dct)
-        return _call_crop(native, data, (top, left, height, width), size, flip, scale, out)
-    x = _call(native, data, top, left, height, width)
+        return _call_crop(native, data, (top, left, height, width), size, flip=flip, scale=scale, out=out)
+    x = _call(native, data, top, left, height=height, width=width)
     if x is None: return None
     x = _resized(x, size)
     return out.copy_(x.flip(-1) if flip else x)
 
 # %% ../../nbs/22_jpeg.ipynb
-def _outside(top: int, left: int, height: int, width: int, h: int, w: int) -> str | None:
+def _outside(top: int, left: int, height: int, width: int, *, h: int, w: int) -> str | None:
     "Why the window does not fit an h x w image, as the C function says it; None where it fits."
     if top < 0 or left < 0 or height <= 0 or width <= 0 or top + height > h or left + width > w:
         return f"window {width}x{height} at ({left}, {top}) outside the {w}x{h} image"
@@ -360,19 +362,20 @@ class EncodedJpeg:
 
     def window(self, top: int, left: int, height: int, width: int) -> torch.Tensor:
         "The window as uint8 3 x height x width RGB: decoded alone where this machine can, else cut from a full decode."
-        if why_no_window_decode() is None and (x := decode_window(self.data, top, left, height, width)) is not None:
+        if why_no_window_decode() is None and (x := decode_window(self.data, top, left, height,
+                                                                  width=width)) is not None:
             return x
         whole = self.decode()
-        if why := _outside(top, left, height, width, *whole.shape[1:]):
+        if why := _outside(top, left, height, width, h=whole.shape[1], w=whole.shape[2]):
             raise JpegError(f"cannot decode this JPEG: {why}")
         return whole[:, top:top + height, left:left + width]
 
-    def crop(self, top: int, left: int, height: int, width: int, size, flip: bool = False, dct: str = "off",
+    def crop(self, top: int, left: int, height: int, width: int, *, size, flip: bool = False, dct: str = "off",
              out: torch.Tensor | None = None) -> torch.Tensor:
         "The box resized to `size`, mirrored if `flip` (`decode_crop`, into `out` if given); else from `window`."
         size = (size, size) if isinstance(size, int) else tuple(size)
         if why_no_window_decode() is None:
-            x = decode_crop(self.data, top, left, height, width, size, flip, dct, out)
+            x = decode_crop(self.data, top, left, height, width=width, size=size, flip=flip, dct=dct, out=out)
             if x is not None: return x
         x = _resized(self.window(top, left, height, width), size)
         x = x.flip(-1) if flip else x

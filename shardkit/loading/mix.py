@@ -62,6 +62,7 @@ def mix_samples(src: Iterable[dict],             # The epoch source's samples (t
                 shards: EpochShards,             # Its shards: the reader's seed, epoch and slot
                 names: Sequence[str],            # Every source's name, the epoch source first
                 weights: Sequence[float],        # Their weights, in that order
+                *,
                 others: Sequence[Sequence[str]], # The other sources' shard URLs, in that order
                 handler: Callable,               # A bad sample (as the pipeline's)
                 retries: Retries | None = None,
@@ -70,7 +71,7 @@ def mix_samples(src: Iterable[dict],             # The epoch source's samples (t
     src = iter(src)
     first = next(src, None)
     if first is None: return
-    streams = [chain((first,), src), *[cycled_samples(u, n, shards.ctx, handler, retries)
+    streams = [chain((first,), src), *[cycled_samples(u, n, shards.ctx, handler, retries=retries)
                                         for n, u in zip(names[1:], others)]]
     for i in weighted_turns(weights):
         s = next(streams[i], None)
@@ -102,6 +103,7 @@ class MixedOrder:
                  turns: tuple[np.ndarray, np.ndarray],  # `mix_turns` of the sources' weights
                  names: Sequence[str],                 # The sources' names: each seeds its passes' orders
                  seed: int,                            # Seed of the run
+                 *,
                  epoch: int,                           # Epoch: each draws its own orders
                  window: int | None = None,            # Shards per window of each source's order (`EpochOrder`)
                 ):

@@ -49,7 +49,7 @@ def permute(positions,       # Positions in range(n), a 1-d array of ints
     return _feistel(x, n, _round_keys(seed))
 
 # %% ../../nbs/26a_order.ipynb
-def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1,
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, *, rank: int = 0, world_size: int = 1,
                   pad: bool = False, drop_last: bool = True, order: np.ndarray | None = None) -> list[np.ndarray]:
     "Rank `rank`'s batches of epoch `epoch`, all at once: `permute` from (seed, epoch) alone (or `order`), cut."
     if not (drop_last or pad) and world_size > 1:
@@ -139,6 +139,7 @@ class EpochBatches:
     "Rank `rank`'s batches of an epoch, each cut from `order` when asked for: a sequence holding no sample numbers."
     def __init__(self, order: EpochOrder,     # The epoch's order (positions -> sample numbers)
                  batch_size: int,             # Samples per batch
+                 *,
                  rank: int = 0,               # This rank
                  world_size: int = 1,         # Ranks sharing every step
                  pad: bool = False,           # Repeat the order's first samples to fill the last step

@@ -35,6 +35,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
                   prepare: Callable,                    # A raw sample -> what a batch holds; also given `shards=`
                   fields: Sequence[str],                  # Fields of each sample, in this order
                   batch_size: int | None,               # Samples per batch, made in the workers; None: single samples
+                  *,
                   collation_fn: Callable = collate,     # Makes a batch of `batch_size` decoded samples
                   seed: int | None = None,              # Seed of shard order, shuffles and crops; None: random
                   shuffle: int = 1000,                  # Each worker's sample shuffle buffer (samples); 0: shard order
@@ -66,7 +67,8 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     return ds
 
 # %% ../../nbs/27a_pipeline.ipynb
-def _random_loader(sources, fields, transform, batch_size, seed, resampled, epoch_samples, rank, world_size, normalize,
+def _random_loader(sources, fields, transform, batch_size, *, seed, resampled, epoch_samples, rank, world_size,
+                   normalize,
                    allow_pickle, retry_wait, weights, pad):
     "create_dataset(access='random'): the loader of `shardkit.loading.random` (a global shuffle, exact resume)."
     if resampled or epoch_samples:
@@ -81,6 +83,7 @@ def _random_loader(sources, fields, transform, batch_size, seed, resampled, epoc
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataset(sources,                      # Shards: a store, a directory, ais://, s3://, a brace template or URLs
+                   *,
                    fields: Sequence[str] | None = None,  # Fields of each sample, in this order; None: every sample's
                    transform=None,               # Applied to each sample's tuple; None: train_transform() for images
                    shuffle: int = 1000,          # Each worker's sample shuffle buffer (samples); 0: shard order
@@ -113,17 +116,20 @@ def create_dataset(sources,                      # Shards: a store, a directory,
     fields = data_fields(sources, urls, fields, check=handler == "raise", retries=retries, allow_pickle=allow_pickle)
     for other in (mix or {}).get("sources", ()): data_fields(other, shard_urls(other), fields, check=handler == "raise")
     if not fields: raise LoaderError("fields is empty: name the fields to load, e.g. ('cls', 'image.jpg')")
-    if access == "random": return _random_loader(given, fields, transform, batch_size, seed, resampled, epoch_samples,
-                                                 rank, world_size, normalize, allow_pickle, retry_wait, weights,
-                                                 pad)
+    if access == "random": return _random_loader(given, fields, transform, batch_size, seed=seed, resampled=resampled,
+                                                 epoch_samples=epoch_samples,
+                                                 rank=rank, world_size=world_size, normalize=normalize,
+                                                 allow_pickle=allow_pickle, retry_wait=retry_wait, weights=weights,
+                                                 pad=pad)
     handler = error_handler(handler)
     if transform is None and any(map(is_image_key, fields)):
         transform = train_transform(normalize=normalize)
     if isinstance(transform, TrainTransform): transform.takes_encoded()  # builds the window decoder once, here
     to_tuple = partial(sample_to_tuple, fields=tuple(fields), transform=transform, allow_pickle=allow_pickle)
     if mix: mix = (mix["names"], mix["weights"], [shard_urls(s) for s in mix["sources"]])
-    return shard_dataset(urls, to_tuple, fields, batch_size, collate, seed, shuffle, rank, world_size, shard_shuffle,
-                         resampled, epoch_samples, handler, retries, mix)
+    return shard_dataset(urls, to_tuple, fields, batch_size, collation_fn=collate, seed=seed, shuffle=shuffle,
+                         rank=rank, world_size=world_size, shard_shuffle=shard_shuffle,
+                         resampled=resampled, epoch_samples=epoch_samples, handler=handler, retries=retries, mix=mix)
 
 # %% ../../nbs/27a_pipeline.ipynb
 def create_dataloader(dataset: ShardDataset,         # from create_dataset

@@ -36,7 +36,7 @@ def _seed_context(seed: int, epoch: int):
 class RandomAccessDataset(Dataset):
     "Batches by number: `ds[(epoch, ids)]` reads, decodes, augments samples `ids` as streaming would in `epoch`."
     mix = None  # one source: no mix of several (`MixedDataset`)
-    def __init__(self, index: SampleIndex, fields: Sequence[str], transform=None, seed: int = 0,
+    def __init__(self, index: SampleIndex, fields: Sequence[str], *, transform=None, seed: int = 0,
                  allow_pickle: bool = False, reader=None):
         refuse_pickle(fields, allow_pickle)
         self.index, self.fields, self.transform, self.seed = index, tuple(fields), transform, seed
@@ -61,7 +61,7 @@ class RandomAccessDataset(Dataset):
     def __getitem__(self, item) -> tuple:
         epoch, ids = item
         ctx = _seed_context(self.seed, epoch)
-        return collate([sample_to_tuple(s, self.fields, self.transform, ctx, self.allow_pickle)
+        return collate([sample_to_tuple(s, self.fields, self.transform, ctx, allow_pickle=self.allow_pickle)
                         for s in self.samples(list(ids))])
 
 # %% ../../nbs/27_random.ipynb
@@ -82,7 +82,7 @@ class MixedDataset(Dataset):
     def __len__(self): return len(self.turns[0])
     def epoch_order(self, epoch: int, window: int | None = None) -> MixedOrder:
         "Epoch `epoch`'s order: each source's own, in weighted turns (`MixedOrder`)."
-        return MixedOrder([p.starts for p in self.parts], self.turns, self.names, self.seed, epoch, window)
+        return MixedOrder([p.starts for p in self.parts], self.turns, self.names, self.seed, epoch=epoch, window=window)
 
     def samples(self, ids) -> list[dict]:
         "Raw samples `ids` (numbers into the sources, one after another), each with `__source__`."
@@ -99,7 +99,7 @@ class MixedDataset(Dataset):
 # %% ../../nbs/27_random.ipynb
 class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable (`state_dict`), equal per rank."
-    def __init__(self, dataset: RandomAccessDataset, batch_size: int = 64, num_workers: int = 2,
+    def __init__(self, dataset: RandomAccessDataset, *, batch_size: int = 64, num_workers: int = 2,
                  rank: int | None = None, world_size: int | None = None, pad: bool = False,
                  drop_last: bool | None = None, window: int | None = None, **kw):
         self.dataset, self.batch_size, self.num_workers, self.pad, self.kw = dataset, batch_size, num_workers, pad, kw
@@ -120,8 +120,9 @@ class RandomAccessLoader:
                start)
         if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
             order = self.dataset.epoch_order(epoch, self.window)
-            self._cut = (key, EpochBatches(order, self.batch_size, self.rank, self.world_size, self.pad,
-                                           self.drop_last, start))
+            self._cut = (key,
+                         EpochBatches(order, self.batch_size, rank=self.rank, world_size=self.world_size, pad=self.pad,
+                                           drop_last=self.drop_last, start=start))
         return self._cut[1]
     def __len__(self): return len(self.batches(self.epoch))
 
@@ -200,11 +201,12 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # saved at the epoch's end
 
 # %% ../../nbs/27_random.ipynb
-def _source_dataset(source, fields, transform, seed, allow_pickle, index_cache, read, shard_cache, retries) -> tuple:
+def _source_dataset(source, fields, transform, seed, *, allow_pickle, index_cache, read, shard_cache, retries) -> tuple:
     "(`RandomAccessDataset` of one source, the shards a window may span: None for any)."
     index = sample_index(source, fields, index_cache, retries=retries)
     reader, fits = shard_reader(index, read, shard_cache, retries)
-    return RandomAccessDataset(index, fields, transform, seed, allow_pickle, reader), fits
+    return RandomAccessDataset(index, fields, transform=transform, seed=seed, allow_pickle=allow_pickle,
+                               reader=reader), fits
 
 def _window(window, fits: int | None, shards: int) -> int | None:
     "The window asked for (`auto`: what the shard cache holds), refused if it spans more shards than the cache holds."
@@ -217,6 +219,7 @@ def _window(window, fits: int | None, shards: int) -> int | None:
 # %% ../../nbs/27_random.ipynb
 def create_random_loader(source,                 # Shards (as for create_dataset), or {name: source} to mix
                          fields: Sequence[str] | None = None,  # Fields of each sample, in order; None: every sample's
+                         *,
                          transform=None,         # Applied to each sample's tuple; None: train_transform() for images
                          batch_size: int = 64,   # Samples per batch
                          num_workers: int = 2,   # DataLoader worker processes that read and decode
@@ -246,12 +249,14 @@ def create_random_loader(source,                 # Shards (as for create_dataset
     if isinstance(transform, TrainTransform): transform.takes_encoded()
     sources = dict(zip(mix["names"], [first, *mix["sources"]])) if mix else {"": first}
     for other in list(sources.values())[1:]: data_fields(other, shard_urls(other), fields)  # each has the fields
-    made = {name: _source_dataset(src, fields, transform, seed, allow_pickle, index_cache, read, shard_cache, retries)
+    made = {name: _source_dataset(src, fields, transform, seed, allow_pickle=allow_pickle, index_cache=index_cache,
+                                  read=read, shard_cache=shard_cache, retries=retries)
             for name, src in sources.items()}
     windows = {_window(window, fits, len(ds.index.shards)) for ds, fits in made.values()}
     window = min(windows, key=lambda w: float("inf") if w is None else w)  # the smallest a cache allows
     ds = MixedDataset({n: d for n, (d, _) in made.items()}, mix["weights"]) if mix else made[""][0]
-    return RandomAccessLoader(ds, batch_size, num_workers, rank, world_size, pad, drop_last, window, **kw)
+    return RandomAccessLoader(ds, batch_size=batch_size, num_workers=num_workers, rank=rank, world_size=world_size,
+                              pad=pad, drop_last=drop_last, window=window, **kw)
 
 # %% ../../nbs/27_random.ipynb
 _MEASURE = '''

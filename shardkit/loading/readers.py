@@ -149,7 +149,7 @@ class _HTTPFetch:
         "Stream `shard` to `dest` (a cut read resumes); if `version` is given, refuse other content (rewritten since)."
         opener = s3_open if shard.startswith("s3://") else open_remote  # s3: the same reader, each request signed
         try:
-            with opener(self.url(shard), self.retries, f"shard {self.name(shard)}", version) as src, \
+            with opener(self.url(shard), self.retries, f"shard {self.name(shard)}", version=version) as src, \
                  open(dest, "wb") as f: shutil.copyfileobj(src, f, 1 << 20)
         except ObjectChanged as e: raise RandomAccessError(str(e)) from None  # the error of a shard changed since
 
@@ -204,7 +204,7 @@ def _shard_keys(idx: SampleIndex, a: int, b: int) -> list[str]:
     blob = bytes(idx.keys[k0:k0 + (ends[-1] if ends else 0)])
     return [blob[x:y].decode() for x, y in zip([0] + ends[:-1], ends)]
 
-def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, keys: list[str] | None = None
+def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, *, keys: list[str] | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
     (a, b), col = _rows(idx, s), {f: j for j, f in enumerate(idx.fields)}
@@ -241,7 +241,8 @@ class CachedShardReader:
             version = idx.versions[s] if idx.versions else ""
             checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
             fetch = partial(self.fetch, version=version) if checked else self.fetch
-        fd, (a, b) = self.copies.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version, self.token), _rows(idx, s)
+        fd, (a, b) = self.copies.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version,
+                                      reader=self.token), _rows(idx, s)
         try:
             if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
             else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)

@@ -113,7 +113,7 @@ def epoch_shard_order(urls: Sequence[str], seed: int, epoch: int, shard_shuffle:
 # %% ../../nbs/21_sources.ipynb
 class EpochShards(IterableDataset):
     "The shard URLs of one epoch for this rank and worker, in a seeded order that changes every epoch."
-    def __init__(self, urls: Sequence[str], seed: int, shard_shuffle: bool = True, resampled: bool = False,
+    def __init__(self, urls: Sequence[str], seed: int, *, shard_shuffle: bool = True, resampled: bool = False,
                  rank: int | None = None, world_size: int | None = None):
         self.urls, self.seed, self.shard_shuffle, self.resampled = list(urls), seed, shard_shuffle, resampled
         self.rank, self.world_size = rank, world_size

@@ -68,6 +68,7 @@ def decode_value(key: str, data, allow_pickle: bool = False, max_pixels: int = M
 class TrainTransform(torch.nn.Module):
     "RandomResizedCrop, flip, optional normalising: direct for Image/Mask tuples and encoded JPEGs, else v2's pipeline."
     def __init__(self, size: int | Sequence[int] = 224,           # Output side, pixels (or (height, width))
+                 *,
                  scale: tuple[float, float] = (0.08, 1.0),    # Range of the crop's share of the image area
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), # Range of the crop's aspect ratio
                  normalize: bool = False,                     # Return float32, ImageNet-normalised images
@@ -117,7 +118,7 @@ def train_transform(size: int = 224,                     # Output side, pixels
                     dct: str = "off",                    # Decode large crops at M/8 scale: "off", "pow2", "any"
                    ) -> TrainTransform:
     "The post's training augmentation of (image, trimap, ...) tuples: one crop and flip for all, optional normalising."
-    return TrainTransform(size, scale, normalize=normalize, crop_decode=crop_decode, dct=dct)
+    return TrainTransform(size, scale=scale, normalize=normalize, crop_decode=crop_decode, dct=dct)
 
 # %% ../../nbs/23_transforms.ipynb
 @functools.lru_cache(maxsize=None)
@@ -166,7 +167,8 @@ def _crop_flip(tf: TrainTransform, values: tuple, wrap: bool = True) -> tuple | 
     out = []
     for v in values:
         if type(v) is EncodedJpeg or (Image is not None and type(v) is Image):
-            if type(v) is EncodedJpeg: x = v.crop(top, left, h, w, tf.size, flipped, tf.dct)  # decoded, cut, flipped
+            if type(v) is EncodedJpeg: x = v.crop(top, left, h, w, size=tf.size, flip=flipped,
+                                                  dct=tf.dct)  # decoded, cut, flipped
             else:
                 F = _tv()[1]
                 x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, tf.size, antialias=True)
@@ -278,6 +280,7 @@ def _url_name(url: str) -> str:
 def data_fields(sources,                        # What create_dataset was given: a store, a directory, a template, URLs
               urls: Sequence[str],            # The shards' URLs, `shard_urls(sources)`
               fields: Sequence[str] | None = None,  # The fields asked for; None: those every sample holds
+              *,
               check: bool = True,             # Refuse here a field the manifest says no sample holds
               retries: Retries | None = None, # How the first sample's read retries (no manifest)
               allow_pickle: bool = False,     # Include pickled fields when choosing

@@ -61,6 +61,7 @@ PIPELINES = ("default", "whole", "post", "gpu")
 
 def build_loader(src,                    # Shards: a directory, ais://, s3://, a brace template, or URLs
                  pipeline: str = "default",  # default, whole, post, or gpu (PIPELINES)
+                 *,
                  num_workers: int = 2,   # Loader worker processes
                  batch_size: int = 64,   # Samples per batch
                  seed: int = 0,          # Seed of shard order, shuffles and crops
@@ -125,6 +126,7 @@ def profile_summary(res: dict) -> str:
 
 # %% ../../nbs/42b_profile.ipynb
 def profile_shards(src: str,                  # Shards: a directory, ais://, s3://, a brace template, or a .tar
+                   *,
                    pipeline: str = "default", # Loader: default, whole (whole JPEGs), post (the AIStore post's), gpu
                    device: str = "auto",      # Where batches go and `gpu` decodes: cuda, cpu, auto (cuda if any)
                    num_workers: int = 2,      # Loader worker processes

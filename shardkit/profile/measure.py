@@ -34,7 +34,7 @@ def _workers_of(loader) -> int:
     return int(getattr(dl, "num_workers", 0) or 0) if dl is not None else int(getattr(loader, "num_workers", 0) or 0)
 
 # %% ../../nbs/42_profile.measure.ipynb
-def _loop(loader, step, batches, device, clocks, move: bool = True) -> dict:
+def _loop(loader, step, batches, device, *, clocks, move: bool = True) -> dict:
     "Iterate `loader` (at most `batches` batches), timing the main process's parts; `move`: copy batches to `device`."
     pc, tt, main = time.perf_counter, time.thread_time, []
     n = next_w = next_c = dev = step_t = 0.0
@@ -140,11 +140,14 @@ def _profile(raw: dict, kind: str, workers: int, label: str, on_dev: dict) -> Pr
     first_end = raw["main_ev"][0, 3] - raw["t0"] if raw["batches"] else raw["wall"]
     steady = (raw["samples"] - raw["first_samples"]) / (raw["wall"] - first_end) if raw["batches"] > 1 else None
     step_rate = raw["samples"] / raw["step"] if raw["stepped"] and raw["step"] > 0 else None
-    return Profile(label, kind, workers, os.cpu_count() or 1, raw["samples"], raw["batches"], raw["wall"], raw["first"],
-                   raw["samples"] / raw["wall"], stages, main, ms(raw["cpu"]), capacity, step_rate,
-                   raw["next_wall"] / raw["wall"], read_b / 1e6 / read_s if read_b and read_s > 0 else None,
-                   _windows(acc, kind), os.getloadavg()[0], steady, on_dev,
-                   dict(ev=raw["ev"][1:] if workers else raw["ev"][:1], main=raw["main_ev"], t0=raw["t0"]))
+    return Profile(label=label, kind=kind, workers=workers, cores=os.cpu_count() or 1, samples=raw["samples"],
+                   batches=raw["batches"], wall=raw["wall"], first_batch=raw["first"],
+                   rate=raw["samples"] / raw["wall"], stages=stages, main=main, cpu_ms=ms(raw["cpu"]),
+                   capacity=capacity, step_rate=step_rate,
+                   wait_share=raw["next_wall"] / raw["wall"],
+                   read_mb_s=read_b / 1e6 / read_s if read_b and read_s > 0 else None,
+                   windows=_windows(acc, kind), load=os.getloadavg()[0], steady_rate=steady, device_stages=on_dev,
+                   timeline=dict(ev=raw["ev"][1:] if workers else raw["ev"][:1], main=raw["main_ev"], t0=raw["t0"]))
 
 # %% ../../nbs/42_profile.measure.ipynb
 def _device_ms(loader) -> dict:
@@ -170,6 +173,7 @@ def _over_files(loader) -> bool:
 def profile_pipeline(loader,                         # Any iterable of batches: shardkit's, a WebLoader, a DataLoader
                      step: Callable | None = None,   # The training step, run on each batch (on `device`)
                      batches: int | None = None,     # Stop after this many batches (None: the whole epoch)
+                     *,
                      device: str | None = "auto",    # Move each batch here first ("auto": cuda if any, else no move)
                      label: str = "",                # A name for the tables and pictures
                      events: int = 64,               # Batches per worker kept for the timeline
@@ -182,11 +186,11 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
     clocks, before = ProfileClocks(workers, events), (retries.counts(), retries.waited) if retries else ({}, 0.0)
     with instrumented(loader, clocks) as kind:
         gpu = kind == "gpu"  # the GPU loader's batches are on its device already: no copy, and its own clocks
-        raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks, move=not gpu)
+        raw = _loop(loader, step, batches, str(loader.device) if gpu else device, clocks=clocks, move=not gpu)
         on_dev = _device_ms(loader) if gpu and hasattr(loader, "device_seconds") else {}
     if not raw["samples"]: raise UsageError(f"the loader gave no batches to profile: {loader!r}; check its shards")
     # the GPU loader's device work (in a thread beside the loop on CUDA) is timed by its own CUDA events
-    p = _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev)
+    p = _profile(dict(raw, stepped=step is not None), kind, workers, label or type(loader).__name__, on_dev=on_dev)
     if retries:  # the faults its reads met while profiling, and the time they cost
         p.retries = {c: n - before[0].get(c, 0) for c, n in retries.counts().items() if n > before[0].get(c, 0)}
         p.retry_wait = retries.waited - before[1]

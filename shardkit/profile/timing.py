@@ -85,7 +85,7 @@ def timed_call(fn: Callable, slot: str, clocks: ProfileClocks, count: Callable |
         _switch(part)
         try: out = fn(*args, **kw)
         finally: _switch()
-        if count or calls: clocks.add(part[1], 0.0, 0.0, count(out) if count else 0, int(calls))
+        if count or calls: clocks.add(part[1], 0.0, 0.0, count(out) if count else 0, calls=int(calls))
         return out
     call.__wrapped__ = fn
     return call
@@ -110,7 +110,7 @@ def _apart(it, clocks):
 
 class TimedStage:
     "A stage whose own time (not upstream's, not timed calls') goes to `slot`; `last`: it counts samples, logs batches."
-    def __init__(self, stage, slot: str, clocks: ProfileClocks, last: bool = False, apart: bool = False,
+    def __init__(self, stage, slot: str, clocks: ProfileClocks, *, last: bool = False, apart: bool = False,
                  count: Callable = batch_len):
         self.stage, self.slot, self.clocks, self.last, self.apart = stage, SLOT[slot], clocks, last, apart
         self.count = count

@@ -156,7 +156,7 @@ def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | No
         elif kind == b"g": start = None  # a pax global header says nothing shardkit needs
         else:
             fname, long_name = (long_name or member).decode("utf-8", "surrogateescape"), None
-            yield TarEntry(fname, kind, start, body_at, size, body if data else None)
+            yield TarEntry(fname, kind, start, body_at, size=size, data=body if data else None)
             start = None
         at, head = pos(), read(512)
     if 0 < len(head) < 512: raise bad("it ends inside a header")

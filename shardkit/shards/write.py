@@ -123,7 +123,7 @@ def staging_dir(store, prefix: str, kind: str = "shards") -> Path:
 # %% ../../nbs/06_write.ipynb
 class _ShardSink:
     "Fills one shard at a time on local disk, hands each finished one to `store` on a thread; the only writer of `m`."
-    def __init__(self, store, m: dict, prefix: str, digits: int, mtime: float, index: int):
+    def __init__(self, store, m: dict, prefix: str, digits: int, *, mtime: float, index: int):
         self.store, self.m, self.prefix, self.digits, self.mtime, self.index = store, m, prefix, digits, mtime, index
         self.tmpdir = staging_dir(store, prefix)
         self.uploader = ThreadPoolExecutor(1, thread_name_prefix="shardkit-upload")
@@ -214,7 +214,7 @@ def auto_maxcount_why(total: int | None, maxcount: int) -> str:
             "each read one" + (f"; {maxcount} at most per shard" if maxcount == 10_000 else ""))
 
 # %% ../../nbs/06_write.ipynb
-def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcount: int, maxsize: int | None,
+def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcount: int, *, maxsize: int | None,
           bar, stats):
     "Write `samples` into `sink`, skipping those the recorded `shards` already hold (the last one skipped must match)."
     store, prefix, skip, seen = sink.store, sink.prefix, sink.m["samples"], 0
@@ -236,6 +236,7 @@ def _feed(sink: _ShardSink, samples: Iterable[dict], shards: list[dict], maxcoun
 # %% ../../nbs/06_write.ipynb
 def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a fixed order
                  dest,                     # Store: a local directory, ais:// or s3://bucket[/prefix]
+                 *,
                  prefix: str = "shard-",   # Shard names: PREFIX00000.tar, ...; manifest PREFIXmanifest.json
                  maxcount: int | None = None,  # Most samples per shard; None: `auto_maxcount` of the sample count
                  maxsize: int | str | None = None, # Most bytes per shard, e.g. 100MB (None: no limit)
@@ -262,9 +263,9 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
         return old
     m = dict(settings, store=store.spec, shards=shards, complete=False,
              samples=sum(s["samples"] for s in shards), bytes=sum(s["bytes"] for s in shards))
-    sink = _ShardSink(store, m, prefix, digits, mtime, len(shards))
+    sink = _ShardSink(store, m, prefix, digits, mtime=mtime, index=len(shards))
     bar = tqdm(total=total, disable=not progress, unit="sample", desc=f"writing {prefix}*.tar", file=sys.stderr)
-    try: _feed(sink, samples, shards, maxcount, maxsize, bar, stats)
+    try: _feed(sink, samples, shards, maxcount, maxsize=maxsize, bar=bar, stats=stats)
     except OSError as e:
         if e.errno != errno.ENOSPC: raise
         raise StoreError(f"no space left on the device while writing {prefix}*.tar to {shown_path(store.spec)} "

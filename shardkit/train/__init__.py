@@ -17,6 +17,7 @@ import torch.nn as nn
 from shardkit.train.loop import (
     CHECKPOINT_FORMAT,
     OPTIMIZERS,
+    LoopSettings,
     drop_half_written,
     latest_checkpoint,
     load_checkpoint,
@@ -94,7 +95,8 @@ def _killed_worker() -> str | None:
     return None
 
 # %% ../../nbs/30b_train.ipynb
-def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size=64,
+def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples, classes, seed, rank, world_size,
+                   size=64,
                    pipeline="shardkit", decode_on="cpu", dev=None, pad=False):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
@@ -119,23 +121,27 @@ def _shard_loaders(shards, base, val_shards, batch_size, num_workers, samples, c
         log_rank0(rank, f"{world_size} ranks x batch {batch_size} take {samples - gone} of the {samples} samples an "
                   f"epoch; the other {gone} make a last step the ranks cannot fill (the default pipeline's --pad "
                   "repeats samples to fill it)")
-    val_loader = _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev) if val_urls else None
+    val_loader = _val_loader(val_urls, size, batch_size, num_workers, rank=rank, world_size=world_size,
+                             dev=dev) if val_urls else None
     if random:
-        return _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size, pad), \
+        return _random_train_loader(urls, size, batch_size, num_workers, seed=seed, dev=dev, rank=rank,
+                                    world_size=world_size, pad=pad), \
             val_loader, classes, None
     if pipeline == "example":
         tf, val_tf = make_transform(size, True), make_transform(size, False)
-        make_train = lambda epoch: example_loader(urls, tf, batch_size, num_workers, nbatches, seed=seed + epoch)
+        make_train = lambda epoch: example_loader(urls, tf, batch_size, num_workers, nbatches=nbatches,
+                                                  seed=seed + epoch)
         val_loader = example_loader(val_urls, val_tf, batch_size, num_workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world_size)  # this rank's shards, as split_by_node deals them: no sample shared
     make = _gpu_train_loader if decode_on == "gpu" else _cpu_train_loader
-    return make(mine, size, batch_size, min(num_workers, len(mine)), nbatches, seed, dev), val_loader, classes, nbatches
+    return make(mine, size, batch_size, min(num_workers, len(mine)), nbatches=nbatches, seed=seed,
+                dev=dev), val_loader, classes, nbatches
 
 # %% ../../nbs/30b_train.ipynb
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
 
-def _cpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
+def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev):
     "(epoch -> shardkit's loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
     ds = create_dataset(mine, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=0, world_size=1,  # `mine` is this rank's share already
@@ -146,7 +152,7 @@ def _cpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
     at.loader = loader
     return at
 
-def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, world_size, pad=False):
+def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank, world_size, pad=False):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=rank, world_size=world_size, access="random", pad=pad)
@@ -157,7 +163,7 @@ def _random_train_loader(urls, size, batch_size, num_workers, seed, dev, rank, w
     return at
 
 # %% ../../nbs/30b_train.ipynb
-def _gpu_train_loader(mine, size, batch_size, num_workers, nbatches, seed, dev):
+def _gpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev):
     "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP `nbatches` an epoch."
     loader = create_gpu_loader(mine, fields=_FIELDS, batch_size=batch_size, num_workers=num_workers, seed=seed,
                                device=dev,
@@ -178,7 +184,7 @@ def _passes(loader):
         if n == 0: raise TrainError("this rank's shards gave no batch: check that they hold the fields jpg and cls")
 
 # %% ../../nbs/30b_train.ipynb
-def _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev):
+def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, dev):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
     ds = create_dataset(val_urls, fields=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
                         batch_size=batch_size, seed=0, rank=rank, world_size=world_size)
@@ -188,19 +194,22 @@ def _val_loader(val_urls, size, batch_size, num_workers, rank, world_size, dev):
                                  batch_size=batch_size, device=dev if dev.type == "cuda" else None)
 
 # %% ../../nbs/30b_train.ipynb
-def _folder_loaders(folder, train_tf, val_tf, batch_size, num_workers, classes):
+def _folder_loaders(folder, train_tf, val_tf, batch_size, *, num_workers, classes):
     "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
     root = Path(folder)
     if not (root / "train").is_dir():
         raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
     classes = classes or len(KeyedImageFolder(root / "train").classes)
-    make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size, num_workers, True, epoch)
+    make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size=batch_size, num_workers=num_workers,
+                                             train=True, epoch=epoch)
     val = root / "val"
-    val_loader = folder_loader(val, val_tf, batch_size, num_workers, False) if val.is_dir() else None
+    val_loader = folder_loader(val, val_tf, batch_size=batch_size, num_workers=num_workers,
+                               train=False) if val.is_dir() else None
     return make_train, val_loader, classes, None
 
 # %% ../../nbs/30b_train.ipynb
 def train(shards: str | list[str] | None = None,  # Training shards: a directory, ais://, s3://, a template or URLs
+          *,
           folder: str | None = None,       # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
           base: str = "",                  # Prefix of shard names: http://host:port/ or pipe:curl -s http://host:port/
           val_shards: str | list[str] | None = None, # Validation shards (a brace template or URLs, same base)
@@ -262,7 +271,7 @@ def _check_options(pipeline: str, decode_on: str, checkpoint, dev: torch.device)
     return decode_on
 
 # %% ../../nbs/30b_train.ipynb
-def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, dev, world_size: int, ck,
+def _model_and_optimizer(arch: str, classes: int, lr: float, seed: int, *, dev, world_size: int, ck,
                          any_rank=False) -> tuple:
     "(model, the module to train: DDP's wrapper with several ranks, SGD, the checkpoint or None): weights as saved."
     torch.manual_seed(seed)
@@ -281,7 +290,7 @@ def _reading(shards, pipeline: str, decode_on: str, dev) -> str:
     return how + (f" ({n} thread{'s' * (n != 1)} per rank)" if dev.type == "cpu" else "")
 
 # %% ../../nbs/30b_train.ipynb
-def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
+def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
            classes, keys_out, json, device, threads, seed, checkpoint, every, pipeline, decode_on, precision, pad,
            dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
@@ -291,24 +300,28 @@ def _train(shards, folder, base, val_shards, epochs, arch, size, batch_size, num
     decode_on, precision = _check_options(pipeline, decode_on, checkpoint, dev), pick_precision(precision, dev)
     if shards is not None:
         make_train, val_loader, classes, nbatches = _shard_loaders(
-            shards, base, val_shards, batch_size, num_workers, samples, classes, seed, rank, world_size, size, pipeline,
-            decode_on, dev, pad)
+            shards, base, val_shards, batch_size, num_workers=num_workers, samples=samples, classes=classes, seed=seed,
+            rank=rank, world_size=world_size, size=size, pipeline=pipeline,
+            decode_on=decode_on, dev=dev, pad=pad)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
-            folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers, classes)
+            folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers=num_workers,
+            classes=classes)
     ck = rank_checkpoint(checkpoint, rank, world_size) if checkpoint else None  # where this rank saves
     if ck and drop_half_written(ck):  # (`log_rank0`: each rank removes its own)
         print(f"removed {shown_path(ck)}.tmp: half of a checkpoint, saved by a run killed while it saved")
     any_rank = getattr(make_train, "any_rank", False)  # then every rank goes on from the latest, whatever its shape
-    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev, world_size,
-                                                  latest_checkpoint(checkpoint) if ck and any_rank else ck, any_rank)
+    model, net, opt, saved = _model_and_optimizer(arch, classes, lr, seed, dev=dev, world_size=world_size,
+                                                  ck=latest_checkpoint(checkpoint) if ck and any_rank else ck,
+                                                  any_rank=any_rank)
     step = training_step(net, opt, dev, precision)
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world_size} rank{'s' * (world_size != 1)}, "
                f"batch {batch_size} per rank, {num_workers} worker{'s' * (num_workers != 1)} per rank, "
                f"device {dev}, {precision}"
                + _reading(shards, pipeline, decode_on, dev))
-    hist = run_epochs(step, net, model, opt, make_train, epochs, dev, saved, ck, every, max_steps, nbatches, rank,
-                      world_size, keys_out, val_loader)[0]
+    loop = LoopSettings(epochs=epochs, device=dev, rank=rank, world_size=world_size, checkpoint=ck, every=every,
+                        max_steps=max_steps, nbatches=nbatches, keys_out=keys_out)
+    hist = run_epochs(step, make_train, loop, model=model, opt=opt, net=net, saved=saved, val_loader=val_loader)[0]
     if json and rank == 0: write_json(json, hist)  # atomically, as every command's --json
     return hist
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -19,8 +21,8 @@ from ..store import shown_path
 from .step import TrainError, count_correct, images_and_labels, training_step
 
 # %% auto 0
-__all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'drop_half_written', 'rank_checkpoint', 'latest_checkpoint',
-           'load_checkpoint', 'run_epochs', 'train_epochs']
+__all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'LoopSettings', 'drop_half_written', 'rank_checkpoint',
+           'latest_checkpoint', 'load_checkpoint', 'run_epochs', 'train_epochs']
 
 # %% ../../nbs/30a_train.loop.ipynb
 def log_rank0(rank: int, *args):
@@ -33,14 +35,32 @@ def _keys_of(batch) -> list | None:
     return next((x for x in batch if isinstance(x, (list, tuple)) and x and isinstance(x[0], str)), None)
 
 # %% ../../nbs/30a_train.loop.ipynb
-def _train_epoch(step, loader, dev, rank, world_size, desc, keys_file=None, steps=0, max_steps=None,
-                 limit=None, after_step=None, stats=None, losses: list | None = None, progress: bool = True
-                ) -> tuple[torch.Tensor, int, float]:
+@dataclass
+class LoopSettings:
+    "How `run_epochs` goes through a run: its length, where it runs and as which rank, when it saves, what it writes."
+    epochs: int = 1                        # Passes over the training data
+    device: torch.device | str = "cpu"     # Where the step runs
+    rank: int = 0                          # This process's rank (0 without torchrun)
+    world_size: int = 1                    # Ranks in the job
+    checkpoint: Path | None = None         # This rank's checkpoint file (`rank_checkpoint`); None: nothing is saved
+    every: int = 50                        # Save every this many steps (and after each epoch, and at `max_steps`)
+    max_steps: int | None = None           # Stop after this many steps, counted over the whole run
+    nbatches: int | None = None            # Batches an epoch (equal steps on every rank); None: each loader's own epoch
+    keys_out: str | Path | None = None     # Folder for keys-rank<R>.txt, the keys of the samples trained on
+    log: bool = True                       # A line per epoch (rank 0)
+    progress: bool = True                  # A progress bar per epoch (rank 0)
+    record: bool = False                   # Keep each step's loss (returned, and saved in checkpoints)
+    def __post_init__(self): self.device = torch.device(self.device)
+
+# %% ../../nbs/30a_train.loop.ipynb
+def _train_epoch(step, loader, loop: LoopSettings, *, desc: str, keys_file=None, steps: int = 0, limit=None,
+                 after_step=None, stats=None, losses: list | None = None) -> tuple[torch.Tensor, int, float]:
     "One pass of the loop: (samples, loss sum, batches, over the ranks; steps so far; seconds in next(loader))."
+    dev, max_steps = loop.device, loop.max_steps
     stats = torch.zeros(3, dtype=torch.float64) if stats is None else stats.clone()  # a resumed epoch goes on counting
     loss_sum, waited, batches = torch.zeros((), dtype=torch.float32, device=dev), 0.0, iter(islice(loader, limit))
     with_loss = lambda: stats + torch.tensor([0.0, loss_sum.item(), 0.0], dtype=torch.float64)  # waits for the device
-    bar = tqdm(total=limit, desc=desc, disable=(rank != 0 or not progress) or None, leave=False)
+    bar = tqdm(total=limit, desc=desc, disable=(loop.rank != 0 or not loop.progress) or None, leave=False)
     while True:
         t = time.perf_counter()
         batch = next(batches, None)
@@ -58,12 +78,12 @@ def _train_epoch(step, loader, dev, rank, world_size, desc, keys_file=None, step
         if max_steps and steps >= max_steps: break
     bar.close()
     total = torch.cat([with_loss(), torch.tensor([waited], dtype=torch.float64)])
-    if world_size > 1:  # on the device: nccl reduces CUDA tensors only
+    if loop.world_size > 1:  # on the device: nccl reduces CUDA tensors only
         total = total.to(dev); dist.all_reduce(total); total = total.cpu()
-    return total[:3], steps, float(total[3]) / world_size
+    return total[:3], steps, float(total[3]) / loop.world_size
 
 # %% ../../nbs/30a_train.loop.ipynb
-def _epoch_row(epoch, stats, secs, waited, correct, total, steps) -> dict:
+def _epoch_row(epoch: int, stats, *, secs: float, waited: float, correct: int, total: int, steps: int) -> dict:
     "The per-epoch report: samples, seconds, samples/s, share of time waiting for data, mean loss, val accuracy, steps."
     return dict(epoch=epoch + 1, samples=int(stats[0]), seconds=round(secs, 3),
                 samples_per_s=round(float(stats[0]) / secs, 1),
@@ -147,66 +167,73 @@ def _shape(saved: dict) -> tuple[int, int]:
     "(rank, world size) of the run that saved `saved` (a checkpoint that names its world size `world` is read too)."
     return saved.get("rank", 0), saved.get("world_size", saved.get("world", 1))
 
-def _resume(saved: dict | None, opt, make_train, rank: int, ck, world_size: int = 1) -> tuple:
+def _resume(saved: dict | None, opt, make_train, loop: LoopSettings) -> tuple:
     "(first epoch, steps done in it, steps in all, history, the epoch's stats so far): a checkpoint's, or fresh."
     if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
     opt.load_state_dict(saved["opt"])
-    loader = getattr(make_train, "loader", None)
+    loader, ck = getattr(make_train, "loader", None), saved.get("from", loop.checkpoint)
     if saved["loader"] is not None and loader is not None:
         try: loader.load_state_dict(saved["loader"])
         except LoaderError as e:
-            raise TrainError(f"checkpoint {shown_path(saved.get('from', ck))} cannot place this run's loader: {e}. "
-                             "It was saved with other shards or loader settings, or by a shardkit whose streaming "
-                             "epochs differ: resume with those, or delete it to start afresh") from None
-    log_rank0(rank, f"resumed from {shown_path(saved.get('from', ck))}: epoch {saved['epoch'] + 1}, "
-               f"after {saved['done']} of its steps ({saved['steps']} steps in all)")
+            raise TrainError(f"checkpoint {shown_path(ck)} cannot place this run's loader: {e}. It was "
+                             "saved with other shards or loader settings, or by a shardkit whose streaming epochs "
+                             "differ: resume with those, or delete it to start afresh") from None
+    log_rank0(loop.rank, f"resumed from {shown_path(ck)}: epoch {saved['epoch'] + 1}, "
+              f"after {saved['done']} of its steps ({saved['steps']} steps in all)")
     stats = saved["stats"].cpu()  # torch.load put it on the device
     shape = _shape(saved)
-    if shape != (rank, world_size): stats = stats * shape[1] / world_size  # a rank's counts: its share of the job's
+    if shape != (loop.rank, loop.world_size): stats = stats * shape[1] / loop.world_size  # a rank's share of the job's
     return saved["epoch"], saved["done"], saved["steps"], list(saved["history"]), stats
 
 # %% ../../nbs/30a_train.loop.ipynb
-def _keys_file(keys_out, rank: int, saved: dict | None, world_size: int = 1):
+def _keys_file(loop: LoopSettings, saved: dict | None):
     "The open file this rank writes its keys to (os.devnull without `keys_out`), cut back to its own checkpoint's."
-    if not keys_out: return open(os.devnull, "w")
-    Path(keys_out).mkdir(parents=True, exist_ok=True)
-    path = Path(keys_out) / f"keys-rank{rank}.txt"
-    own = saved and _shape(saved) == (rank, world_size) and path.exists()
+    if not loop.keys_out: return open(os.devnull, "w")
+    Path(loop.keys_out).mkdir(parents=True, exist_ok=True)
+    path = Path(loop.keys_out) / f"keys-rank{loop.rank}.txt"
+    own = saved and _shape(saved) == (loop.rank, loop.world_size) and path.exists()
     if own: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
     return open(path, "a" if saved else "w")  # another shape's checkpoint: this rank's keys go on after its own
 
 # %% ../../nbs/30a_train.loop.ipynb
-def run_epochs(step, net: nn.Module, model: nn.Module, opt, make_train, epochs: int, dev, saved: dict | None,
-                ck: Path | None = None, every: int = 50, max_steps=None, nbatches=None, rank: int = 0,
-                world_size: int = 1, keys_out=None, val_loader=None, log: bool = True, progress: bool = True,
-                record: bool = False,
-               ) -> tuple[list[dict], list[float]]:
+def run_epochs(step: Callable,             # step(images, labels) -> the loss (`training_step`'s)
+               make_train: Callable,       # epoch -> its training loader (`.loader`: the one a checkpoint places)
+               loop: LoopSettings,         # How the run goes: epochs, device, rank, checkpoints, what it writes
+               *,
+               model: nn.Module,           # The model: what a checkpoint saves and validation scores
+               opt,                        # Its optimiser
+               net: nn.Module | None = None,   # The module `step` trains, when not `model` (DDP's wrapper of it)
+               saved: dict | None = None,  # A checkpoint to go on from (`load_checkpoint`'s); None: afresh
+               val_loader=None,            # Validation batches, scored after each epoch; None: no validation
+              ) -> tuple[list[dict], list[float]]:  # A row per epoch; each step's loss when `loop.record`
     "The epochs of a run, from a checkpoint or afresh: (a row per epoch, each step's loss when `record`)."
-    start, done, steps, history, so_far = _resume(saved, opt, make_train, rank, ck, world_size)
-    losses = list(saved.get("losses") or []) if saved and record else []
-    with _keys_file(keys_out, rank, saved, world_size) as keys_file:
-        for epoch in range(start, epochs):
+    net, ck = model if net is None else net, loop.checkpoint
+    start, done, steps, history, so_far = _resume(saved, opt, make_train, loop)
+    losses = list(saved.get("losses") or []) if saved and loop.record else []
+    with _keys_file(loop, saved) as keys_file:
+        for epoch in range(start, loop.epochs):
             net.train()
             t0, loader, new = time.time(), make_train(epoch), []
             if epoch > start: done, so_far = 0, torch.zeros(3, dtype=torch.float64)
             at = lambda s, st, e=epoch, d=done - steps, new=new: _save_checkpoint(  # d + s: steps done in this epoch
-                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=rank,
-                world_size=world_size,
+                ck, model, opt, loader, epoch=e, done=d + s, steps=s, stats=st(), history=history, rank=loop.rank,
+                world_size=loop.world_size,
                 keys_bytes=_flushed(keys_file), losses=losses + [float(x) for x in new])
             save = None if not (ck and hasattr(loader, "state_dict")) else \
-                lambda s, st, last: (last or s % every == 0) and at(s, st)
-            stats, steps, waited = _train_epoch(step, loader, dev, rank, world_size, f"epoch {epoch + 1}",
-                                                keys_file if keys_out else None, steps, max_steps,
-                                                nbatches - done if nbatches else None, save, so_far,
-                                                new if record else None, progress)
+                lambda s, st, last: (last or s % loop.every == 0) and at(s, st)
+            stats, steps, waited = _train_epoch(
+                step, loader, loop, desc=f"epoch {epoch + 1}", keys_file=keys_file if loop.keys_out else None,
+                steps=steps, limit=loop.nbatches - done if loop.nbatches else None, after_step=save, stats=so_far,
+                losses=new if loop.record else None)
             losses += torch.stack(new).tolist() if new else []
             secs = time.time() - t0
-            correct, total = count_correct(model, val_loader, dev) if val_loader is not None else (0, 0)
-            history.append(row := _epoch_row(epoch, stats, secs, waited, correct, total, steps))
-            if log: log_rank0(rank, _epoch_line(row, epochs))
-            if max_steps and steps >= max_steps: break  # saved at its last step, mid-epoch or not
+            correct, total = count_correct(model, val_loader, loop.device) if val_loader is not None else (0, 0)
+            history.append(row := _epoch_row(epoch, stats, secs=secs, waited=waited, correct=correct, total=total,
+                                             steps=steps))
+            if loop.log: log_rank0(loop.rank, _epoch_line(row, loop.epochs))
+            if loop.max_steps and steps >= loop.max_steps: break  # saved at its last step, mid-epoch or not
             if ck: _save_checkpoint(ck, model, opt, None, epoch=epoch + 1, done=0, steps=steps, history=history,
-                                    rank=rank, world_size=world_size,
+                                    rank=loop.rank, world_size=loop.world_size,
                                     stats=torch.zeros(3, dtype=torch.float64), keys_bytes=_flushed(keys_file),
                                     losses=losses)
     return history, losses
@@ -218,6 +245,7 @@ OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weigh
 def train_epochs(model: nn.Module,                 # The model to train (moved to `device`)
                  loader,                           # Batches of (images, labels, ...) in any order (create_dataloader's)
                  epochs: int = 3,                  # Passes over `loader`
+                 *,
                  lr: float = 3e-3,                 # Learning rate
                  device: str = "cpu",              # Where to train
                  label_offset: int = 0,            # Subtracted from each label (1: classes numbered from 1)
@@ -236,6 +264,7 @@ def train_epochs(model: nn.Module,                 # The model to train (moved t
     saved = load_checkpoint(ck, model, dev, 1)
     at = lambda epoch: loader
     at.loader = loader  # the loader _resume sets to the checkpoint's position
-    step = training_step(model, opt, dev, "fp32", label_offset)
-    return run_epochs(step, model, model, opt, at, epochs, dev, saved, ck, every, log=False, progress=progress,
-                       record=True)[1]
+    step = training_step(model, opt, dev, precision="fp32", label_offset=label_offset)
+    loop = LoopSettings(epochs=epochs, device=dev, checkpoint=ck, every=every, log=False, progress=progress,
+                        record=True)
+    return run_epochs(step, at, loop, model=model, opt=opt, saved=saved)[1]

@@ -70,6 +70,7 @@ def example_loader(urls: list[str],             # Shard URLs (all of them: the l
                    transform,                   # PIL image -> tensor
                    batch_size: int = 32,        # Samples per batch
                    num_workers: int = 2,        # DataLoader workers (lowered to the number of shards this rank owns)
+                   *,
                    nbatches: int | None = None, # Batches per epoch (needed with several ranks); None: one pass
                    shuffle: int = 1000,         # Sample shuffle buffer; 0 keeps shard order (validation)
                    seed: int = 0,               # Shard-shuffle seed (pass a new one each epoch)
@@ -103,7 +104,7 @@ class KeyedImageFolder(torch.utils.data.Dataset):
         x, y = self.folder[i]
         return x, y, str(Path(self.samples[i][0]).relative_to(self.root).with_suffix(""))
 
-def folder_loader(root: str | Path, transform, batch_size: int = 32, num_workers: int = 2, train: bool = True,
+def folder_loader(root: str | Path, transform, *, batch_size: int = 32, num_workers: int = 2, train: bool = True,
                   epoch: int = 0):
     "A DataLoader yielding (images, labels, keys) from an ImageFolder tree, split across ranks."
     ds = KeyedImageFolder(str(root), transform=transform)
