@@ -71,6 +71,56 @@ class FaultServer:
     def __exit__(self, *exc): self.close()
 
 
+N_SHARDS, PER_SHARD = 8, 40  # the fault tests' shards (write_fault_shards)
+NAMES = [f"f-{s:03d}.tar" for s in range(N_SHARDS)]
+
+
+def write_fault_shards(d: Path) -> Path:
+    "8 shards of 40 samples in `d` (a class and 3 KB of bytes each): small, but a cut lands inside a member."
+    import numpy as np
+    import webdataset as wds
+    rng = np.random.default_rng(0)
+    for s, name in enumerate(NAMES):
+        with wds.TarWriter(str(d / name)) as w:
+            for i in range(PER_SHARD):
+                w.write({"__key__": f"s{s}_{i:02d}", "cls": (s * PER_SHARD + i) % 7,
+                         "bin": rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()})
+    return d
+
+
+def fast_retries(**kw):
+    "Retries with short pauses and a 1 s read timeout (a stall is seen in 1 s): the tests' setting."
+    from shardkit.remote import Retries
+    return Retries(**{"backoff": 0.02, "max_backoff": 0.2, "read_timeout": 1.0, "wait": 20, **kw})
+
+
+def _send_object(h, server: FaultServer, f: Path, data: bytes, *, tag: str | None, rng: str | None, rule: dict | None,
+                 body: bool):
+    """Answer a GET (`body`) or HEAD of the file `f` holding `data`: whole, or the byte range `rng` ("bytes=A-B",
+    "bytes=A-"), with its ETag `tag` (if any); a "cut", "stall" or "rewrite" `rule` sends half of it, then drops."""
+    a, b = 0, len(data) - 1
+    if rng:
+        lo, hi = rng.removeprefix("bytes=").split("-")
+        a, b = int(lo), min(int(hi), len(data) - 1) if hi else len(data) - 1
+    h.send_response(206 if rng else 200)
+    h.send_header("Content-Length", str(b + 1 - a)); h.send_header("Accept-Ranges", "bytes")
+    if tag: h.send_header("ETag", tag)
+    h.send_header("Last-Modified", email.utils.formatdate(os.stat(f).st_mtime, usegmt=True))
+    if rng: h.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
+    h.end_headers()
+    if not body: return
+    kind = rule["kind"] if rule else None
+    if kind in ("cut", "stall", "rewrite"):
+        try:
+            h.wfile.write(data[a:a + (b + 1 - a) // 2]); h.wfile.flush()
+            if kind == "stall": server.quit.wait(rule["stall"])
+        except OSError: pass
+        if kind == "rewrite": f.write_bytes(data[::-1])
+        return h._drop()
+    try: h.wfile.write(data[a:b + 1])
+    except OSError: pass  # the client went away (it timed out, or stopped reading)
+
+
 def _handler(server: FaultServer):
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -102,27 +152,10 @@ def _handler(server: FaultServer):
             if server.root.resolve() not in f.parents or not f.is_file(): return self._status(404)
             data = f.read_bytes()
             tag = f'"{hashlib.sha1(data).hexdigest()[:20]}"'
-            a, b = 0, len(data) - 1
             partial = bool(rng) and (not server.etag or self.headers.get("If-Range", tag) == tag)
-            if partial:  # a changed object (If-Range no longer matches) comes whole, as HTTP says
-                lo, hi = rng.removeprefix("bytes=").split("-")
-                a, b = int(lo), min(int(hi), len(data) - 1) if hi else len(data) - 1
-            self.send_response(206 if partial else 200)
-            self.send_header("Content-Length", str(b + 1 - a)); self.send_header("Accept-Ranges", "bytes")
-            if server.etag: self.send_header("ETag", tag)
-            self.send_header("Last-Modified", email.utils.formatdate(os.stat(f).st_mtime, usegmt=True))
-            if partial: self.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
-            self.end_headers()
-            if not body: return
-            if kind in ("cut", "stall", "rewrite"):
-                try:
-                    self.wfile.write(data[a:a + (b + 1 - a) // 2]); self.wfile.flush()
-                    if kind == "stall": server.quit.wait(rule["stall"])
-                except OSError: pass
-                if kind == "rewrite": f.write_bytes(data[::-1])
-                return self._drop()
-            try: self.wfile.write(data[a:b + 1])
-            except OSError: pass  # the client went away (it timed out, or stopped reading)
+            # a changed object (If-Range no longer matches) comes whole, as HTTP says
+            _send_object(self, server, f, data, tag=tag if server.etag else None, rng=rng if partial else None,
+                         rule=rule, body=body)
     return Handler
 
 
@@ -215,26 +248,7 @@ def _s3_handler(server: FaultServer):
             data = f.read_bytes()
             tag = f'"{hashlib.md5(data).hexdigest()}"'
             if (want := self.headers.get("If-Match")) and want != tag: return self._error(412, "PreconditionFailed")
-            a, b = 0, len(data) - 1
-            if rng:
-                lo, hi = rng.removeprefix("bytes=").split("-")
-                a, b = int(lo), min(int(hi), len(data) - 1) if hi else len(data) - 1
-            self.send_response(206 if rng else 200)
-            self.send_header("Content-Length", str(b + 1 - a)); self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", tag)
-            self.send_header("Last-Modified", email.utils.formatdate(os.stat(f).st_mtime, usegmt=True))
-            if rng: self.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
-            self.end_headers()
-            if not body: return
-            if kind in ("cut", "stall", "rewrite"):
-                try:
-                    self.wfile.write(data[a:a + (b + 1 - a) // 2]); self.wfile.flush()
-                    if kind == "stall": server.quit.wait(rule["stall"])
-                except OSError: pass
-                if kind == "rewrite": f.write_bytes(data[::-1])
-                return self._drop()
-            try: self.wfile.write(data[a:b + 1])
-            except OSError: pass
+            _send_object(self, server, f, data, tag=tag, rng=rng, rule=rule, body=body)
 
         def _list(self, bucket: str, folder: Path, q: dict):
             prefix, most = q.get("prefix", ""), min(int(q.get("max-keys", 1000)), 1000)

@@ -4,35 +4,23 @@ random access (shard cache and range reads) and index building. A fault costs an
 the same order as a clean epoch with the same seed, every retry counted and reported; a dead shard ends the run with
 an error that names it, within the bound. The AIStore side (a target killed and restarted mid-epoch, and during
 `shardkit ais put`) is tests/test_faults_ais.py; DDP with one rank meeting faults is tests/test_train.py's."""
-import os, shutil, time
+import shutil, time
 from pathlib import Path
 import numpy as np
 import pytest
-import webdataset as wds
-from faults import FaultServer
-from shardkit.remote import Retries, open_remote
+from faults import N_SHARDS, NAMES, PER_SHARD, FaultServer, fast_retries, write_fault_shards
+from shardkit.remote import open_remote
 
-N_SHARDS, PER_SHARD = 8, 40
-NAMES = [f"f-{s:03d}.tar" for s in range(N_SHARDS)]
 ALL = N_SHARDS * PER_SHARD
 
 
-def fast(**kw) -> Retries:
-    "Retries with short pauses and a 1 s read timeout (a stall is seen in 1 s): the tests' setting."
-    return Retries(**{"backoff": 0.02, "max_backoff": 0.2, "read_timeout": 1.0, "wait": 20, **kw})
+fast = fast_retries
 
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory) -> Path:
     "8 shards of 40 samples (a class and 3 KB of bytes each): small, but a cut lands inside a member."
-    d = tmp_path_factory.mktemp("fault-shards")
-    rng = np.random.default_rng(0)
-    for s, name in enumerate(NAMES):
-        with wds.TarWriter(str(d / name)) as w:
-            for i in range(PER_SHARD):
-                w.write({"__key__": f"s{s}_{i:02d}", "cls": (s * PER_SHARD + i) % 7,
-                         "bin": rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()})
-    return d
+    return write_fault_shards(tmp_path_factory.mktemp("fault-shards"))
 
 
 @pytest.fixture

@@ -7,32 +7,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
-from faults import FaultServer
+from faults import N_SHARDS, NAMES, PER_SHARD, FaultServer, fast_retries, write_fault_shards
 from s3servers import ais_md5_bucket, minio_server, why_no_minio
-from shardkit.remote import AccessDenied, ObjectMissing, Retries, RetriesExhausted
+from shardkit.remote import AccessDenied, ObjectMissing, RetriesExhausted
 
-N_SHARDS, PER_SHARD = 8, 40
-NAMES = [f"f-{s:03d}.tar" for s in range(N_SHARDS)]
 KEY_ID, SECRET = "AKIDSHARDKITTEST0001", "planted-SECRET-e9c1f2a7b3d4-do-not-print"
 TOKEN = "planted-TOKEN-5b8e0c3d1f9a-do-not-print"
 
 
-def fast(**kw) -> Retries:
-    "Retries with short pauses and a 1 s read timeout (a stall is seen in 1 s): the tests' setting."
-    return Retries(**{"backoff": 0.02, "max_backoff": 0.2, "read_timeout": 1.0, "wait": 20, **kw})
+fast = fast_retries
 
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory) -> Path:
     "8 shards of 40 samples (a class and 3 KB of bytes each): small, but a cut lands inside a member."
-    d = tmp_path_factory.mktemp("s3-shards")
-    rng = np.random.default_rng(0)
-    for s, name in enumerate(NAMES):
-        with wds.TarWriter(str(d / name)) as w:
-            for i in range(PER_SHARD):
-                w.write({"__key__": f"s{s}_{i:02d}", "cls": (s * PER_SHARD + i) % 7,
-                         "bin": rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()})
-    return d
+    return write_fault_shards(tmp_path_factory.mktemp("s3-shards"))
 
 
 @pytest.fixture
