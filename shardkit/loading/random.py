@@ -22,7 +22,7 @@ from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
 from .sources import LoaderError, rank_and_world, shard_urls
-from .stream import worker_errors
+from .stream import worker_errors, worker_tmpdir_problem
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
@@ -109,6 +109,7 @@ class RandomAccessLoader:
         self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
         self.start = 0  # where this epoch's batches start in its order: not 0 after a resume on another step size
         self.told = False  # whether the samples that several ranks leave out of an epoch were said (once, by rank 0)
+        if why := worker_tmpdir_problem(num_workers): raise LoaderError(why)
         self.batches(0)  # fail now, not in the training loop, if the data make no full step
 
     @property

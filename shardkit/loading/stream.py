@@ -8,9 +8,13 @@ import collections
 import copy
 import functools
 import hashlib
+import os
+import sys
+import tempfile
 from itertools import chain, islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
+import torch.multiprocessing
 import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
@@ -22,8 +26,8 @@ from .resume import check_resumable, saved_count
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SkipAndCount', 'error_handler', 'ShardDataset', 'restart_workers', 'ShardLoader', 'worker_error', 'worker_errors',
-           'skip_resumed', 'check_position', 'shards_digest']
+__all__ = ['SOCKET_PATH_MAX', 'SkipAndCount', 'error_handler', 'ShardDataset', 'worker_tmpdir_problem', 'restart_workers',
+           'ShardLoader', 'worker_error', 'worker_errors', 'skip_resumed', 'check_position', 'shards_digest']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -95,6 +99,21 @@ class ShardDataset(wds.DataPipeline):
                 f"seed={self.shards.seed}, resampled={self.shards.resampled}, epoch={self.shards.epoch})")
 
 # %% ../../nbs/25_stream.ipynb
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its closing NUL)
+
+def worker_tmpdir_problem(num_workers: int) -> str | None:
+    "Why `num_workers` DataLoader workers could not hand batches over from here (the temporary folder), or None."
+    if num_workers <= 0 or sys.platform != "linux" or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return None
+    tmp = tempfile.gettempdir()
+    need = len(os.fsencode(os.path.join(tmp, "pymp-12345678", "listener-12345678")))  # multiprocessing's names
+    if need <= SOCKET_PATH_MAX: return None
+    return (f"the temporary folder {tmp} (TMPDIR) is too long for DataLoader workers: they hand batches over through a "
+            f"Unix socket under it, whose path would take {need} bytes of the {SOCKET_PATH_MAX} allowed, so torch "
+            "would wait for their batches forever; set TMPDIR to a shorter folder (export TMPDIR=/tmp), or use "
+            "num_workers=0")
+
+# %% ../../nbs/25_stream.ipynb
 def restart_workers(dl):
     "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
     if dl is not None and getattr(dl, "_iterator", None) is not None:
@@ -104,6 +123,7 @@ def restart_workers(dl):
 class ShardLoader(wds.WebLoader):
     "A WebLoader over a ShardDataset whose workers make the training batches; each pass is an epoch."
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle_across: int = 0, **kw):
+        if why := worker_tmpdir_problem(num_workers): raise LoaderError(why)
         rebatch = not shuffle_across and batch_size and batch_size != dataset.batch_size
         dataset = dataset.rebatched(batch_size) if rebatch else copy.copy(dataset)
         dataset.pool_batches = num_workers > 0  # workers reuse batch buffers, lent out or copied out by _counted
