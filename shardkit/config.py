@@ -4,14 +4,18 @@
 
 # %% ../nbs/01_config.ipynb 2
 from __future__ import annotations
+import contextlib
+import multiprocessing
 import os
 import re
 import shutil
 import stat
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 # %% auto 0
-__all__ = ['shardkit_home', 'why_untrusted', 'private_dir', 'remove_stale_temp']
+__all__ = ['shardkit_home', 'why_untrusted', 'private_dir', 'remove_stale_temp', 'run_tempdir']
 
 # %% ../nbs/01_config.ipynb
 def shardkit_home() -> Path:
@@ -66,3 +70,39 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError: return False
     except PermissionError: return True  # someone else's process
     return True
+
+# %% ../nbs/01_config.ipynb
+_RUN = "shardkit-run-"  # a run's temporary folder, in the system's: shardkit-run-PID-XXXXXXXX
+
+def _sweep_runs(tmp: str) -> list[str]:
+    "Remove the run folders in `tmp` that are yours and whose process is gone (a killed run's); their names."
+    gone = []
+    for p in Path(tmp).glob(f"{_RUN}*"):
+        try: pid, st = int(p.name[len(_RUN):].split("-")[0]), p.lstat()
+        except (ValueError, OSError): continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not _alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    return gone
+
+@contextlib.contextmanager
+def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a folder at this path will do
+               ):
+    """A temporary folder of this process and the processes it starts, for the block (`TMPDIR`, `tempfile.tempdir`):
+    removed at its end once they have ended, or by the next run. Yields its path, or None where `fits` refuses the
+    path (the system's folder stays)."""
+    base = tempfile.gettempdir()
+    _sweep_runs(base)
+    prefix = f"{_RUN}{os.getpid()}-"
+    if not fits(os.path.join(base, prefix + "12345678")):  # mkdtemp's 8 random letters
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix=prefix, dir=base)
+    old = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    try: yield Path(folder)
+    finally:
+        if old[0] is None: os.environ.pop("TMPDIR", None)
+        else: os.environ["TMPDIR"] = old[0]
+        tempfile.tempdir = old[1]
+        if not multiprocessing.active_children(): shutil.rmtree(folder, ignore_errors=True)  # else the next run's

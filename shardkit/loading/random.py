@@ -22,7 +22,7 @@ from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
 from .sources import LoaderError, rank_and_world, shard_urls
-from .stream import worker_errors, worker_tmpdir_problem
+from .stream import with_worker_init, worker_errors, worker_tmpdir_problem
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
@@ -161,7 +161,7 @@ def __iter__(self: RandomAccessLoader):
         self.dataset.pool_batches = workers > 0
         MAPPED_BUFFERS.clear()  # new workers, new buffers: unmap the last epoch's
         dl = DataLoader(self.dataset, sampler=todo, batch_size=None, collate_fn=convert_batch, num_workers=workers,
-                        **self.kw)
+                        **with_worker_init(self.kw))
         for b in worker_errors(dl):  # a shardkit error in a worker: its own message first
             self.batch += 1
             yield b.unpool() if isinstance(b, PooledBatch) else b

@@ -11,6 +11,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import traceback
 from itertools import chain, islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
@@ -26,8 +27,9 @@ from .resume import check_resumable, saved_count
 from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
-__all__ = ['SOCKET_PATH_MAX', 'SkipAndCount', 'error_handler', 'ShardDataset', 'worker_tmpdir_problem', 'restart_workers',
-           'ShardLoader', 'worker_error', 'worker_errors', 'skip_resumed', 'check_position', 'shards_digest']
+__all__ = ['SOCKET_PATH_MAX', 'SkipAndCount', 'error_handler', 'ShardDataset', 'worker_tmpdir_problem', 'worker_init',
+           'with_worker_init', 'restart_workers', 'ShardLoader', 'worker_error', 'worker_errors', 'skip_resumed',
+           'check_position', 'shards_digest']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -101,17 +103,37 @@ class ShardDataset(wds.DataPipeline):
 # %% ../../nbs/25_stream.ipynb
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its closing NUL)
 
-def worker_tmpdir_problem(num_workers: int) -> str | None:
-    "Why `num_workers` DataLoader workers could not hand batches over from here (the temporary folder), or None."
+def worker_tmpdir_problem(num_workers: int,
+                          tmp: str | None = None, # The temporary folder (default: this process's)
+                         ) -> str | None:
+    "Why `num_workers` DataLoader workers could not hand batches over from `tmp` (too long a path), or None."
     if num_workers <= 0 or sys.platform != "linux" or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return None
-    tmp = tempfile.gettempdir()
+    tmp = tmp or tempfile.gettempdir()
     need = len(os.fsencode(os.path.join(tmp, "pymp-12345678", "listener-12345678")))  # multiprocessing's names
     if need <= SOCKET_PATH_MAX: return None
     return (f"the temporary folder {tmp} (TMPDIR) is too long for DataLoader workers: they hand batches over through a "
             f"Unix socket under it, whose path would take {need} bytes of the {SOCKET_PATH_MAX} allowed, so torch "
             "would wait for their batches forever; set TMPDIR to a shorter folder (export TMPDIR=/tmp), or use "
             "num_workers=0")
+
+# %% ../../nbs/25_stream.ipynb
+def _excepthook(then: Callable, kind, e, tb):
+    "sys.excepthook in a loader worker: one line for a hand-over the main process left half-way; else `then`'s."
+    in_mp = any(os.sep + "multiprocessing" + os.sep in f.f_code.co_filename for f, _ in traceback.walk_tb(tb))
+    if not (issubclass(kind, (ConnectionError, EOFError)) and in_mp): return then(kind, e, tb)
+    print(f"loader worker (pid {os.getpid()}): the main process left a batch's hand-over half-way ({kind.__name__}); "
+          "it has stopped taking batches", file=sys.stderr, flush=True)
+
+def worker_init(then: Callable | None, worker_id: int):
+    "Set up a loader worker (`_excepthook`), then call `then(worker_id)`, the caller's own worker_init_fn, if any."
+    if getattr(sys.excepthook, "func", None) is not _excepthook:  # once per worker process
+        sys.excepthook = functools.partial(_excepthook, sys.excepthook)
+    if then is not None: then(worker_id)
+
+def with_worker_init(kw: dict) -> dict:
+    "DataLoader's keywords `kw`, with `worker_init` before the caller's worker_init_fn."
+    return {**kw, "worker_init_fn": functools.partial(worker_init, kw.get("worker_init_fn"))}
 
 # %% ../../nbs/25_stream.ipynb
 def restart_workers(dl):
@@ -128,7 +150,8 @@ class ShardLoader(wds.WebLoader):
         dataset = dataset.rebatched(batch_size) if rebatch else copy.copy(dataset)
         dataset.pool_batches = num_workers > 0  # workers reuse batch buffers, lent out or copied out by _counted
         dataset.tag_workers = True  # each batch says which worker made it: the counts per worker are the state
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, **{"collate_fn": convert_batch, **kw})
+        super().__init__(dataset, batch_size=None, num_workers=num_workers,
+                         **with_worker_init({"collate_fn": convert_batch, **kw}))
         self.dataset, self.num_workers, self.shuffle_across, self.epoch = dataset, num_workers, shuffle_across, 0
         self._workers_next = None
         self._taken, self._running, self._resumed, self._next = [0] * max(num_workers, 1), False, None, 0

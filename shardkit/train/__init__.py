@@ -5,9 +5,11 @@
 # %% ../../nbs/30b_train.ipynb 3
 from __future__ import annotations
 import contextlib
+import gc
 import os
 import signal
 import tarfile
+import traceback
 import warnings
 from pathlib import Path
 import psutil
@@ -45,9 +47,11 @@ from shardkit.train.step import (
     training_step,
 )
 from ..command import command, write_json
+from ..config import run_tempdir
 from ..errors import DataError
 from ..loading.gpu import create_gpu_loader, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
+from ..loading.stream import worker_tmpdir_problem
 from ..loading.transforms import eval_transform, train_transform
 from ..shards.fields import ShardError
 from ..store import shown_path
@@ -93,6 +97,11 @@ def _killed_worker() -> str | None:
             sig = st.si_status
             return f"loader worker (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name})"
     return None
+
+def _end_loaders(e: BaseException):
+    "Let go of the loaders that `e`'s traceback holds: torch stops their workers, which tidy up as they end."
+    traceback.clear_frames(e.__traceback__)
+    gc.collect()  # a loader in a reference cycle too
 
 # %% ../../nbs/30b_train.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples, classes, seed, rank, world_size,
@@ -240,18 +249,22 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
                          "--shards 'data/imagenet-train-{000000..000009}.tar'")
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
-    try: return _train(**locals())  # every argument, and the device, rank and world size just set up
-    except Exception as e:
-        if killed := _killed_worker() or (str(e).strip() if "DataLoader worker (pid" in str(e) else None):
-            with contextlib.suppress(ValueError):  # (main thread only) torch's handler would raise it again, mid-line
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            raise TrainError(f"{killed}, so the epoch cannot go on; nothing is lost: "
-                             + ("run the same command again to go on from the last checkpoint" if checkpoint else
-                                "run it again (with --checkpoint PATH a run goes on from where it stopped)")) from None
-        if isinstance(e, (OSError, tarfile.TarError, ShardError)): raise ShardReadError(_explain(e)) from None
-        raise
-    finally:
-        if dist.is_initialized(): dist.destroy_process_group()
+    args = dict(locals())  # every argument, and the device, rank and world size just set up
+    # the run's own temporary folder: what a killed loader worker (or torch, interrupted) leaves there goes with it
+    with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None):
+        try: return _train(**args)
+        except Exception as e:
+            if killed := _killed_worker() or (str(e).strip() if "DataLoader worker (pid" in str(e) else None):
+                with contextlib.suppress(ValueError):  # (main thread only) torch's handler would raise it again
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _end_loaders(e)
+                again = ("run the same command again to go on from the last checkpoint" if checkpoint else
+                         "run it again (with --checkpoint PATH a run goes on from where it stopped)")
+                raise TrainError(f"{killed}, so the epoch cannot go on; nothing is lost: {again}") from None
+            if isinstance(e, (OSError, tarfile.TarError, ShardError)): raise ShardReadError(_explain(e)) from None
+            raise
+        finally:
+            if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../../nbs/30b_train.ipynb
 def _check_options(pipeline: str, decode_on: str, checkpoint, dev: torch.device) -> str:
