@@ -97,7 +97,7 @@ def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a fo
     if not fits(os.path.join(base, prefix + "12345678")):  # mkdtemp's 8 random letters
         yield None
         return
-    folder = tempfile.mkdtemp(prefix=prefix, dir=base)
+    folder, before = tempfile.mkdtemp(prefix=prefix, dir=base), set(multiprocessing.active_children())
     old = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = folder, folder
     try: yield Path(folder)
@@ -105,4 +105,5 @@ def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a fo
         if old[0] is None: os.environ.pop("TMPDIR", None)
         else: os.environ["TMPDIR"] = old[0]
         tempfile.tempdir = old[1]
-        if not multiprocessing.active_children(): shutil.rmtree(folder, ignore_errors=True)  # else the next run's
+        if not set(multiprocessing.active_children()) - before:  # the processes it started have ended (else: next run)
+            shutil.rmtree(folder, ignore_errors=True)
