@@ -10,17 +10,15 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 import psutil
 from tqdm.auto import tqdm
 from ..command import command
-from ..config import shardkit_home
+from ..config import run_tempdir, shardkit_home
 from ..errors import UsageError
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.random import create_random_loader
@@ -104,19 +102,6 @@ def soak(make: Callable,                   # Makes the loader (called once: one 
 MODES = ("stream", "random")
 COUNTS = ("fds_main", "fds_workers", "threads_main", "threads_workers", "workers", "shm", "tmp")
 
-@contextmanager
-def _own_tmp():
-    "A fresh temp folder for this block (TMPDIR: the loader's workers inherit it), removed after."
-    old, folder = (os.environ.get("TMPDIR"), tempfile.tempdir), tempfile.mkdtemp(prefix="shardkit-soak-")
-    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
-    try: yield Path(folder)
-    finally:
-        if old[0] is None: os.environ.pop("TMPDIR", None)
-        else: os.environ["TMPDIR"] = old[0]
-        tempfile.tempdir = old[1]
-        for p in sorted(Path(folder).rglob("*"), reverse=True): p.rmdir() if p.is_dir() else p.unlink()
-        os.rmdir(folder)
-
 def _loader(mode: str, src, num_workers: int, batch_size: int):
     "A function that makes the default loader `mode` of `src`, reading each sample's key, image and label."
     f = shard_fields(shard_urls(src)[0])
@@ -159,7 +144,7 @@ def bench_soak(src,                        # Shards: a directory, ais://bucket, 
     if epochs < warmup + 2: raise UsageError(f"epochs={epochs}: give at least warmup + 2 ({warmup + 2})")
     out = {}
     for mode in wanted:
-        with _own_tmp() as tmp:
+        with run_tempdir() as tmp:  # its own: what the loader leaves in it counts
             rows = soak(_loader(mode, src, num_workers, batch_size), epochs, tmp, f"soak {mode}", progress=progress)
         out[mode] = dict(rows=rows, summary=soak_summary(rows, warmup))
     return out
