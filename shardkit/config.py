@@ -5,6 +5,7 @@
 # %% ../nbs/01_config.ipynb 2
 from __future__ import annotations
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import re
@@ -73,14 +74,26 @@ def _alive(pid: int) -> bool:
 
 # %% ../nbs/01_config.ipynb
 _RUN = "shardkit-run-"  # a run's temporary folder, in the system's: shardkit-run-PID-XXXXXXXX
+_HELD = ".held"  # in it: locked while the run or a process it forked lives (the kernel lets go when they die)
+
+def _in_use(folder: Path, pid: int) -> bool:
+    "Whether a run still uses `folder`: its lock is held; where it has none yet, whether process `pid` lives."
+    try: fd = os.open(folder / _HELD, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError: return _alive(pid)  # (killed between making the folder and locking it)
+    except OSError: return True
+    try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError: return True
+    finally: os.close(fd)
+    return False
 
 def _sweep_runs(tmp: str) -> list[str]:
-    "Remove the run folders in `tmp` that are yours and whose process is gone (a killed run's); their names."
+    """Remove the run folders in `tmp` that are yours and that no run uses any more (a killed run's); their names. A
+    lock, not the process id, says so: a process of another PID namespace may share the folder."""
     gone = []
     for p in Path(tmp).glob(f"{_RUN}*"):
         try: pid, st = int(p.name[len(_RUN):].split("-")[0]), p.lstat()
         except (ValueError, OSError): continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not _alive(pid):
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not _in_use(p, pid):
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p.name)
     return gone
@@ -98,6 +111,8 @@ def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a fo
         yield None
         return
     folder, before = tempfile.mkdtemp(prefix=prefix, dir=base), set(multiprocessing.active_children())
+    held = os.open(os.path.join(folder, _HELD), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # forked workers share it: the folder is in use while any of them lives
     old = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = folder, folder
     try: yield Path(folder)
@@ -107,3 +122,4 @@ def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a fo
         tempfile.tempdir = old[1]
         if not set(multiprocessing.active_children()) - before:  # the processes it started have ended (else: next run)
             shutil.rmtree(folder, ignore_errors=True)
+        os.close(held)

@@ -4,7 +4,6 @@
 
 # %% ../../nbs/30b_train.ipynb 3
 from __future__ import annotations
-import contextlib
 import gc
 import os
 import signal
@@ -97,6 +96,12 @@ def _killed_worker() -> str | None:
             sig = st.si_status
             return f"loader worker (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name})"
     return None
+
+def _chld(handler):
+    "Make `handler` SIGCHLD's, where this is the main thread and it is one; the handler it had, or None."
+    if handler is None: return None
+    try: return signal.signal(signal.SIGCHLD, handler)
+    except ValueError: return None  # not the main thread
 
 def _end_loaders(e: BaseException):
     "Let go of the loaders that `e`'s traceback holds: torch stops their workers, which tidy up as they end."
@@ -254,13 +259,14 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
     with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None):
         try: return _train(**args)
         except Exception as e:
+            # torch's SIGCHLD handler would raise again, into what follows, as a worker's death reaches this process
+            torch_handler = _chld(signal.SIG_DFL)
             if killed := _killed_worker() or (str(e).strip() if "DataLoader worker (pid" in str(e) else None):
-                with contextlib.suppress(ValueError):  # (main thread only) torch's handler would raise it again
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 _end_loaders(e)
                 again = ("run the same command again to go on from the last checkpoint" if checkpoint else
                          "run it again (with --checkpoint PATH a run goes on from where it stopped)")
                 raise TrainError(f"{killed}, so the epoch cannot go on; nothing is lost: {again}") from None
+            _chld(torch_handler)  # no worker died: the loaders this process makes later keep torch's watch
             if isinstance(e, (OSError, tarfile.TarError, ShardError)): raise ShardReadError(_explain(e)) from None
             raise
         finally:
