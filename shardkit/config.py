@@ -74,21 +74,20 @@ def _alive(pid: int) -> bool:
 
 # %% ../nbs/01_config.ipynb
 _RUN = "shardkit-run-"  # a run's temporary folder, in the system's: shardkit-run-PID-XXXXXXXX
-_HELD = ".held"  # in it: locked while the run or a process it forked lives (the kernel lets go when they die)
 
 def _in_use(folder: Path, pid: int) -> bool:
-    "Whether a run still uses `folder`: its lock is held; where it has none yet, whether process `pid` lives."
-    try: fd = os.open(folder / _HELD, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError: return _alive(pid)  # (killed between making the folder and locking it)
+    """Whether a run still uses `folder`: the folder is locked (by the run, or a worker it forked: the kernel lets go
+    when the last of them dies), or its process `pid` lives (it may not have locked it yet)."""
+    try: fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError: return True
     try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError: return True
     finally: os.close(fd)
-    return False
+    return _alive(pid)
 
 def _sweep_runs(tmp: str) -> list[str]:
-    """Remove the run folders in `tmp` that are yours and that no run uses any more (a killed run's); their names. A
-    lock, not the process id, says so: a process of another PID namespace may share the folder."""
+    """Remove the run folders in `tmp` that are yours and that no run uses any more (a killed run's); their names. Its
+    lock says so first: a process of another PID namespace, which its process id cannot tell, may share the folder."""
     gone = []
     for p in Path(tmp).glob(f"{_RUN}*"):
         try: pid, st = int(p.name[len(_RUN):].split("-")[0]), p.lstat()
@@ -111,7 +110,7 @@ def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a fo
         yield None
         return
     folder, before = tempfile.mkdtemp(prefix=prefix, dir=base), set(multiprocessing.active_children())
-    held = os.open(os.path.join(folder, _HELD), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(held, fcntl.LOCK_EX)  # forked workers share it: the folder is in use while any of them lives
     old = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = folder, folder
