@@ -1,5 +1,6 @@
 """Start-up: what a fresh process imports. The front and the default loader import no torchvision (a second of
-torch._dynamo through torchvision.models), `shardkit train` with the default pipeline neither, every command's --help
+torch._dynamo through torchvision.models), `shardkit train` with the default pipeline neither (nor torch._dynamo through
+torch.optim), `shardkit train` lets idle torch threads sleep, every command's --help imports
 no torch (its page is kept as data, and that page is the command's own); a wrong step is one line and an exit status.
 Each check runs a fresh interpreter and looks at its sys.modules: times are measured by `shardkit bench startup`."""
 import contextlib, io, json, os, subprocess, sys
@@ -46,12 +47,31 @@ def test_the_default_loader_imports_no_torchvision(own_shards):
     assert got == dict(why=None, shape=[8, 3, 224, 224], front=[], loaded=False), got  # decoded and cropped in C
 
 
-def test_train_with_the_default_pipeline_imports_no_torchvision(own_shards):
+def test_train_with_the_default_pipeline_imports_no_torchvision_and_no_dynamo(own_shards):
+    "Neither torchvision nor torch._dynamo (torch.optim's first use imports it: 1.5 s), with a step of SGD taken."
     r = fresh("import sys\nfrom shardkit.train import train\n"
-              "train(sys.argv[1], epochs=1, max_steps=1, batch_size=8, num_workers=0, size=32)\n"
-              "print('torchvision' in sys.modules)", own_shards)
+              "train(sys.argv[1], epochs=1, max_steps=2, batch_size=8, num_workers=0, size=32)\n"
+              "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))", own_shards)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_shardkit_train_lets_idle_threads_sleep_unless_told(policy, own_shards):
+    "`shardkit train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, then uses every core; a caller's setting wins."
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env |= {"OMP_WAIT_POLICY": policy} if policy else {}
+    code = ("import os, sys\nfrom shardkit.apps.cli import main\n"
+            "assert 'torch' not in sys.modules\n"
+            "main(['train', '--shards', sys.argv[1], '--epochs', '1', '--max-steps', '1', '--batch-size', '8',\n"
+            "      '--size', '32', '--num-workers', '2'])\n"
+            "import torch\nprint(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
+    r = subprocess.run([sys.executable, "-c", code, str(own_shards)], capture_output=True, text=True, timeout=300,
+                       env={**env, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cores = os.cpu_count()
+    want = f"PASSIVE {cores}" if policy is None else f"ACTIVE {max(1, cores // 3)}"
+    assert r.stdout.strip().splitlines()[-1] == want, r.stdout
 
 
 def test_every_help_imports_no_torch_and_shows_the_commands_own_page():

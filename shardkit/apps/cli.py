@@ -9,6 +9,7 @@ import difflib
 import hashlib
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 import shardkit
@@ -16,8 +17,8 @@ from ..command import command_parser, help_arguments, help_parser, write_json
 from ..errors import ShardkitError
 
 # %% auto 0
-__all__ = ['COMMANDS', 'EXAMPLES', 'HELP_TABLE', 'find_command', 'load_command', 'parser_of', 'command_help', 'write_help_table',
-           'kept_help', 'command_description', 'overview', 'main']
+__all__ = ['COMMANDS', 'EXAMPLES', 'ENVIRONMENT', 'HELP_TABLE', 'find_command', 'load_command', 'parser_of', 'command_help',
+           'write_help_table', 'kept_help', 'command_description', 'overview', 'main']
 
 # %% ../../nbs/99_cli.ipynb
 _DATA_COMMANDS = {  # the cluster, data sets, conversions and looking at shards: each runs this function
@@ -65,6 +66,10 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
 EXAMPLES = {  # shown after a command's options (`--help`): what its options alone do not say
     ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train --shards myshards "
                 "(every rank takes equal steps; --pad repeats samples to fill the last one rather than leave it out)",
+}
+
+ENVIRONMENT = {  # set before a command's module (and torch) is imported, where the caller has not set them
+    ("train",): {"OMP_WAIT_POLICY": "PASSIVE"},  # idle torch threads sleep, so the model may use every core
 }
 
 
@@ -173,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         page = help_parser("shardkit " + " ".join(cmd), kept["description"], kept["arguments"], EXAMPLES.get(cmd))
         page.print_help()
         raise SystemExit(0)  # as argparse ends a --help
+    if "torch" not in sys.modules:  # else OpenMP has read its settings already
+        for k, v in ENVIRONMENT.get(cmd, {}).items(): os.environ.setdefault(k, v)
     func = load_command(cmd)
     args = vars(parser_of(cmd).parse_args([_hyphenate(a) for a in rest]))
     try:

@@ -4,7 +4,6 @@
 
 # %% ../../nbs/44_bench.train.ipynb 3
 from __future__ import annotations
-import os
 import statistics
 import time
 from ..command import command
@@ -21,12 +20,13 @@ def _direct(spec: dict) -> dict:
     import torch
     from shardkit.loading.pipeline import create_dataloader, create_dataset
     from shardkit.loading.transforms import train_transform
-    from shardkit.train import make_model, training_step
+    from shardkit.train import make_model, torch_threads, training_step
+    from shardkit.train.loop import OPTIMIZERS
     c0 = cpu_seconds(descendants=True)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (1 + spec["workers"])))  # the script's rule, one rank
+    torch.set_num_threads(torch_threads(spec["workers"]))  # the script's rule, one rank
     torch.manual_seed(0)
     model = make_model(spec["arch"], spec["classes"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    opt = OPTIMIZERS["sgd"](model.parameters(), 0.05)
     step = training_step(model, opt, "cpu", "fp32")
     ds = create_dataset(spec["urls"], fields=("jpg", "cls"), transform=train_transform(spec["size"], scale=(0.5, 1.0)),
                         batch_size=spec["batch_size"], seed=0)

@@ -56,16 +56,26 @@ from ..shards.fields import ShardError
 from ..store import shown_path
 
 # %% auto 0
-__all__ = ['ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError', 'expand_urls',
-           'count_samples_and_classes', 'setup_distributed', 'make_transform', 'rank_shards', 'example_loader',
-           'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model', 'count_correct', 'evaluate',
-           'pick_precision', 'training_step', 'train_epochs']
+__all__ = ['torch_threads', 'ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError',
+           'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform', 'rank_shards',
+           'example_loader', 'KeyedImageFolder', 'folder_loader', 'small_cnn', 'make_model', 'count_correct',
+           'evaluate', 'pick_precision', 'training_step', 'train_epochs']
 
 # %% ../../nbs/30b_train.ipynb
 _all_ = ["PRECISIONS", "CHECKPOINT_FORMAT", "OPTIMIZERS", "TrainError", "expand_urls", "count_samples_and_classes",
          "setup_distributed", "make_transform", "rank_shards", "example_loader", "KeyedImageFolder",
          "folder_loader", "small_cnn", "make_model", "count_correct", "evaluate", "pick_precision",
          "training_step", "train_epochs"]
+
+# %% ../../nbs/30b_train.ipynb
+def torch_threads(num_workers: int,    # DataLoader workers per rank
+                  world_size: int = 1, # Ranks on this machine
+                 ) -> int:
+    "torch's CPU threads per rank: its share of the cores if idle OpenMP threads sleep, else what its workers leave."
+    cores = os.cpu_count() or 1
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE": return max(1, cores // world_size)
+    return max(1, cores // (world_size * (1 + num_workers)))
+
 
 # %% ../../nbs/30b_train.ipynb
 def _pick_device(device):
@@ -239,7 +249,7 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
           keys_out: str | None = None,     # Folder to write keys-rank<R>.txt, the sample keys each rank trained on
           json: str | None = None,         # File to write the per-epoch results to as JSON (rank 0)
           device: str | None = None,       # Device: cpu or cuda (default: cuda when available)
-          threads: int | None = None,      # CPU threads of torch per rank (default: cores / (ranks x (1 + workers)))
+          threads: int | None = None,      # CPU threads of torch per rank (default: `torch_threads`)
           seed: int = 0,                   # Random seed (model init, shard order)
           checkpoint: str | None = None,   # Save the run here (a file per rank under torchrun); run again to go on
           every: int = 50,                 # Save every this many steps (and after each epoch, and at max_steps)
@@ -314,7 +324,7 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
            dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // (world_size * (1 + num_workers))))
+        torch.set_num_threads(threads or torch_threads(num_workers, world_size))
     else: torch.backends.cudnn.benchmark = True  # the input size is fixed: let cuDNN pick its fastest convolutions once
     decode_on, precision = _check_options(pipeline, decode_on, checkpoint, dev), pick_precision(precision, dev)
     if shards is not None:
