@@ -22,7 +22,7 @@ from .step import TrainError, count_correct, images_and_labels, training_step
 
 # %% auto 0
 __all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'LoopSettings', 'drop_half_written', 'rank_checkpoint',
-           'latest_checkpoint', 'load_checkpoint', 'run_epochs', 'SGD', 'train_epochs']
+           'latest_checkpoint', 'load_checkpoint', 'run_epochs', 'SGD', 'sgd', 'train_epochs']
 
 # %% ../../nbs/30a_train.loop.ipynb
 def log_rank0(rank: int, *args):
@@ -240,7 +240,7 @@ def run_epochs(step: Callable,             # step(images, labels) -> the loss (`
 
 # %% ../../nbs/30a_train.loop.ipynb
 class SGD:
-    "`torch.optim.SGD`'s update (momentum, weight decay) and `state_dict`, without its first-use import of torch._dynamo."
+    "torch.optim.SGD's update (momentum, weight decay) and state_dict, without its first-use import of torch._dynamo."
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         params = list(params)
         if not params or not all(isinstance(p, torch.Tensor) for p in params):
@@ -263,20 +263,17 @@ class SGD:
         if closure is not None:
             with torch.enable_grad(): loss = closure()
         g = self.param_groups[0]
-        ps = [p for p in g["params"] if p.grad is not None]
-        if not ps: return loss
-        grads = [p.grad for p in ps]
-        if g["weight_decay"]: grads = torch._foreach_add(grads, ps, alpha=g["weight_decay"])
-        if g["momentum"]:
-            bufs = [self.state.setdefault(p, {}).get("momentum_buffer") for p in ps]
-            old = [i for i, b in enumerate(bufs) if b is not None]
-            if old:  # buf = momentum * buf + grad, as torch.optim.SGD without dampening
-                torch._foreach_mul_([bufs[i] for i in old], g["momentum"])
-                torch._foreach_add_([bufs[i] for i in old], [grads[i] for i in old])
-            for i, b in enumerate(bufs):
-                if b is None: bufs[i] = self.state[ps[i]]["momentum_buffer"] = torch.clone(grads[i]).detach()
-            grads = bufs
-        torch._foreach_add_(ps, grads, alpha=-g["lr"])
+        lr, momentum, decay = g["lr"], g["momentum"], g["weight_decay"]
+        for p in g["params"]:  # torch.optim.SGD's loop on the CPU (its multi-tensor kernels are for GPUs)
+            if p.grad is None: continue
+            d = p.grad.add(p, alpha=decay) if decay else p.grad
+            if momentum:
+                state = self.state.setdefault(p, {})
+                buf = state.get("momentum_buffer")
+                if buf is None: buf = state["momentum_buffer"] = torch.clone(d).detach()
+                else: buf.mul_(momentum).add_(d)  # no dampening
+                d = buf
+            p.add_(d, alpha=-lr)
         return loss
 
     def state_dict(self) -> dict:
@@ -301,8 +298,15 @@ class SGD:
 
 
 # %% ../../nbs/30a_train.loop.ipynb
+def sgd(params, lr: float):
+    "SGD with momentum 0.9 and weight decay 5e-4, as `shardkit train`: `SGD` on the CPU, torch.optim's on a GPU."
+    params = list(params)
+    if any(p.is_cuda for p in params):  # its multi-tensor kernels: one launch for all the parameters
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
+    return SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
+
 OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=1e-4),
-              "sgd": lambda params, lr: SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)}
+              "sgd": lambda params, lr: sgd(params, lr)}
 
 def train_epochs(model: nn.Module,                 # The model to train (moved to `device`)
                  loader,                           # Batches of (images, labels, ...) in any order (create_dataloader's)
