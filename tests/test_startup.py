@@ -12,10 +12,11 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fresh(code: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    "Run `code` in a fresh interpreter with this checkout first on the path."
+def fresh(code: str, *args, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    "Run `code` in a fresh interpreter with this checkout first on the path; `env`: variables to set (None: unset)."
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "COLUMNS": "120"}
+           "COLUMNS": "120", **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -59,15 +60,12 @@ def test_train_with_the_default_pipeline_imports_no_torchvision_and_no_dynamo(ow
 @pytest.mark.parametrize("policy", [None, "ACTIVE"])
 def test_shardkit_train_lets_idle_threads_sleep_unless_told(policy, own_shards):
     "`shardkit train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, then uses every core; a caller's setting wins."
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env |= {"OMP_WAIT_POLICY": policy} if policy else {}
-    code = ("import os, sys\nfrom shardkit.apps.cli import main\n"
-            "assert 'torch' not in sys.modules\n"
-            "main(['train', '--shards', sys.argv[1], '--epochs', '1', '--max-steps', '1', '--batch-size', '8',\n"
-            "      '--size', '32', '--num-workers', '2'])\n"
-            "import torch\nprint(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
-    r = subprocess.run([sys.executable, "-c", code, str(own_shards)], capture_output=True, text=True, timeout=300,
-                       env={**env, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
+    r = fresh("import os, sys\nfrom shardkit.apps.cli import main\n"
+              "assert 'torch' not in sys.modules\n"
+              "main(['train', '--shards', sys.argv[1], '--epochs', '1', '--max-steps', '1', '--batch-size', '8',\n"
+              "      '--size', '32', '--num-workers', '2'])\n"
+              "import torch\nprint(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())", own_shards,
+              env={"OMP_WAIT_POLICY": policy})
     assert r.returncode == 0, r.stderr[-3000:]
     cores = os.cpu_count()
     want = f"PASSIVE {cores}" if policy is None else f"ACTIVE {max(1, cores // 3)}"

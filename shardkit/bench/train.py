@@ -20,8 +20,7 @@ def _direct(spec: dict) -> dict:
     import torch
     from shardkit.loading.pipeline import create_dataloader, create_dataset
     from shardkit.loading.transforms import train_transform
-    from shardkit.train import make_model, torch_threads, training_step
-    from shardkit.train.loop import OPTIMIZERS
+    from shardkit.train import OPTIMIZERS, make_model, torch_threads, training_step
     c0 = cpu_seconds(descendants=True)
     torch.set_num_threads(torch_threads(spec["workers"]))  # the script's rule, one rank
     torch.manual_seed(0)

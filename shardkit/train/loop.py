@@ -306,7 +306,7 @@ def sgd(params, lr: float):
     return SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
 
 OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=1e-4),
-              "sgd": lambda params, lr: sgd(params, lr)}
+              "sgd": sgd}
 
 def train_epochs(model: nn.Module,                 # The model to train (moved to `device`)
                  loader,                           # Batches of (images, labels, ...) in any order (create_dataloader's)
