@@ -8,6 +8,11 @@ import contextlib, os, shutil, signal, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
+# The suite runs two tests at once (-n 2) on the machine's cores: each torch process it starts (a `shardkit train`, a
+# notebook's kernel, a worker of the suite) takes one thread, as `shardkit train` honours OMP_NUM_THREADS, so that a
+# training run does not take every core from the timed test beside it. tests/test_startup.py checks the default.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "_out"  # screenshots and figures the tests write (git-ignored)
 

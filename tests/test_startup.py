@@ -57,18 +57,18 @@ def test_train_with_the_default_pipeline_imports_no_torchvision_and_no_dynamo(ow
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
 
-@pytest.mark.parametrize("policy", [None, "ACTIVE"])
-def test_shardkit_train_lets_idle_threads_sleep_unless_told(policy, own_shards):
-    "`shardkit train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, then uses every core; a caller's setting wins."
+@pytest.mark.parametrize("policy,given", [(None, None), ("ACTIVE", None), (None, "1")])
+def test_shardkit_train_lets_idle_threads_sleep_unless_told(policy, given, own_shards):
+    "`shardkit train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, then uses every core; a caller's settings win."
     r = fresh("import os, sys\nfrom shardkit.apps.cli import main\n"
               "assert 'torch' not in sys.modules\n"
               "main(['train', '--shards', sys.argv[1], '--epochs', '1', '--max-steps', '1', '--batch-size', '8',\n"
               "      '--size', '32', '--num-workers', '2'])\n"
               "import torch\nprint(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())", own_shards,
-              env={"OMP_WAIT_POLICY": policy})
+              env={"OMP_WAIT_POLICY": policy, "OMP_NUM_THREADS": given})
     assert r.returncode == 0, r.stderr[-3000:]
     cores = os.cpu_count()
-    want = f"PASSIVE {cores}" if policy is None else f"ACTIVE {max(1, cores // 3)}"
+    want = f"ACTIVE {max(1, cores // 3)}" if policy else f"PASSIVE {given or cores}"
     assert r.stdout.strip().splitlines()[-1] == want, r.stdout
 
 

@@ -71,7 +71,8 @@ _all_ = ["PRECISIONS", "CHECKPOINT_FORMAT", "OPTIMIZERS", "TrainError", "expand_
 def torch_threads(num_workers: int,    # DataLoader workers per rank
                   world_size: int = 1, # Ranks on this machine
                  ) -> int:
-    "torch's CPU threads per rank: its share of the cores if idle OpenMP threads sleep, else what its workers leave."
+    "torch's CPU threads per rank: OMP_NUM_THREADS if set, else the rank's share of the cores (see above)."
+    if (n := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(n) > 0: return int(n)  # the user's
     cores = os.cpu_count() or 1
     if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE": return max(1, cores // world_size)
     return max(1, cores // (world_size * (1 + num_workers)))
