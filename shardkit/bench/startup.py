@@ -106,6 +106,15 @@ def _own_data(folder: Path) -> str:
     convert_folder(folder / "mydata", folder / "myshards", progress=False)
     return str(folder / "myshards")
 
+def _named(cases: str) -> list[str]:
+    "The cases named in `cases`, comma-separated; a name may hold a comma itself, as the front's import does."
+    known, names, part = list(startup_cases("")), [], ""
+    for piece in cases.split(","):
+        part = f"{part},{piece}" if part else piece
+        if part.strip() in known: names.append(part.strip()); part = ""
+    if part.strip(): raise UsageError(f"unknown cases {part.strip()!r}; pick from {known}")
+    return names
+
 def bench_startup(src: str | None = None,  # Shards for `shardkit train`; None: the README's own-data folder, made here
                   repeats: int = 5,         # Rounds; each runs every case once, in turn (medians over them)
                   cases: str = "",          # Only these cases, comma-separated (names of `startup_cases`); '': all
@@ -113,9 +122,7 @@ def bench_startup(src: str | None = None,  # Shards for `shardkit train`; None: 
                  ) -> dict:                 # rows: each case's median and runs; imports: importtime's costliest
     "Seconds a fresh process takes for each case of `startup_cases`, beside `import torch`, in interleaved rounds."
     if repeats < 1: raise UsageError(f"repeats must be >= 1, got {repeats}")
-    names = [c.strip() for c in cases.split(",") if c.strip()] or list(startup_cases(""))
-    if unknown := [c for c in names if c not in startup_cases("")]:
-        raise UsageError(f"unknown cases {unknown}; pick from {list(startup_cases(''))}")
+    names = _named(cases) or list(startup_cases(""))
     with tempfile.TemporaryDirectory(prefix="shardkit-startup-") as tmp:
         if src is None and any(c.startswith("shardkit train:") for c in names): src = _own_data(Path(tmp))
         chosen = {c: startup_cases(str(src))[c] for c in names}
