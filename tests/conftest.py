@@ -27,7 +27,7 @@ def free_base_port(start=28080, step=10, nodes=4):
 def pytest_collection_modifyitems(config, items):
     """Tests on the session's AIStore are slow, and share one worker under pytest-xdist (`--dist loadgroup`): one
     cluster per session. Tests that change a cluster's targets (`changing_cluster`: tests/test_faults_ais.py) share
-    another group: their cluster is their own, and their rebalances (about 45 s each) run beside the session
+    another group: their cluster is their own, and their rebalances (about 40 s each) run beside the session
     cluster's tests, not after them. Tests with a wall-clock bound (`timed`) share a third, so no two of them run at
     once."""
     ais_modules = set()
@@ -129,11 +129,12 @@ def _start_cluster(tmp_path_factory, name: str) -> dict:
     return dict(endpoint=endpoint, root=root)
 
 
-def _stop_cluster(cluster: dict, request):
-    "Stop it; when a test of the session failed, keep the nodes' logs in tests/_out/ais-logs-PID first."
+def _stop_cluster(cluster: dict, request, timeout: float = 30):
+    """Stop it (nodes still running after `timeout` s are killed); when a test of the session failed, keep the
+    nodes' logs in tests/_out/ais-logs-PID first."""
     from shardkit.apps.cluster import ais_down
     if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(cluster['root'])}")
-    ais_down(cluster["root"], wipe=True, quiet=True)
+    ais_down(cluster["root"], timeout=timeout, wipe=True, quiet=True)
 
 
 @pytest.fixture(scope="session")
@@ -149,12 +150,24 @@ def ais_cluster(tmp_path_factory, request):
 @pytest.fixture(scope="session")
 def changing_cluster(tmp_path_factory, request):
     """A second local AIStore (1 proxy, 2 targets) for the tests that kill, restart, add or remove targets, or start
-    rebalances. Each such change starts a rebalance of about 45 s (AIStore waits for its streams to go quiet); here no
-    test of the session cluster meets one, and none waits for the last one: this cluster is stopped at the end.
-    Started the first time a test asks for it; its tests run in the cluster's xdist group, one at a time."""
+    rebalances. Each such change starts a rebalance; here no test of the session cluster meets one, and none waits
+    for the last one: this cluster is stopped at the end. Started the first time a test asks for it; its tests run in
+    the cluster's xdist group, one at a time.
+
+    A rebalance's length is AIStore's timers, not the data: with 8 objects of 1.2 MB, its "fin" stage waited 25 s and
+    "fin-streams" 10 s (a target's log: `trav:<1s post-trav:4s fin:25s fin-streams:10s`), 50 s in all. The stages wait
+    for 2 x `timeout.max_keepalive` of silence, then `transport.quiescent` of it. This cluster sets both to the least
+    AIStore accepts (8 s; 2 x `timeout.cplane_operation`): a rebalance then takes about 40 s, and still runs through
+    the epochs and the jobs its tests run meanwhile (tests/test_faults_ais.py checks that it does)."""
+    import requests
     cluster = _start_cluster(tmp_path_factory, "ais-changing")
+    for kv in ("transport.quiescent=8s", "timeout.max_keepalive=4s"):
+        r = requests.put(f"{cluster['endpoint']}/v1/cluster/set-config?{kv}", timeout=30)
+        assert r.status_code == 200, f"AIStore refused {kv}: {r.status_code} {r.text[:300]}"
     yield cluster
-    _stop_cluster(cluster, request)
+    # A target being decommissioned finishes its part of the rebalance before it exits on SIGTERM (20-30 s, the
+    # teardown of whichever test ran last on this worker): this cluster's data is deleted next, so it is not waited for
+    _stop_cluster(cluster, request, timeout=3)
 
 
 @pytest.fixture
@@ -240,3 +253,21 @@ def write_pet_shards(folder: Path, n_shards: int = 6, per_shard: int = 5, *, siz
                 img, tri = draw_animal(cls, rng, size=size)
                 w.write({"__key__": f"s{s}_{i}", "image.jpg": jpeg_bytes(img), "cls": cls, **({"trimap.png": png_bytes(tri)} if trimap else {})})
     return paths
+
+
+# The fast tier's budget: it runs on every edit, so each of its tests takes seconds. A test over this (on a quiet
+# 2-core machine) is named at the end of the run, with what to do; the README's Developing section gives the tiers.
+FAST_TEST_SECONDS = 10
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    "In the fast tier (`-m \"not slow\"`), name the tests that took longer than FAST_TEST_SECONDS."
+    if "not slow" not in (config.getoption("markexpr") or ""): return
+    reports = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])]
+    over = sorted(((r.duration, r.nodeid) for r in reports if r.when == "call" and r.duration > FAST_TEST_SECONDS),
+                  reverse=True)
+    if over:
+        terminalreporter.write_sep("-", f"{len(over)} fast-tier test(s) over {FAST_TEST_SECONDS} s")
+        for d, nodeid in over: terminalreporter.write_line(f"{d:6.1f} s  {nodeid}")
+        terminalreporter.write_line("on a quiet machine, make them cheaper or mark them `slow` (pytest.ini): the fast "
+                                    "tier is the edit-test loop, the whole suite still runs them")

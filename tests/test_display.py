@@ -64,6 +64,7 @@ def test_listing_agrees_with_tar(tmp_path):
     assert len(short) == 5 and short[-1] == "... 14 more members (18 in all)"
 
 
+@pytest.mark.slow
 def test_ls_counts_and_uses_manifests(tmp_path, cli):
     store = _plain_shards(open_store(tmp_path / "s", create=True))
     r = cli("ls", tmp_path / "s")
@@ -95,6 +96,7 @@ def test_count_samples_groups_like_webdataset(tmp_path):
     assert count_samples(store, "part-000.tar") == 5 == len(list(wds.WebDataset(store.urls("part-000.tar"), shardshuffle=False)))
 
 
+@pytest.mark.slow
 def test_show_cli_writes_a_readable_png(tmp_path, cli, out_dir):
     store = _plain_shards(open_store(tmp_path / "s", create=True))
     out = out_dir / "show_part-001.png"

@@ -76,6 +76,7 @@ def shardkit(capsys, *args) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
+@pytest.mark.slow
 def test_four_ways_identical_for_val_transform(src, tmp_path, capsys):
     one = way1(src, imagenet_val_npy)
     assert len(one) == 12
@@ -103,6 +104,7 @@ def test_four_ways_identical_for_val_transform(src, tmp_path, capsys):
     same_samples(one, five)
 
 
+@pytest.mark.slow
 def test_random_transform_identical_with_seed(src, tmp_path):
     one = way1(src, imagenet_train_npy, seed=7)
     sc = Sidecar(imagenet_train_npy, src, seed=7)
@@ -255,6 +257,7 @@ def http_target(folder: Path):
     finally: srv.shutdown(); srv.server_close(); th.join(10)
 
 
+@pytest.mark.slow
 def test_init_etl_ships_a_server_that_runs_without_shardkit(src):
     "Way 3 without Kubernetes: the request init_etl makes, and its server class run as AIStore's pod would run it."
     client = RecordingClient()

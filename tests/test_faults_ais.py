@@ -4,7 +4,7 @@ again within the retry window. The epoch is exactly a clean epoch's samples in o
 (AIStore drops a target that stays down for about 30 s from its cluster map, and its objects then answer 404 until it
 is back: the restart here comes after 3 s.) A rebalance: the actions it refuses or stops (`index-shard`, dSort)
 wait for it, say so once, and blame no version. Targets that leave and join in the middle of an epoch. These run on
-`changing_cluster`, a cluster of their own: each change starts a rebalance of about 45 s, which no test of the
+`changing_cluster`, a cluster of their own: each change starts a rebalance of about 40 s, which no test of the
 session's cluster meets, and nothing waits for the last one (the cluster is stopped at the end)."""
 import hashlib, json, os, signal, subprocess, sys, threading, time, uuid
 from pathlib import Path
@@ -168,7 +168,7 @@ def test_ais_put_through_a_target_restart(cluster, tmp_path):
     out, err = put.communicate(timeout=180)
     restarting.join(150)
     assert put.returncode == 0, out + err
-    for n in NAMES:  # (read, not listed: a listing would wait for the rebalance the restart started, about 45 s)
+    for n in NAMES:  # (read, not listed: a listing would wait for the rebalance the restart started, about 40 s)
         assert hashlib.sha256(store.read_bytes(n)).digest() == hashlib.sha256((src / n).read_bytes()).digest(), n
     assert "uploaded 8 files" in out and "shardkit ais put:" in out and "connection refused" in out, out
     print(out)
@@ -221,9 +221,18 @@ def _epochs_through(change, loaders: dict, endpoint: str, meanwhile) -> tuple[di
         if not its: return keys, t_reb, said
         if step == 0: change(); t0 = time.monotonic()
         if step == 4:
+            _await_rebalance_start(endpoint)  # a join's rebalance starts a few seconds after the target is in the map
             said = meanwhile()
             await_rebalance(endpoint, timeout=300); t_reb = time.monotonic() - t0
         time.sleep(0.05)
+
+
+def _await_rebalance_start(endpoint: str, timeout: float = 30) -> list[str]:
+    "Wait until a rebalance runs on the cluster (at most `timeout` s); the jobs running, [] if none started."
+    from shardkit.apps.cluster import rebalancing
+    deadline = time.monotonic() + timeout
+    while not (running := rebalancing(endpoint)) and time.monotonic() < deadline: time.sleep(0.2)
+    return running or []
 
 
 def _notebook_while_rebalancing(nb: str, endpoint: str):
@@ -231,6 +240,7 @@ def _notebook_while_rebalancing(nb: str, endpoint: str):
     from shardkit.apps.cluster import rebalancing
     from test_notebooks import NBS_DIR, run_notebook
     during, t0 = rebalancing(endpoint), time.monotonic()
+    assert during, f"the rebalance was over before {nb} started"
     run_notebook(NBS_DIR / nb, {**os.environ, "AIS_ENDPOINT": endpoint}, ("slow", "ais"))
     return f"{nb} passed in {time.monotonic() - t0:.0f} s, started during {during}"
 
@@ -238,7 +248,7 @@ def _notebook_while_rebalancing(nb: str, endpoint: str):
 def test_targets_leave_and_join_mid_epoch(cluster, bucket, capfd):
     """The cluster changes under an epoch: a target goes into maintenance, a target joins, a target is
     decommissioned, each in the middle of an epoch of a streaming loader and of a random-access loader (the default
-    for `ais://`: the shard cache) read side by side. Each change starts a rebalance (about 45 s here); both epochs
+    for `ais://`: the shard cache) read side by side. Each change starts a rebalance (about 40 s here); both epochs
     wait half-way until it is over (the target has left, or holds its objects), so each reads before, during and
     after the change. Both epochs are exactly a clean epoch's samples, in its order, with no error. While each
     rebalance runs, a random-access job runs beside them: the 27_random notebook, the 36_bench_random notebook (their

@@ -30,6 +30,7 @@ def test_synth_folder_layout(tree):
         assert ds.classes == sorted(ds.classes)
 
 
+@pytest.mark.slow
 def test_convert_folder_cli_matches_imagefolder(tree, tmp_path):
     r = shardkit("convert", "folder", tree / "train", tmp_path, "--prefix", "imagenet-train-", "--maxcount", 5)
     assert "12 samples in 3 shards" in r.stdout and "3 classes, numbered as ImageFolder does" in r.stdout, r.stdout

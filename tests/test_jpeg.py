@@ -281,6 +281,7 @@ def _run_elsewhere(tmp_path, env, mode):
     return out
 
 
+@pytest.mark.slow
 def test_without_a_compiler_windows_are_cut_from_full_decodes(tmp_path):
     out = _run_elsewhere(tmp_path, {"CC": "/nonexistent/cc", "SHARDKIT_JPEG_WINDOW": "build"}, "no-compiler")
     why = out["why"]
@@ -293,6 +294,7 @@ def test_without_a_compiler_windows_are_cut_from_full_decodes(tmp_path):
     assert "compiling the window decoder failed" in failed or "no C compiler found" in failed, failed
 
 
+@pytest.mark.slow
 def test_shardkit_jpeg_window_0_turns_window_decoding_off(tmp_path):
     out = _run_elsewhere(tmp_path, {"SHARDKIT_JPEG_WINDOW": "0"}, "off")
     assert out["why"] == "turned off by SHARDKIT_JPEG_WINDOW"
@@ -342,6 +344,7 @@ def _plant(tmp_path, path):
     return marker
 
 
+@pytest.mark.slow
 def test_a_planted_library_in_a_folder_others_can_write_is_never_loaded(tmp_path):
     if not (shutil.which("cc") or shutil.which("gcc")): pytest.skip("no C compiler to build the planted library")
     home = tmp_path / "home"
@@ -363,6 +366,7 @@ def _can_build():
     return cc
 
 
+@pytest.mark.slow
 def test_a_planted_extension_in_a_folder_others_can_write_is_never_loaded(tmp_path):
     "An installed extension that is not ours is refused with the path and the fix; the runtime build takes over, with a warning."
     _can_build()
@@ -382,6 +386,7 @@ def test_a_planted_extension_in_a_folder_others_can_write_is_never_loaded(tmp_pa
     assert f"chmod go-w {ext}" in r["why"] and "; and /nonexistent/cc failed to run" in r["why"], r["why"]
 
 
+@pytest.mark.slow
 def test_the_installed_extension_comes_first(tmp_path):
     "A trusted extension that agrees is used as it is: no compiler run, nothing written to SHARDKIT_HOME."
     cc = _can_build()
@@ -401,6 +406,7 @@ def test_the_installed_extension_comes_first(tmp_path):
     assert r["loaded"] is None and r["why"] == "SHARDKIT_JPEG_WINDOW='maybe' is none of 1, 0 or build; set one of them", r
 
 
+@pytest.mark.slow
 def test_a_private_home_builds_a_working_decoder_once_for_two_processes(tmp_path):
     cc = _can_build()
     tools = tmp_path / "tools"

@@ -156,6 +156,7 @@ KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["after_manifest", "before_manifest"])
 def test_resume_after_sigkill(quirky, tmp_path, point):
     "A conversion killed outright (SIGKILL) after its second shard resumes into the same bytes."
@@ -221,6 +222,7 @@ def test_cli_help(capsys):
         assert all(o in out for o in opts), (cmd, out)
 
 
+@pytest.mark.slow
 def test_cli_synth_and_convert(tmp_path, cli, capsys):
     assert cli_main(["synth", "pets", str(tmp_path / "p"), "--n", "16", "--quirks", "--seed", "5", "--processes", "2"]) == 0
     assert "planted quirks: grayscale, cmyk" in capsys.readouterr().out

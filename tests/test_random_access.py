@@ -144,6 +144,7 @@ def uninterrupted(shards):
     return _take(_loader(shards, fields=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7), TOTAL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [1, 2, 4, 6], ids=["first-batch", "middle", "last-batch-of-epoch", "next-epoch"])
 def test_resume_in_a_fresh_process(shards, uninterrupted, stop):
     dl = _loader(shards, fields=("__key__", "image.jpg"), batch_size=5, num_workers=2, seed=7)
@@ -210,6 +211,7 @@ def _elastic_check(src, pairs, points=(1, 50, 99), weights=None):
             assert head + tail == whole, f"{a} -> {b} after {p} steps: not the uninterrupted run's batches"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pairs", [PAIRS[:6], PAIRS[6:]], ids=["pairs0-5", "pairs6-11"])
 def test_resume_on_another_shape_gives_the_uninterrupted_batches(elastic_shards, pairs):
     "Any number of ranks and workers, the same samples a step: the batches after the resume are the uninterrupted run's."
@@ -305,6 +307,7 @@ def test_bench_cli_is_a_thin_layer(shards, capsys):
     assert "shard_index is for ais:// buckets" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_mix_cli_prints_the_ratios(elastic_shards, capsys):
     "`shardkit bench mix`: the four contenders, each mix against one source, and the verdict line."
     from shardkit.apps import cli

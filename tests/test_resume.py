@@ -99,6 +99,7 @@ RESUME = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_takes_the_saved_seed(shards):
     "seed=None draws a seed; the resumed process, also built with seed=None, takes the saved one (and says nothing)."
     a = _loader(shards, 2, seed=None)
@@ -238,6 +239,7 @@ def _exactly_once_after_reshapes(src, pairs, shares=(0.01, 0.5, 0.99)):
             assert len(both) == len(set(both)) == 1200, (a, b, share, len(head), len(tail), len(set(both)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pairs", [ELASTIC[:3], ELASTIC[3:]], ids=["pairs0-2", "pairs3-5"])
 def test_streaming_resume_on_another_shape_reads_each_sample_once(elastic_shards, pairs):
     "Stopped at 1%, 50% and 99% of an epoch on one shape, gone on with on another: every sample once, none twice."

@@ -180,6 +180,7 @@ def test_refusals_are_said_at_once_with_what_to_check(s3, monkeypatch):
     assert retries.counts() == {}
 
 
+@pytest.mark.slow
 def test_a_prefix_of_10000_keys_is_one_paginated_listing(s3):
     "shard_urls of a prefix of 10,000 shards: 10 ListObjectsV2 pages, no HEAD; their sizes and ETags: 10 more."
     from shardkit.loading.sources import shard_urls
@@ -199,6 +200,7 @@ def test_a_prefix_of_10000_keys_is_one_paginated_listing(s3):
 
 # ---- workers, ranks, writers, the command line ------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,context", [(0, None), (1, "fork"), (4, "fork"), (2, "spawn")])
 def test_workers_each_make_their_own_client_and_never_hang(workers, context, s3, clean_stream):
     "0, 1 and 4 forked workers and 2 spawned ones read the same epoch (a client each; the parent's is never shared)."
@@ -209,6 +211,7 @@ def test_workers_each_make_their_own_client_and_never_hang(workers, context, s3,
     assert sorted(keys) == sorted(clean_stream) and len(keys) == len(set(keys))
 
 
+@pytest.mark.slow
 def test_two_ranks_split_the_epoch(s3, tmp_path):
     "Two ranks (two processes, RANK/WORLD_SIZE), 2 workers each, read s3://: every sample once between them."
     code = ("import json, sys; from shardkit import create_dataloader, create_dataset\n"

@@ -95,6 +95,7 @@ def test_local_seeded(tmp_path, pets):
     assert ka != sorted(ka)
 
 
+@pytest.mark.slow
 def test_local_memory_does_not_grow_with_data(tmp_path):
     "Peak traced memory is about the same for 4 and 24 shards of 400 KB-samples, and far below the data."
     rng = np.random.default_rng(0)
@@ -173,6 +174,7 @@ def test_bad_input(tmp_path, pets):
     assert parse_size("2MiB") == 2 * 1024 * 1024 and parse_size("1.5KB") == 1500
 
 
+@pytest.mark.slow
 def test_cli(tmp_path, pets, cli):
     _fill(open_store(tmp_path / "src", create=True), pets)
     r = cli("shuffle", tmp_path / "src", tmp_path / "out", "--shard-size", "100KB", "--seed", "4")

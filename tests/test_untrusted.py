@@ -158,6 +158,7 @@ KILL_SHUFFLE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_shuffle_killed_midway_resumes_exactly(tmp_path):
     src = open_store(tmp_path / "src", create=True)
     for s in range(4):
@@ -300,6 +301,7 @@ KILL_ETL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_etl_run_killed_midway_resumes(tmp_path):
     from shardkit.etl.manifest import read_etl_manifest
     from shardkit.etl import run_etl
