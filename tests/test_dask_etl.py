@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("distributed")
-from shardkit.etl.dask import MANIFEST, SchedulerUnreachable, local_cluster, read_etl_manifest, run_etl_dask
+from shardkit.etl.dask import SchedulerUnreachable, local_cluster, run_etl_dask
+from shardkit.etl.manifest import MANIFEST, read_etl_manifest
 from shardkit.etl.transforms import imagenet_train_uint8
 from shardkit.etl import run_etl
 from shardkit.datasets.folder import convert_folder, synthesize_folder
