@@ -23,9 +23,9 @@ __all__ = ['SPELLINGS', 'OUTPUTS', 'Option', 'cli_type', 'function_options', 'wr
 # %% ../nbs/00a_command.ipynb
 SPELLINGS = {"num_workers": "workers"}  # a library name -> the shorter option that also spells it on the command line
 
-OUTPUTS = {  # the options commands add to their function's, each declared once here: (type, default, help)
-    "json": (str, None, "Also write the result to this JSON file"),
-    "plot": (str, None, "Also save the picture to this PNG file"),
+OUTPUTS = {  # the options commands add to their function's, each declared once here, as `Option` takes them
+    "json": dict(type=str, default=None, help="Also write the result to this JSON file"),
+    "plot": dict(type=str, default=None, help="Also save the picture to this PNG file"),
 }
 
 # %% ../nbs/00a_command.ipynb
@@ -103,7 +103,7 @@ def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
     docments) but those hidden or `fixed`, plus the `OUTPUTS` named; it calls `fn`, then `report` with the result.
     `--json FILE` writes the result (or `as_json(result, args)`) there, after the report."""
     fixed = dict(fixed or {})
-    opts = function_options(fn, {*hide, *fixed}) + [Option(o, *OUTPUTS[o]) for o in outputs]
+    opts = function_options(fn, {*hide, *fixed}) + [Option(o, **OUTPUTS[o]) for o in outputs]
     def decorate(report):
         def run(**args):
             given, args = {o.name: args[o.name] for o in opts if o.name not in outputs}, AttrDict(args)

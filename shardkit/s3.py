@@ -4,12 +4,13 @@
 
 # %% ../nbs/01b_s3.ipynb 3
 from __future__ import annotations
+import functools
 import hashlib
-import hmac
 import io
+import logging
 import os
 import re
-import time
+import threading
 import urllib.parse
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, fields
@@ -35,9 +36,8 @@ from .errors import StoreError, UsageError
 
 # %% auto 0
 __all__ = ['NO_KEYS', 'EMPTY_SHA256', 'MAX_PUT', 'S3Settings', 'parse_s3_url', 's3_url', 's3_name', 'S3Client', 'object_url',
-           's3_client', 'signing_key', 'sign_v4', 'S3Auth', 's3_code', 's3_refusal', 'S3Object', 'list_objects',
-           's3_object', 's3_open', 's3_range', 's3_head', 's3_put', 's3_delete', 'bucket_exists', 'create_bucket',
-           's3_stat']
+           's3_client', 'S3Auth', 's3_code', 's3_refusal', 'S3Object', 'list_objects', 's3_object', 's3_open',
+           's3_range', 's3_head', 's3_put', 's3_delete', 'bucket_exists', 'create_bucket', 's3_stat']
 
 # %% ../nbs/01b_s3.ipynb
 @dataclass(frozen=True)
@@ -133,7 +133,6 @@ class S3Client:
             self.source = NO_KEYS if self._creds is None else _SOURCES.get(self._creds.method, self._creds.method)
             if self._creds is not None and self._creds.method in ("shared-credentials-file", "config-file"):
                 self.source += f", profile {session.profile or 'default'!r}"
-        self._keys: dict = {}  # signing keys by (access key id, day, region): derived, so the secret is not kept twice
 
     def __reduce__(self):
         raise TypeError("an S3Client holds credentials and is made in each process (s3_client): pickle its "
@@ -189,32 +188,19 @@ def s3_client(settings: S3Settings | None = None) -> S3Client:
 # %% ../nbs/01b_s3.ipynb
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
-def signing_key(secret: str, day: str, region: str, service: str = "s3") -> bytes:
-    "The SigV4 key of `day` (YYYYMMDD): the secret, HMAC'd with the day, region, service and 'aws4_request'."
-    k = ("AWS4" + secret).encode()
-    for part in (day, region, service, "aws4_request"): k = hmac.new(k, part.encode(), hashlib.sha256).digest()
-    return k
+_SIGNING = threading.local()  # set while shardkit signs: botocore's DEBUG lines then are not logged
 
-def _host(u: urllib.parse.SplitResult) -> str:
-    host = u.netloc.rpartition("@")[2].lower()
-    return host.removesuffix({"http": ":80", "https": ":443"}.get(u.scheme, "\0"))
+def _not_while_signing(record: logging.LogRecord) -> bool: return not getattr(_SIGNING, "on", False)
 
-def sign_v4(method: str, url: str, *, key_id: str, key: bytes, day: str, amz_date: str, region: str,
-            payload: str = EMPTY_SHA256, token: str | None = None) -> dict:
-    "The headers that sign a request to `url` (already encoded) for S3 with SigV4, given the day's `key`."
-    u = urllib.parse.urlsplit(url)
-    h = {"host": _host(u), "x-amz-content-sha256": payload, "x-amz-date": amz_date}
-    if token: h["x-amz-security-token"] = token
-    query = sorted(tuple(p.split("=", 1)) if "=" in p else (p, "") for p in u.query.split("&") if p)
-    names = ";".join(sorted(h))
-    canonical = "\n".join([method, u.path or "/", "&".join(f"{k}={v}" for k, v in query),
-                           "".join(f"{k}:{h[k]}\n" for k in sorted(h)), names, payload])
-    scope = f"{day}/{region}/s3/aws4_request"
-    to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
-    sig = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    h["Authorization"] = f"AWS4-HMAC-SHA256 Credential={key_id}/{scope}, SignedHeaders={names}, Signature={sig}"
-    del h["host"]  # requests sends it from the URL
-    return h
+@functools.cache
+def _signer_class() -> type:
+    "botocore's S3 SigV4 signer, given the body's SHA-256 (`sha256`) instead of reading the body at each try."
+    from botocore.auth import S3SigV4Auth
+    class S3Signer(S3SigV4Auth):
+        sha256 = EMPTY_SHA256
+        def payload(self, request): return self.sha256
+    logging.getLogger("botocore.auth").addFilter(_not_while_signing)
+    return S3Signer
 
 # %% ../nbs/01b_s3.ipynb
 class S3Auth(requests.auth.AuthBase):
@@ -223,12 +209,15 @@ class S3Auth(requests.auth.AuthBase):
         self.client, self.bucket, self.key, self.payload = client, bucket, key, payload
     def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
         if (k := self.client.keys()) is None: return r
-        amz = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        ck = (k.access_key, amz[:8], self.client.region)
-        if (key := self.client._keys.get(ck)) is None:
-            self.client._keys.clear(); key = self.client._keys[ck] = signing_key(k.secret_key, amz[:8], ck[2])
-        r.headers.update(sign_v4(r.method, r.url, key_id=k.access_key, key=key, day=amz[:8], amz_date=amz,
-                                 region=ck[2], payload=self.payload, token=k.token))
+        from botocore.awsrequest import AWSRequest
+        signed = AWSRequest(r.method, r.url)  # only what S3 needs signed; `Range`, `If-Match` may change on a resume
+        _SIGNING.on = True
+        try:
+            signer = _signer_class()(k, "s3", self.client.region)
+            signer.sha256 = self.payload
+            signer.add_auth(signed)
+        finally: _SIGNING.on = False
+        r.headers.update(signed.headers.items())
         return r
     def refusal(self, name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
         "The error for an answer that is not retried, in S3's terms (`s3_refusal`)."

@@ -248,7 +248,7 @@ def wait_dsort(job,                    # A started dSort job (the SDK's `client.
 def _shuffle_dsort(src: AISStore, dest: AISStore, names, shard_size: int, *, seed, output_prefix: str,
                    timeout=600, progress=True):
     t0 = time.time()
-    head = src._obj(names[0]).get_reader(byte_range=f"bytes=0-{(1 << 20) - 1}").read_all()
+    with src.open(names[0]) as f: head = f.read(1 << 20)  # the first records: their sizes
     size = _dsort_shard_size(shard_size, *_record_sizes(head))
     def run():  # one job; one that a rebalance stopped runs again, whole, into a clean prefix (the rebalance goes on)
         for n in dest.list(f"{output_prefix}*.tar"): dest.delete(n)

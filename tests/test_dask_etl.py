@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("distributed")
 pytestmark = pytest.mark.slow  # each test starts Dask workers that import torch: the fast tier has 18_etl.dask's light run
-from shardkit.etl.dask import MANIFEST, SchedulerUnreachable, local_cluster, read_etl_manifest, run_etl_dask
+from shardkit.etl.dask import SchedulerUnreachable, local_cluster, run_etl_dask
+from shardkit.etl.manifest import MANIFEST, read_etl_manifest
 from shardkit.etl.transforms import imagenet_train_uint8
 from shardkit.etl import run_etl
 from shardkit.datasets.folder import convert_folder, synthesize_folder

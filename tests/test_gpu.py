@@ -7,10 +7,11 @@ import pytest
 import torch
 import webdataset as wds
 from shardkit.apps.cli import main as cli_main
+from shardkit.errors import LoaderError
 from shardkit.loading.gpu import (GpuLoader, augment_batch, create_gpu_loader, crop_batch, decode_batch, draw_crop,
                                   jpeg_sample, pack_jpegs, why_no_gpu)
 from shardkit.bench.gpu import bench_gpu_decode
-from shardkit.loading.sources import LoaderError, seed_for
+from shardkit.loading.sources import seed_for
 from shardkit.loading.stream import ShardLoader
 from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
@@ -51,7 +52,7 @@ def _images(n, rng, noise=False, lo=40, hi=200):
 def _draws(images, seed=0, epoch=0):
     keys = [f"k{i}" for i in range(len(images))]
     d = [draw_crop(im.shape[-2], im.shape[-1], seed_for(seed, epoch, "augment", k)) for im, k in zip(images, keys)]
-    return keys, torch.tensor([x[:4] for x in d]), torch.tensor([x[4] for x in d])
+    return keys, torch.tensor([box for box, _ in d]), torch.tensor([flip for _, flip in d])
 
 
 @pytest.mark.parametrize("workers", [0, 2, 3])

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
-from shardkit.loading.jpeg import EncodedJpeg, JpegError, decode_window, why_no_window_decode
+from shardkit.loading.jpeg import CropBox, EncodedJpeg, JpegError, decode_window, why_no_window_decode
 from shardkit.loading.transforms import TrainTransform, crop_box
 from shardkit.errors import ShardkitError
 
@@ -71,15 +71,12 @@ def _marker_in_scan(data):
 def _windows(h, w, gen, n=8):
     "n RandomResizedCrop boxes, the whole image, its corners, strips 1 to 3 pixels wide along every edge, a thin cross."
     boxes = [crop_box(h, w, generator=gen) for _ in range(n)]
-    boxes += [(0, 0, h, w), (0, 0, 1, 1), (0, w - 1, 1, 1), (h - 1, 0, 1, 1), (h - 1, w - 1, 1, 1),
-              (h // 2, w // 2, h - h // 2, 1), (h // 2, w // 2, 1, w - w // 2)]
+    edges = [(0, 0, h, w), (0, 0, 1, 1), (0, w - 1, 1, 1), (h - 1, 0, 1, 1), (h - 1, w - 1, 1, 1),
+             (h // 2, w // 2, h - h // 2, 1), (h // 2, w // 2, 1, w - w // 2)]
     for k in (1, 2, 3):
         kw, kh = min(k, w), min(k, h)
-        boxes += [(0, 0, h, kw), (0, w - kw, h, kw), (0, 0, kh, w), (h - kh, 0, kh, w), (h - kh, w - kw, kh, kw)]
-    return list(dict.fromkeys(boxes))
-
-
-def _crop(x, top, left, h, w): return x[:, top:top + h, left:left + w]
+        edges += [(0, 0, h, kw), (0, w - kw, h, kw), (0, 0, kh, w), (h - kh, 0, kh, w), (h - kh, w - kw, kh, kw)]
+    return list(dict.fromkeys(boxes + [CropBox(*e) for e in edges]))
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +111,11 @@ def test_every_window_equals_the_full_decode(layout, size):
     boxes = _windows(h, w, torch.Generator().manual_seed(seed))
     assert any(0 < bw < w for _, _, _, bw in boxes) and any(left + bw == w and bw <= 3 for _, left, _, bw in boxes)
     for box in boxes:
-        want = _crop(whole, *box)
-        got = enc.window(*box)  # the native decoder where it is built here, else a cut from a full decode
-        assert got.dtype == torch.uint8 and tuple(got.shape) == (3, box[2], box[3]), box
+        want = box.cut(whole)
+        got = enc.window(box)  # the native decoder where it is built here, else a cut from a full decode
+        assert got.dtype == torch.uint8 and tuple(got.shape) == (3, box.height, box.width), box
         assert torch.equal(got, want), f"window {box} of a {w}x{h} {layout} JPEG differs from the full decode's"
-        if here: assert torch.equal(decode_window(data, *box), want), f"decode_window {box}, {w}x{h} {layout}"
+        if here: assert torch.equal(decode_window(data, box), want), f"decode_window {box}, {w}x{h} {layout}"
     if layout == "grey": assert torch.equal(whole[0], whole[1]) and torch.equal(whole[1], whole[2])
 
 
@@ -132,7 +129,7 @@ def test_train_transform_crops_an_encoded_jpeg_as_the_decoded_image():
 
 
 def test_the_loader_hands_over_encoded_jpegs_when_windows_decode(native):
-    assert decode_window(_jpeg(61, 45), 7, 13, 20, width=31).shape == (3, 20, 31)
+    assert decode_window(_jpeg(61, 45), CropBox(7, 13, 20, 31)).shape == (3, 20, 31)
     assert TrainTransform(crop_decode=True).takes_encoded() is True
     assert TrainTransform(crop_decode=False).takes_encoded() is False
 
@@ -150,16 +147,16 @@ DATA = _jpeg(120, 90, subsampling=2, seed=3)  # baseline 4:2:0, one scan
 ], ids=["bogus-huffman", "marker-in-scan", "truncated", "not-a-jpeg", "empty", "only-soi"])
 def test_bad_jpegs_are_errors_that_say_what_libjpeg_found(native, bad, fragment):
     with pytest.raises(JpegError, match=f"^cannot decode this JPEG: .*{fragment}") as e:
-        decode_window(bad, 82, 0, 8, width=120)
+        decode_window(bad, CropBox(82, 0, 8, 120))
     assert isinstance(e.value, ShardkitError) and isinstance(e.value, ValueError)
-    with pytest.raises(JpegError, match=fragment): EncodedJpeg(bad, 120, 90).window(82, 0, 8, 120)
+    with pytest.raises(JpegError, match=fragment): EncodedJpeg(bad, 120, 90).window(CropBox(82, 0, 8, 120))
 
 
 @pytest.mark.parametrize("bad", [_bogus_huffman(DATA), DATA[:len(DATA) // 2], b"not a jpeg at all"],
                          ids=["bogus-huffman", "truncated", "not-a-jpeg"])
 def test_bad_jpegs_are_jpeg_errors_on_either_path(bad):
     with pytest.raises(JpegError, match="^cannot decode this JPEG: ."):
-        EncodedJpeg(bad, 120, 90).window(82, 0, 8, 120)
+        EncodedJpeg(bad, 120, 90).window(CropBox(82, 0, 8, 120))
     with pytest.raises(JpegError, match="^cannot decode this JPEG: ."):
         EncodedJpeg(bad, 120, 90).decode()
 
@@ -169,32 +166,33 @@ def test_bad_jpegs_are_jpeg_errors_on_either_path(bad):
 def test_a_window_outside_the_image_is_refused(native, box):
     top, left, h, w = box
     with pytest.raises(JpegError, match=rf"window {w}x{h} at \({left}, {top}\) outside the 120x90 image"):
-        decode_window(DATA, *box)
-    with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(*box)
+        decode_window(DATA, CropBox(*box))
+    with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(CropBox(*box))
 
 
 @pytest.mark.parametrize("box", [(0, 0, -1, 5), (0, 0, 5, -7), (0, 0, 70000, 5), (0, 0, 5, 2**31 - 1)])
 def test_a_window_of_negative_or_impossible_size_is_a_jpeg_error(native, box):
     top, left, h, w = box
-    with pytest.raises(JpegError, match=rf"window {w}x{h} at \(0, 0\) outside the 120x90 image"): decode_window(DATA, *box)
-    with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(*box)
+    with pytest.raises(JpegError, match=rf"window {w}x{h} at \(0, 0\) outside the 120x90 image"):
+        decode_window(DATA, CropBox(*box))
+    with pytest.raises(JpegError, match="outside the 120x90 image"): EncodedJpeg(DATA, 120, 90).window(CropBox(*box))
 
 
 def test_a_jpeg_cut_below_the_window_still_yields_it(native):
     data = _jpeg(120, 90, subsampling=0, seed=4)
     cut = data[:int(len(data) * 0.6)]
     with pytest.raises(JpegError, match="incomplete or truncated"): EncodedJpeg(cut, 120, 90).decode()
-    with pytest.raises(JpegError, match="Premature end"): decode_window(cut, 74, 0, 16,
-                                                                        width=120)  # the cut is above this one
-    for box in [(0, 0, 16, 120), (16, 40, 16, 40), (0, 119, 20, 1)]:
-        assert torch.equal(decode_window(cut, *box), _crop(_full(data), *box)), box
-        assert torch.equal(EncodedJpeg(cut, 120, 90).window(*box), _crop(_full(data), *box)), box
+    with pytest.raises(JpegError, match="Premature end"): decode_window(cut, CropBox(74, 0, 16, 120))  # the cut
+    # is above this one
+    for box in [CropBox(0, 0, 16, 120), CropBox(16, 40, 16, 40), CropBox(0, 119, 20, 1)]:
+        assert torch.equal(decode_window(cut, box), box.cut(_full(data))), box
+        assert torch.equal(EncodedJpeg(cut, 120, 90).window(box), box.cut(_full(data))), box
 
 
 def test_a_cut_progressive_jpeg_is_an_error_even_above_the_cut(native):
     data = _jpeg(120, 90, subsampling=2, progressive=True, seed=5)  # its scans each cover the whole image
-    with pytest.raises(JpegError, match="Premature end of JPEG file"): decode_window(data[:int(len(data) * 0.9)], 0, 0,
-                                                                                     8, width=120)
+    with pytest.raises(JpegError, match="Premature end of JPEG file"): decode_window(data[:int(len(data) * 0.9)],
+                                                                                     CropBox(0, 0, 8, 120))
 
 
 def _cmyk(w=40, h=30):
@@ -210,11 +208,11 @@ def test_cmyk_jpegs_are_cut_from_the_full_decode():
     whole = _full(data)
     assert whole.shape == (3, 30, 40) and whole.float().std() > 10, "torchvision decodes it to a picture"
     for box in _windows(30, 40, torch.Generator().manual_seed(6), n=4):
-        assert torch.equal(EncodedJpeg(data, 40, 30).window(*box), _crop(whole, *box)), box
+        assert torch.equal(EncodedJpeg(data, 40, 30).window(box), box.cut(whole)), box
 
 
 def test_decode_window_leaves_cmyk_to_the_full_decoder(native):
-    assert decode_window(_cmyk(), 2, 3, 10, width=12) is None
+    assert decode_window(_cmyk(), CropBox(2, 3, 10, 12)) is None
 
 
 @pytest.mark.parametrize("box", [(20, 0, 11, 40), (0, 30, 5, 11), (-1, 0, 5, 5), (0, 0, -1, 5), (0, 0, 0, 5), (30, 0, 1, 1)])
@@ -222,30 +220,31 @@ def test_a_window_outside_a_cmyk_jpeg_is_refused_too(box):
     "CMYK takes the full-decode path always (every JPEG does where windows cannot be decoded): refused there as well."
     top, left, h, w = box
     with pytest.raises(JpegError, match=rf"^cannot decode this JPEG: window {w}x{h} at \({left}, {top}\) outside the 40x30 image"):
-        EncodedJpeg(_cmyk(), 40, 30).window(*box)
+        EncodedJpeg(_cmyk(), 40, 30).window(CropBox(*box))
 
 
 def test_an_empty_jpeg_is_a_jpeg_error_on_the_full_decode_path():
     with pytest.raises(JpegError, match="^cannot decode this JPEG: Empty input file"): EncodedJpeg(b"", 1, 1).decode()
-    with pytest.raises(JpegError, match="^cannot decode this JPEG: Empty input file"): EncodedJpeg(b"", 1, 1).window(0, 0, 1, 1)
+    with pytest.raises(JpegError, match="^cannot decode this JPEG: Empty input file"):
+        EncodedJpeg(b"", 1, 1).window(CropBox(0, 0, 1, 1))
 
 
 ELSEWHERE = textwrap.dedent(r'''
     import json, os, pickle, sys
     from pathlib import Path
     from shardkit.loading import jpeg
-    from shardkit.loading.jpeg import EncodedJpeg, decode_window, why_no_window_decode
+    from shardkit.loading.jpeg import CropBox, EncodedJpeg, decode_window, why_no_window_decode
     from shardkit.loading.transforms import TrainTransform
     with open(sys.argv[1], "rb") as f: cases, bad = pickle.load(f)
     native = Path(os.environ["SHARDKIT_HOME"]) / "native"
     out = {"why": why_no_window_decode(), "takes_encoded": TrainTransform(crop_decode=True).takes_encoded(), "errors": {}}
     out["native_files"] = sorted(os.listdir(native)) if native.exists() else None
-    try: decode_window(cases[0][0], 0, 0, 1, 1); out["decode_window"] = "no error"
+    try: decode_window(cases[0][0], CropBox(0, 0, 1, 1)); out["decode_window"] = "no error"
     except Exception as e: out["decode_window"] = f"{type(e).__name__}: {e}"
     for name, (data, box) in bad.items():
-        try: EncodedJpeg(data, 120, 90).window(*box); out["errors"][name] = "no error"
+        try: EncodedJpeg(data, 120, 90).window(CropBox(*box)); out["errors"][name] = "no error"
         except Exception as e: out["errors"][name] = f"{type(e).__name__}: {e}"
-    windows = [[EncodedJpeg(d, w, h).window(*b) for b in boxes] for d, w, h, boxes in cases]
+    windows = [[EncodedJpeg(d, w, h).window(b) for b in boxes] for d, w, h, boxes in cases]
     if sys.argv[3] == "no-compiler":  # a compiler that runs but cannot build: a second try, in this process only
         del os.environ["CC"]; os.environ["CFLAGS"] = "-nostdinc"; jpeg._decoder.cache_clear()
         out["failed_build"] = why_no_window_decode()
@@ -273,7 +272,7 @@ def _run_elsewhere(tmp_path, env, mode):
     windows = pickle.loads((tmp_path / "out.pkl").read_bytes())
     for (d, w, h, boxes), got in zip(cases, windows, strict=True):
         for box, x in zip(boxes, got, strict=True):
-            assert torch.equal(x, _crop(_full(d), *box)), f"window {box} of a {w}x{h} JPEG cut in the subprocess"
+            assert torch.equal(x, box.cut(_full(d))), f"window {box} of a {w}x{h} JPEG cut in the subprocess"
     assert set(out["errors"]) == set(bad)
     for name, msg in out["errors"].items():  # cut below the window too: the full decoder needs all of it
         assert msg.startswith("JpegError: cannot decode this JPEG: "), (name, msg)

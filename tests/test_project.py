@@ -363,26 +363,123 @@ def _code_units() -> list[tuple[str, ast.AST]]:
     return units
 
 
+def _positions(n: ast.AST) -> int:
+    "How many arguments a function (a class: its __init__, else its annotated fields) takes by position."
+    if isinstance(n, ast.ClassDef):
+        init = next((x for x in n.body if isinstance(x, ast.FunctionDef) and x.name == "__init__"), None)
+        if init is None: return sum(isinstance(x, ast.AnnAssign) for x in n.body)
+        n = init
+    return len([a for a in n.args.posonlyargs + n.args.args if a.arg not in ("self", "cls")])
+
+
+def positions_filled(call: ast.Call, takes: int) -> int:
+    "The positions `call` fills, a starred argument counted as every position its callee (`takes` of them) has left."
+    plain = sum(not isinstance(a, ast.Starred) for a in call.args)
+    return max(plain, takes) if any(isinstance(a, ast.Starred) for a in call.args) else plain
+
+
+def test_a_starred_argument_counts_as_the_positions_it_can_fill():
+    "The counting itself: `f(x, *box)` into f(x, top, left, height, width) fills 5, `f(*pair)` into f(a, b) fills 2."
+    call = lambda src: ast.parse(src).body[0].value
+    assert [positions_filled(call("f(x, *box)"), 5), positions_filled(call("f(*pair)"), 2),
+            positions_filled(call("f(a, b, c)"), 7), positions_filled(call("f(a, *b, c)"), 2)] == [5, 2, 3, 2]
+    tree = ast.parse("class Box(NamedTuple):\n    top: int\n    left: int\n"
+                     "class Loader:\n    def __init__(self, src, n, *, k=1): pass\n")
+    assert [_positions(c) for c in tree.body] == [2, 2]
+
+
 def test_calls_name_their_arguments():
-    """No call of shardkit's own functions passes more than 4 arguments by position, and no function takes more than 5
-    by position (the rest keyword-only, after `*`): in the package, the tests and the notebooks' code cells."""
+    """No call of shardkit's own functions fills more than 4 positions (a starred argument counted as every position
+    the callee has left for it), and no function takes more than 5 by position (the rest keyword-only, after `*`): in
+    the package, the tests and the notebooks' code cells."""
     units = _code_units()
     defined = [n for _, t in units for n in ast.walk(t)
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     fixture = lambda n: any("fixture" in ast.unparse(d) for d in n.decorator_list)  # a call is of what it returns
     by_position = {n.name for n in defined if isinstance(n, ast.ClassDef) or not (n.args.vararg or fixture(n))}
     own = by_position - {n.name for n in defined if not isinstance(n, ast.ClassDef) and n.args.vararg}  # cli(*argv)
+    takes = {}  # name -> the most positions any function or class of that name takes
+    for n in defined:
+        if n.name in own: takes[n.name] = max(takes.get(n.name, 0), _positions(n))
     calls, defs = [], []
     for where, tree in units:
         for n in ast.walk(tree):
-            if isinstance(n, ast.Call) and len(n.args) > 4 and not any(isinstance(a, ast.Starred) for a in n.args):
+            if isinstance(n, ast.Call):
                 name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
-                if name in own and ast.unparse(n.func) not in _FOREIGN_CALLS:
-                    calls.append(f"{where}:{n.lineno} {ast.unparse(n.func)}({len(n.args)} by position)")
+                if name in own and ast.unparse(n.func) not in _FOREIGN_CALLS \
+                        and (filled := positions_filled(n, takes[name])) > 4:
+                    calls.append(f"{where}:{n.lineno} {ast.unparse(n.func)}({filled} by position)")
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 pos = [a.arg for a in n.args.posonlyargs + n.args.args if a.arg not in ("self", "cls")]
                 if len(pos) > 5: defs.append(f"{where}:{n.lineno} {n.name}({len(pos)} by position)")
-    assert not calls, (f"{len(calls)} calls pass more than 4 arguments by position; name the rest "
-                       "(f(a, b, c, d, e=e)): " + ", ".join(calls[:30]))
+    assert not calls, (f"{len(calls)} calls fill more than 4 positions, a starred argument counted as all it can "
+                       "fill; name the rest (f(a, b, c, d, e=e)), or pass one value of a small type: " + ", ".join(calls[:30]))
     assert not defs, (f"{len(defs)} functions take more than 5 parameters by position; put `*` after the first few: "
                       + ", ".join(defs[:30]))
+
+
+def _module(p: Path) -> str:
+    parts = list(p.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _homes() -> tuple[dict[str, set[str]], set[str], set[str]]:
+    """(name -> the modules of the package that define it at top level, the error classes among them, the packages):
+    an error class is a class whose bases lead to an Exception."""
+    homes, bases, packages = {}, {}, set()
+    for p in sorted((ROOT / "shardkit").rglob("*.py")):
+        if p.name == "_modidx.py": continue
+        if p.name == "__init__.py": packages.add(_module(p))
+        for n in ast.parse(p.read_text()).body:
+            names = [n.name] if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else \
+                [t.id for t in n.targets if isinstance(t, ast.Name)] if isinstance(n, ast.Assign) else \
+                [n.target.id] if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) else []
+            for name in names: homes.setdefault(name, set()).add(_module(p))
+            if isinstance(n, ast.ClassDef): bases[n.name] = [ast.unparse(b).split(".")[-1] for b in n.bases]
+    errors = {"Exception"} | {e for e in dir(__builtins__) if e.endswith(("Error", "Exception"))}
+    while new := {c for c, bs in bases.items() if c not in errors and set(bs) & errors}: errors |= new
+    return homes, errors & set(bases), packages
+
+
+def imported_elsewhere(source: str, module: str | None, homes: dict, packages: set) -> list[tuple[int, str, str]]:
+    """(line, name, module imported from) of each shardkit name that `source` imports from a module that is not its
+    home. A package's own __init__ re-exports; `shardkit` (the front) and a package above the home are its doors."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if not isinstance(n, ast.ImportFrom): continue
+        src = n.module or ""
+        if n.level:  # relative, in a module of the package
+            base = module.split(".")[:len(module.split(".")) - n.level]
+            src = ".".join(base + ([n.module] if n.module else []))
+        if not src.startswith("shardkit"): continue
+        for a in n.names:
+            home = homes.get(a.name)
+            if not home or src in home or src == "shardkit": continue
+            if src in packages and any(h.startswith(src + ".") for h in home): continue
+            out.append((n.lineno, a.name, src))
+    return out
+
+
+def test_imported_elsewhere_finds_an_import_from_a_module_that_is_not_its_home():
+    homes, packages = {"LoaderError": {"shardkit.errors"}, "seed_for": {"shardkit.loading.sources"}}, {"shardkit"}
+    src = ("from shardkit.loading.sources import LoaderError, seed_for\nfrom shardkit.errors import LoaderError\n"
+           "from ..errors import LoaderError\nfrom .sources import LoaderError\nfrom shardkit import LoaderError\n")
+    assert imported_elsewhere(src, "shardkit.loading.stream", homes, packages) == [
+        (1, "LoaderError", "shardkit.loading.sources"), (4, "LoaderError", "shardkit.loading.sources")]
+
+
+def test_every_error_class_and_name_is_imported_from_its_home():
+    """Each error class (and every other name) of shardkit is imported from the module that defines it, in the package,
+    the tests and the notebooks: a reader who follows an import finds the class, not a module that passes it on."""
+    homes, errors, packages = _homes()
+    found = {"error classes": [], "other names": []}
+    sources = [(str(p.relative_to(ROOT)), p.read_text(), _module(p), p.name == "__init__.py")
+               for p in sorted((ROOT / "shardkit").rglob("*.py")) if p.name != "_modidx.py"]
+    sources += [(str(p.relative_to(ROOT)), p.read_text(), None, False) for p in sorted((ROOT / "tests").rglob("*.py"))]
+    sources += [(where, ast.unparse(tree), None, False) for where, tree in _code_units() if " cell " in where]
+    for where, src, module, is_init in sources:
+        if is_init: continue  # a package's __init__ is where it re-exports
+        for line, name, frm in imported_elsewhere(src, module, homes, packages):
+            found["error classes" if name in errors else "other names"].append(
+                f"{where}:{line} {name} from {frm} (its home: {', '.join(sorted(homes[name]))})")
+    assert not any(found.values()), f"imports from a module that is not the name's home: {found}"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 from shardkit import create_dataloader, create_dataset
-from shardkit.loading.sources import LoaderError
+from shardkit.errors import LoaderError
 from shardkit.loading.transforms import train_transform
 from shardkit.datasets.synth import draw_animal, jpeg_bytes
 

@@ -4,7 +4,8 @@ import io, tarfile, tracemalloc, uuid
 import numpy as np
 import pytest
 import webdataset as wds
-from shardkit.shuffle import Shuffled, parse_size, shuffle_cli, shuffle_shards
+from shardkit.shuffle import Shuffled, shuffle_cli, shuffle_shards
+from shardkit.store import parse_size
 from shardkit.shards.read import read_samples, sample_digests
 from shardkit.errors import StoreError
 from shardkit.store import open_store

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 import torch
 from ..command import command
+from ..errors import LoaderError
 from ..loading.gpu import create_gpu_loader, decode_batch, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.sources import LoaderError, shard_urls
+from ..loading.sources import shard_urls
 from ..loading.transforms import train_transform
 from ..shards.read import url_samples
 from ..train import make_model

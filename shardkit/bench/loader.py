@@ -103,11 +103,11 @@ def _floor(spec: dict) -> dict:
     out = torch.empty(3, 224, 224, dtype=torch.uint8)
     cpu, n = dict.fromkeys(DCT_MODES, 0.0), dict.fromkeys(DCT_MODES, 0)
     for mode in cpu:  # warm up
-        for data, box, flip in work[:20]: decode_crop(data, *box, size=224, flip=flip, dct=mode, out=out)
+        for data, box, flip in work[:20]: decode_crop(data, box, size=224, flip=flip, dct=mode, out=out)
     while sum(cpu.values()) < spec.get("seconds", 3.0):
         for mode in cpu:  # a pass at each scale in turn
             c0 = time.process_time()
-            for data, box, flip in work: decode_crop(data, *box, size=224, flip=flip, dct=mode, out=out)
+            for data, box, flip in work: decode_crop(data, box, size=224, flip=flip, dct=mode, out=out)
             cpu[mode] += time.process_time() - c0; n[mode] += len(work)
     ms = {m: 1000 * cpu[m] / n[m] for m in cpu}
     return dict(ms=min(ms.values()), mode=min(ms, key=ms.get), modes=ms)

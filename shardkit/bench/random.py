@@ -91,7 +91,7 @@ def _setup(store, mode: str, fields, batch_size: int, *, seed: int, shard_cache,
     ds, t0 = dl.dataset, time.perf_counter()
     if mode == "cache": shutil.rmtree(ds.reader.copies.folder, ignore_errors=True); private_dir(ds.reader.copies.folder)
     if mode == "range":
-        for s in range(len(ds.index.shards)): ds.reader._shard(ds.index, s)
+        for s in range(len(ds.index.shards)): ds.reader.shard(ds.index, s)
     if mode == "getbatch": build_shard_index(store)
     return dl, time.perf_counter() - t0
 

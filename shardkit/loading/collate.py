@@ -11,10 +11,11 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch.utils.data import default_convert, get_worker_info
-from .sources import LoaderError
+from ..errors import LoaderError
 
 # %% auto 0
-__all__ = ['POOL_SLOTS', 'MAPPED_BUFFERS', 'LENT', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged', 'convert_batch']
+__all__ = ['POOL_SLOTS', 'MAPPED_BUFFERS', 'LENT', 'shared_storage', 'collate', 'worker_pool', 'PooledBatch', 'WorkerTagged',
+           'convert_batch']
 
 # %% ../../nbs/24_collate.ipynb
 def _stack(col: tuple, i: int, buffers: dict | None = None):
@@ -35,11 +36,17 @@ def _stack(col: tuple, i: int, buffers: dict | None = None):
     if isinstance(x, np.ndarray): return torch.from_numpy(np.stack(col))
     return list(col)
 
+def shared_storage(nbytes: int) -> torch.UntypedStorage:
+    "`nbytes` of storage made in shared memory, as a DataLoader worker's batch travels (tests/test_reach_ins.py)."
+    # torch's one way to make storage in shared memory without a copy is private (`_new_shared`, which its workers'
+    # pickling uses); the public `share_memory_()` allocates, then copies into shared memory: a batch's bytes twice
+    return torch.UntypedStorage._new_shared(nbytes)
+
 def _shared_out(x: torch.Tensor, n: int, i: int, buffers: dict | None) -> torch.Tensor:
     "An n x x.shape tensor in shared memory: in `buffers` (a pool slot's, kept for its next batch) or fresh."
     store, need = buffers.get(i) if buffers is not None else None, n * x.numel() * x.element_size()
     if store is None or store.nbytes() < need:
-        store = torch.UntypedStorage._new_shared(need)
+        store = shared_storage(need)
         if buffers is not None: buffers[i] = store
     return torch.empty(0, dtype=x.dtype).set_(store, 0, (n, *x.shape))
 

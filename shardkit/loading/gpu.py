@@ -15,10 +15,11 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from PIL import Image
-from ..errors import ShardkitError
+from ..errors import LoaderError, ShardkitError
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size, is_image_key, is_jpeg_key
+from .jpeg import CropBox
 from .pipeline import ahead, create_dataloader, shard_dataset
-from .sources import EpochShards, LoaderError, seed_for, shard_urls
+from .sources import EpochShards, seed_for, shard_urls
 from .stream import ShardLoader
 from .transforms import crop_box, decode_value
 
@@ -50,11 +51,11 @@ def draw_crop(height: int,                # Image height in pixels
               seed: int,                  # The sample's seed: `seed_for(seed, epoch, "augment", key)`
               scale=(0.08, 1.0),          # RandomResizedCrop's range of crop areas
               ratio=(3 / 4, 4 / 3),       # RandomResizedCrop's range of aspect ratios
-             ) -> tuple[int, int, int, int, bool]:  # (top, left, height, width, flip)
+             ) -> tuple[CropBox, bool]:  # (the box, whether to flip it)
     "RandomResizedCrop's box and RandomHorizontalFlip's draw for one image, from a generator seeded with `seed`."
     g = torch.Generator().manual_seed(seed)
-    top, left, h, w = crop_box(height, width, scale, ratio, generator=g)
-    return top, left, h, w, bool(torch.rand(1, generator=g) < 0.5)
+    box = crop_box(height, width, scale, ratio, generator=g)
+    return box, bool(torch.rand(1, generator=g) < 0.5)
 
 # %% ../../nbs/29_gpu.ipynb
 def augment_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any sizes, on one device
@@ -69,8 +70,8 @@ def augment_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any
     from torchvision.transforms.v2 import functional as F
     out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=images[0].device)
     for i, (img, key) in enumerate(zip(images, keys)):
-        top, left, h, w, flip = draw_crop(img.shape[-2], img.shape[-1], seed_for(seed, epoch, "augment", key), scale)
-        x = F.resized_crop(img, top, left, h, w, [size, size], antialias=True)
+        box, flip = draw_crop(img.shape[-2], img.shape[-1], seed_for(seed, epoch, "augment", key), scale)
+        x = F.resized_crop(img, **box._asdict(), size=[size, size], antialias=True)
         out[i] = F.horizontal_flip(x) if flip else x
     return out
 
@@ -103,7 +104,7 @@ def jpeg_sample(sample: dict,                       # A raw sample from `url_sam
                 ratio=(3 / 4, 4 / 3),               # RandomResizedCrop's range of aspect ratios
                 allow_pickle: bool = False,         # Decode .pyd/.pickle fields (only for shards you trust)
                 max_pixels: int = MAX_PIXELS,       # Refuse images whose header announces more pixels
-               ) -> tuple:  # (key, JPEG bytes, (top, left, height, width, flip), values of `fields`, the image's None)
+               ) -> tuple:  # (key, JPEG bytes, (CropBox, flip), values of `fields`, the image's None)
     "What a worker hands on for a sample: its JPEG undecoded but checked from its header, with its crop and flip drawn."
     key, url = sample.get("__key__"), sample.get("__url__")
     missing = [k for k in fields if k not in sample]
@@ -144,11 +145,11 @@ def _column(col: tuple):
 
 def pack_jpegs(samples: list[tuple]) -> JpegBatch:
     "The `jpeg_sample` outputs of a batch as one `JpegBatch` (the workers' collation function)."
-    keys, blobs, crops, values = zip(*samples)
+    keys, blobs, draws, values = zip(*samples)
     data = torch.frombuffer(bytearray().join(blobs), dtype=torch.uint8)
-    crops = torch.tensor(crops, dtype=torch.int64)
-    return JpegBatch(data, torch.tensor([len(b) for b in blobs], dtype=torch.int64), crops[:, :4].contiguous(),
-                     crops[:, 4].bool(), keys=list(keys), columns=tuple(_column(c) for c in zip(*values)))
+    crops, flips = torch.tensor([box for box, _ in draws], dtype=torch.int64), torch.tensor([f for _, f in draws])
+    return JpegBatch(data, torch.tensor([len(b) for b in blobs], dtype=torch.int64), crops, flips, keys=list(keys),
+                     columns=tuple(_column(c) for c in zip(*values)))
 
 # %% ../../nbs/29_gpu.ipynb
 def resize_weights(lengths: torch.Tensor,  # B crop lengths along one axis (float, on the device)
@@ -213,9 +214,6 @@ def _resize_group(views: list[torch.Tensor], crops: torch.Tensor, flips: torch.T
     H, W = max(v.shape[1] for v in views), max(v.shape[2] for v in views)
     return _products(_padded(views, dtype, H, W), crops, flips, size, dtype=dtype, whole=False)
 
-def _crop_view(image: torch.Tensor, top: int, left: int, height: int, width: int) -> torch.Tensor:
-    return image[:, top:top + height, left:left + width]
-
 def _by_shape(images: Sequence[torch.Tensor]) -> list[list[int]]:
     "Indices of `images` grouped by shape, in order of first appearance."
     groups: dict[tuple, list[int]] = {}
@@ -235,7 +233,7 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
                stack_shapes: int = 4,           # Up to this many image sizes: whole images stacked, crops in weights
               ) -> torch.Tensor:                # B x 3 x size x size on the images' device
     "Every image's crop resized to size x size and flipped, the whole batch at once (antialiased bilinear filter)."
-    dev, boxes = images[0].device, crops.tolist()
+    dev, boxes = images[0].device, [CropBox(*b) for b in crops.tolist()]
     bad = [i for i, (im, (top, left, h, w)) in enumerate(zip(images, boxes))
            if top < 0 or left < 0 or h < 1 or w < 1 or top + h > im.shape[-2] or left + w > im.shape[-1]]
     if bad: raise LoaderError(f"crop {boxes[bad[0]]} does not fit image {bad[0]} of shape "
@@ -246,13 +244,13 @@ def crop_batch(images: Sequence[torch.Tensor],  # uint8 3 x H x W images, any si
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     shapes = _by_shape(images)  # few sizes (a data set resized once): no padding, no per-image copies
     whole = len(shapes) <= stack_shapes and all(len(g) * images[g[0]].numel() <= budget for g in shapes)
-    groups = shapes if whole else _groups([3 * h * w for _, _, h, w in boxes], budget)
+    groups = shapes if whole else _groups([3 * b.height * b.width for b in boxes], budget)
     for g in groups:
         idx = _on(torch.tensor(g), dev) if len(groups) > 1 else slice(None)
         if whole: x = _products(torch.stack([images[i] for i in g]), crops_d[idx], flips_d[idx], size, dtype=dtype,
                                 whole=True)
         else:  # each crop a view (no copy, no kernel), padded into one tensor
-            views = [_crop_view(images[i], *boxes[i]) for i in g]
+            views = [boxes[i].cut(images[i]) for i in g]
             x = _resize_group(views, crops_d[idx], flips_d[idx], size, dtype=dtype)
         if normalize: m, s = _mean_std(dev); x = x.sub_(m).div_(s)
         else: x = x.round_().clamp_(0, 255)

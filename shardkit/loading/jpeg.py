@@ -28,8 +28,9 @@ from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import DataError, ShardkitError, UsageError
 
 # %% auto 0
-__all__ = ['JPEG_REFERENCE', 'DCT_MODES', 'JpegError', 'torchvision_pixels', 'write_jpeg_reference', 'why_no_crop_decode',
-           'why_no_window_decode', 'window_decoder_path', 'decode_window', 'dct_scale', 'decode_crop', 'EncodedJpeg']
+__all__ = ['JPEG_REFERENCE', 'DCT_MODES', 'JpegError', 'CropBox', 'torchvision_pixels', 'write_jpeg_reference',
+           'why_no_crop_decode', 'why_no_window_decode', 'window_decoder_path', 'decode_window', 'dct_scale',
+           'decode_crop', 'EncodedJpeg']
 
 # %% ../../nbs/22_jpeg.ipynb
 _NATIVE = Path(native.__file__).parent  # shardkit/native: the C source, and the extension pip built from it
@@ -112,6 +113,18 @@ def _library_path(home: Path | None = None) -> Path:
     return (home or shardkit_home()) / "native" / f"jpeg-window-{key}.so"
 
 # %% ../../nbs/22_jpeg.ipynb
+class CropBox(NamedTuple):
+    "A crop of an image, in pixels: its top-left corner and its size."
+    top: int     # Its first row
+    left: int    # Its first column
+    height: int  # Its number of rows
+    width: int   # Its number of columns
+
+    def cut(self, image: torch.Tensor) -> torch.Tensor:
+        "The box's part of a `... x H x W` tensor: a view, no copy."
+        return image[..., self.top:self.top + self.height, self.left:self.left + self.width]
+
+# %% ../../nbs/22_jpeg.ipynb
 class _Native(NamedTuple):
     "The library's two functions: a window as decoded; a crop decoded, resized and flipped (None: not used here)."
     window: object
@@ -129,16 +142,16 @@ def _bind(lib) -> _Native:
 def _failed(msg) -> JpegError:
     return JpegError(f"cannot decode this JPEG: {msg.value.decode(errors='replace') or 'libjpeg gave no reason'}")
 
-def _call(native: _Native, data: bytes, top: int, left: int, *, height: int, width: int) -> torch.Tensor | None:
-    fits = 0 < height <= 65535 and 0 < width <= 65535
-    out = torch.empty((height, width, 3) if fits else (0, 0, 3), dtype=torch.uint8)
+def _call(native: _Native, data: bytes, box: CropBox) -> torch.Tensor | None:
+    fits = 0 < box.height <= 65535 and 0 < box.width <= 65535
+    out = torch.empty((box.height, box.width, 3) if fits else (0, 0, 3), dtype=torch.uint8)
     msg = ctypes.create_string_buffer(256)
-    r = native.window(bytes(data), len(data), top, left, height, width, out.data_ptr(), msg, len(msg))
+    r = native.window(bytes(data), len(data), *box, out.data_ptr(), msg, len(msg))
     if r == 1: return None
     if r or not fits: raise _failed(msg)
     return out.permute(2, 0, 1)
 
-def _call_crop(native: _Native, data: bytes, box, size, *, flip: bool, scale: int, out: torch.Tensor):
+def _call_crop(native: _Native, data: bytes, box: CropBox, size, *, flip: bool, scale: int, out: torch.Tensor):
     "sk_decode_crop into `out`: `out`, or None for a CMYK JPEG."
     msg = ctypes.create_string_buffer(256)
     r = native.crop(bytes(data), len(data), *box, scale, *size, int(flip), out.data_ptr(), out.stride(0),
@@ -157,7 +170,7 @@ def _probe_jpeg() -> bytes:
     Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=80, subsampling=2)
     return buf.getvalue()
 
-_PROBES = [(0, 0, 45, 61), (7, 13, 20, 31), (17, 29, 28, 32), (44, 60, 1, 1)]  # windows: (top, left, height, width)
+_PROBES = [CropBox(0, 0, 45, 61), CropBox(7, 13, 20, 31), CropBox(17, 29, 28, 32), CropBox(44, 60, 1, 1)]  # windows
 _SIZES, _FLIPS = [(24, 24), (40, 36), (16, 16), (3, 2)], [False, True, True, False]  # each one's crop: down, up
 
 def _resized(x: torch.Tensor, size) -> torch.Tensor:
@@ -170,8 +183,8 @@ def torchvision_pixels(probe: bytes) -> dict[str, np.ndarray]:
     from torchvision.io import ImageReadMode, decode_jpeg
     full = decode_jpeg(torch.frombuffer(bytearray(probe), dtype=torch.uint8), mode=ImageReadMode.RGB)
     out = dict(full=full.numpy())
-    for i, ((t, left, h, w), size, flip) in enumerate(zip(_PROBES, _SIZES, _FLIPS)):
-        x = _resized(full[:, t:t + h, left:left + w], size)
+    for i, (box, size, flip) in enumerate(zip(_PROBES, _SIZES, _FLIPS)):
+        x = _resized(box.cut(full), size)
         out[f"crop{i}"] = (x.flip(-1) if flip else x).numpy()
     return out
 
@@ -195,8 +208,7 @@ def _agrees(native: _Native) -> bool:
     "Whether the window decoder gives the reference's pixels for the probe's windows, the whole image among them."
     ref = _reference()
     probe, full = ref["probe"].tobytes(), torch.from_numpy(ref["full"])
-    return all(torch.equal(_call(native, probe, top, left, height=h, width=w), full[:, top:top + h, left:left + w])
-               for top, left, h, w in _PROBES)
+    return all(torch.equal(_call(native, probe, box), box.cut(full)) for box in _PROBES)
 
 def _crop_agrees(native: _Native) -> bool:
     "Whether sk_decode_crop resizes (down and up) and flips the probe's windows to the reference's pixels."
@@ -288,31 +300,32 @@ def window_decoder_path() -> Path | None:
     return _decoder()[2]
 
 # %% ../../nbs/22_jpeg.ipynb
-def decode_window(data: bytes, top: int, left: int, height: int, width: int) -> torch.Tensor | None:
-    "Rows `top`..`top+height`, columns `left`..`left+width` of `data`: uint8 RGB, 3 x height x width; None for CMYK."
+def decode_window(data: bytes,    # A JPEG
+                  box: CropBox,   # The window: its rows `top`..`top+height`, columns `left`..`left+width`
+                 ) -> torch.Tensor | None:  # uint8 RGB, 3 x height x width; None for a CMYK JPEG
+    "The pixels of `box` in the JPEG `data`, decoded without the rest of the image where libjpeg can skip it."
     native, why, _ = _decoder()
     if native is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
-    return _call(native, data, top, left, height=height, width=width)
+    return _call(native, data, box)
 
 # %% ../../nbs/22_jpeg.ipynb
 DCT_MODES = ("off", "pow2", "any")  # what `dct_scale` may be asked for
 
-def dct_scale(height: int,    # The crop's height in the image, pixels
-              width: int,     # Its width
-              out_h: int,     # The height it is resized to
-              out_w: int,     # The width
+def dct_scale(height: int,        # The crop's height in the image, pixels
+              width: int,         # Its width
+              size,               # The (height, width) it is resized to, or one int for a square
               mode: str = "off",  # "off": 8/8; "pow2": the smallest of 1, 2, 4, 8; "any": the smallest M
              ) -> int:  # M, of the scale M/8 to decode at
-    "M of the smallest scale M/8 at which a `height` x `width` crop is still at least `out_h` x `out_w` (see `mode`)."
+    "M of the smallest scale M/8 at which a `height` x `width` crop is still at least `size` (see `mode`)."
     if mode not in DCT_MODES: raise UsageError(f"dct_scale must be one of {', '.join(DCT_MODES)}, not {mode!r}")
+    out_h, out_w = (size, size) if isinstance(size, int) else size
     m = max(1, -(-8 * out_h // max(height, 1)), -(-8 * out_w // max(width, 1)))
     if mode == "off" or m >= 8: return 8
     return 1 << (m - 1).bit_length() if mode == "pow2" else m
 
 # %% ../../nbs/22_jpeg.ipynb
 def decode_crop(data: bytes,             # A JPEG
-                top: int, left: int,     # The crop's top-left corner in the image
-                height: int, width: int, # Its size
+                box: CropBox,            # The crop in the image
                 *,
                 size,                    # The output's (height, width), or one int for a square
                 flip: bool = False,      # Mirror it left to right
@@ -328,16 +341,17 @@ def decode_crop(data: bytes,             # A JPEG
     native, why, _ = _decoder()
     if native is None: raise ShardkitError(f"JPEG windows cannot be decoded here: {why}")
     if native.crop is not None:
-        scale = dct_scale(height, width, *size, dct)
-        return _call_crop(native, data, (top, left, height, width), size, flip=flip, scale=scale, out=out)
-    x = _call(native, data, top, left, height=height, width=width)
+        scale = dct_scale(box.height, box.width, size, dct)
+        return _call_crop(native, data, box, size, flip=flip, scale=scale, out=out)
+    x = _call(native, data, box)
     if x is None: return None
     x = _resized(x, size)
     return out.copy_(x.flip(-1) if flip else x)
 
 # %% ../../nbs/22_jpeg.ipynb
-def _outside(top: int, left: int, height: int, width: int, *, h: int, w: int) -> str | None:
+def _outside(box: CropBox, *, h: int, w: int) -> str | None:
     "Why the window does not fit an h x w image, as the C function says it; None where it fits."
+    top, left, height, width = box
     if top < 0 or left < 0 or height <= 0 or width <= 0 or top + height > h or left + width > w:
         return f"window {width}x{height} at ({left}, {top}) outside the {w}x{h} image"
     return None
@@ -360,23 +374,20 @@ class EncodedJpeg:
         try: return decode_image(torch.frombuffer(bytearray(self.data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         except RuntimeError as e: raise JpegError(f"cannot decode this JPEG: {str(e).splitlines()[-1]}") from None
 
-    def window(self, top: int, left: int, height: int, width: int) -> torch.Tensor:
+    def window(self, box: CropBox) -> torch.Tensor:
         "The window as uint8 3 x height x width RGB: decoded alone where this machine can, else cut from a full decode."
-        if why_no_window_decode() is None and (x := decode_window(self.data, top, left, height,
-                                                                  width=width)) is not None:
-            return x
+        if why_no_window_decode() is None and (x := decode_window(self.data, box)) is not None: return x
         whole = self.decode()
-        if why := _outside(top, left, height, width, h=whole.shape[1], w=whole.shape[2]):
-            raise JpegError(f"cannot decode this JPEG: {why}")
-        return whole[:, top:top + height, left:left + width]
+        if why := _outside(box, h=whole.shape[1], w=whole.shape[2]): raise JpegError(f"cannot decode this JPEG: {why}")
+        return box.cut(whole)
 
-    def crop(self, top: int, left: int, height: int, width: int, *, size, flip: bool = False, dct: str = "off",
+    def crop(self, box: CropBox, *, size, flip: bool = False, dct: str = "off",
              out: torch.Tensor | None = None) -> torch.Tensor:
         "The box resized to `size`, mirrored if `flip` (`decode_crop`, into `out` if given); else from `window`."
         size = (size, size) if isinstance(size, int) else tuple(size)
         if why_no_window_decode() is None:
-            x = decode_crop(self.data, top, left, height, width=width, size=size, flip=flip, dct=dct, out=out)
+            x = decode_crop(self.data, box, size=size, flip=flip, dct=dct, out=out)
             if x is not None: return x
-        x = _resized(self.window(top, left, height, width), size)
+        x = _resized(self.window(box), size)
         x = x.flip(-1) if flip else x
         return x if out is None else out.copy_(x)

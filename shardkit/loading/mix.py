@@ -8,11 +8,11 @@ import numbers
 from itertools import chain
 from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
-from ..errors import UsageError
+from ..errors import LoaderError, UsageError
 from ..remote import Retries
 from ..shards.read import url_samples
 from .order import EpochOrder
-from .sources import EpochShards, LoaderError, epoch_shard_order, seed_for
+from .sources import EpochShards, epoch_shard_order, seed_for
 
 # %% auto 0
 __all__ = ['weighted_turns', 'mixed_sources', 'cycled_samples', 'mix_samples', 'mix_turns', 'MixedOrder']

@@ -16,14 +16,14 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import webdataset as wds
 from fastcore.basics import patch
-from ..errors import UsageError
+from ..errors import LoaderError, UsageError
 from ..remote import Retries, as_retries
 from ..shards.fields import is_image_key
 from ..shards.read import url_samples
 from .collate import collate
 from .mix import mix_samples, mixed_sources
 from .random import RandomAccessLoader
-from .sources import EpochShards, LoaderError, drop_planned, rank_and_world, shard_urls, shuffle_samples, take_share
+from .sources import EpochShards, drop_planned, rank_and_world, shard_urls, shuffle_samples, take_share
 from .stream import ShardDataset, ShardLoader, error_handler, shards_digest, skip_resumed
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 

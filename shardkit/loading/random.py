@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
-from ..errors import UsageError
+from ..errors import LoaderError, UsageError
 from ..remote import Retries, as_retries, say_line
 from ..shards.fields import IMAGE_EXTS, refuse_pickle
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
@@ -21,7 +21,7 @@ from .mix import MixedOrder, mix_turns, mixed_sources
 from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
-from .sources import LoaderError, rank_and_world, shard_urls
+from .sources import rank_and_world, shard_urls
 from .stream import with_worker_init, worker_errors, worker_tmpdir_problem
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 

@@ -204,9 +204,10 @@ def _shard_keys(idx: SampleIndex, a: int, b: int) -> list[str]:
     blob = bytes(idx.keys[k0:k0 + (ends[-1] if ends else 0)])
     return [blob[x:y].decode() for x, y in zip([0] + ends[:-1], ends)]
 
-def member_offsets(idx: SampleIndex, s: int, names, offsets, sizes, *, keys: list[str] | None = None
+def member_offsets(idx: SampleIndex, s: int, members: tuple, *, keys: list[str] | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
-    "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of its members, matched by key."
+    "Offsets and sizes (rows: the samples of shard `s`, columns: `idx.fields`) of `members` (names, offsets, sizes)."
+    names, offsets, sizes = members
     (a, b), col = _rows(idx, s), {f: j for j, f in enumerate(idx.fields)}
     keys = _shard_keys(idx, a, b) if keys is None else keys
     row, rs, js, got = {k: r for r, k in enumerate(keys)}, [], [], []
@@ -231,7 +232,7 @@ class CachedShardReader:
         self.max_open, self.retries = max(64, 2 * copies.max_shards), getattr(self.fetch, "retries", None)
         self.token = os.urandom(8).hex()  # shared by its workers: one giving up on a shard spares the others the wait
 
-    def _shard(self, idx: SampleIndex, s: int) -> tuple:
+    def shard(self, idx: SampleIndex, s: int) -> tuple:
         "(fd, first sample number, offsets, sizes, keys or None) of shard `s`'s copy, fetched if needed; kept open."
         if self.pid != os.getpid(): self.open, self.pid = OrderedDict(), os.getpid()  # a forked worker opens its own
         if s in self.open: self.open.move_to_end(s); return self.open[s]
@@ -247,7 +248,7 @@ class CachedShardReader:
             if idx.offset is not None: where, keys = (idx.offset[a:b], idx.size[a:b]), None  # a copy: same offsets
             else:  # a listing's index: offsets from the copy's headers, matched by key (the keys kept for reads)
                 keys = _shard_keys(idx, a, b)
-                where = member_offsets(idx, s, *scan_members(fd, idx.shards[s]), keys=keys)
+                where = member_offsets(idx, s, scan_members(fd, idx.shards[s]), keys=keys)
         except BaseException: os.close(fd); raise
         if len(self.open) >= self.max_open: os.close(self.open.popitem(last=False)[1][0])
         self.open[s] = (fd, a, *where, keys)
@@ -259,7 +260,7 @@ def read(self: CachedShardReader, idx: SampleIndex, ids) -> tuple[list[str], lis
     "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one `pread` per field)."
     keys, out = [], []
     for i in ids:
-        try: fd, a, off, size, kl = self._shard(idx, s := int(idx.shard[i]))
+        try: fd, a, off, size, kl = self.shard(idx, s := int(idx.shard[i]))
         except RandomAccessError as e:  # name the source and the sample too
             where = f"{idx.source}/{idx.shards[s]}" if idx.kind == "ais" else idx.shards[s]
             raise RandomAccessError(f"{where}, sample {idx.key(i)!r}: {e}") from None
@@ -378,7 +379,7 @@ class RangeReader:
         self.fetch, self.known = shard_fetcher(index, retries), {}
         self.retries = self.fetch.retries
 
-    def _shard(self, idx: SampleIndex, s: int) -> tuple:
+    def shard(self, idx: SampleIndex, s: int) -> tuple:
         "(URL, first sample number, offsets, sizes) of shard `s`; offsets from its headers if the index has none."
         if s in self.known: return self.known[s]
         url, (a, b), name = self.fetch.url(idx.shards[s]), _rows(idx, s), f"shard {self.fetch.name(idx.shards[s])}"
@@ -387,7 +388,8 @@ class RangeReader:
             with (s3_open if url.startswith("s3://") else open_remote)(url, self.retries, name) as f:  # through faults
                 ents = [e for e in tar_entries(f, idx.shards[s], data=False)
                         if e.is_file and not is_meta_member(e.name)]
-            where = member_offsets(idx, s, *zip(*[(e.name, e.data_offset, e.size) for e in ents]))
+            members = [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents]
+            where = member_offsets(idx, s, members)
         target = url if url.startswith("s3://") else self._locate(idx, s)  # s3: signed anew for each read
         self.known[s] = (target, a, *where)  # AIStore: the URL of the target that holds the shard, kept
         return self.known[s]
@@ -404,7 +406,7 @@ class RangeReader:
         "The keys of samples `ids`, and for each the bytes of each of `idx.fields` (one range GET per sample)."
         keys, out = [], []
         for i in ids:
-            url, a, off, size = self._shard(idx, s := int(idx.shard[i]))
+            url, a, off, size = self.shard(idx, s := int(idx.shard[i]))
             o, n = off[i - a], size[i - a]
             lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
             shard = dict(name=f"shard {self.fetch.name(idx.shards[s])}", size=int(idx.shard_bytes[s]),

@@ -19,12 +19,12 @@ import torch.multiprocessing
 import webdataset as wds
 from fastcore.basics import patch
 from torch.utils.data import get_worker_info
-from ..errors import ShardkitError, UsageError
+from ..errors import LoaderError, ShardkitError, UsageError
 from ..remote import Retries, as_retries, say_line
 from .collate import LENT, MAPPED_BUFFERS, PooledBatch, WorkerTagged, collate, convert_batch, worker_pool
 from .elastic import checked_plan, merge_states, next_plan
 from .resume import check_resumable, saved_count
-from .sources import EpochShards, LoaderError, buffer_shuffle, rank_and_world, seeded_rng
+from .sources import EpochShards, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
 __all__ = ['SOCKET_PATH_MAX', 'SkipAndCount', 'error_handler', 'ShardDataset', 'worker_tmpdir_problem', 'worker_init',
@@ -138,6 +138,8 @@ def with_worker_init(kw: dict) -> dict:
 # %% ../../nbs/25_stream.ipynb
 def restart_workers(dl):
     "Stop a DataLoader's persistent workers: the next pass starts new ones, which copy the pipeline as it is then."
+    # torch has no public way to stop persistent workers before the loader is collected: its iterator's
+    # `_shutdown_workers` (what its own `__del__` calls) is the one place; tests/test_reach_ins.py fails if it goes
     if dl is not None and getattr(dl, "_iterator", None) is not None:
         dl._iterator._shutdown_workers()
         dl._iterator = None

@@ -26,13 +26,13 @@ from shardkit.shards.fields import (
     is_jpeg_key,
     is_mask_key,
 )
-from ..errors import ShardkitError
+from ..errors import LoaderError, ShardkitError
 from ..remote import Retries
 from ..shards.manifest import manifest_fields
 from ..shards.read import first_sample
 from ..store import open_store, shown_path
-from .jpeg import EncodedJpeg, JpegError, why_no_window_decode
-from .sources import EpochShards, LoaderError, seed_for
+from .jpeg import CropBox, EncodedJpeg, JpegError, why_no_window_decode
+from .sources import EpochShards, seed_for
 
 # %% auto 0
 __all__ = ['decode_rgb', 'decode_value', 'TrainTransform', 'train_transform', 'crop_box', 'eval_transform', 'normalize_batch',
@@ -132,9 +132,9 @@ def _draw_buffers() -> tuple[torch.Tensor, torch.Tensor]:
     if b is None: b = _DRAWS.b = (torch.empty(1), torch.empty(1, dtype=torch.int64))
     return b
 
-def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-             generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
-    "RandomResizedCrop's (top, left, height, width): `make_params`'s draws in order, from torch's or `generator`."
+def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), *,
+             generator: torch.Generator | None = None) -> CropBox:
+    "RandomResizedCrop's box in a `height` x `width` image: `make_params`'s draws, from torch's or `generator`."
     area, (r0, r1), (f, i) = height * width, _log_ratio(tuple(ratio)), _draw_buffers()
     for _ in range(10):
         # the same draws as torch.empty(1).uniform_, torch.exp and torch.randint, into reused tensors
@@ -143,12 +143,12 @@ def crop_box(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
         w, h = int(round(math.sqrt(target_area * aspect_ratio))), int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < w <= width and 0 < h <= height:
             top = i.random_(0, height - h + 1, generator=generator).item()
-            return top, i.random_(0, width - w + 1, generator=generator).item(), h, w
+            return CropBox(top, i.random_(0, width - w + 1, generator=generator).item(), h, w)
     r = width / height  # ten misses: the central crop within the ratio range
     if r < min(ratio): h, w = int(round(width / min(ratio))), width
     elif r > max(ratio): h, w = height, int(round(height * max(ratio)))
     else: h, w = height, width
-    return (height - h) // 2, (width - w) // 2, h, w
+    return CropBox((height - h) // 2, (width - w) // 2, h, w)
 
 # %% ../../nbs/23_transforms.ipynb
 def _tv_types() -> tuple:
@@ -162,16 +162,15 @@ def _crop_flip(tf: TrainTransform, values: tuple, wrap: bool = True) -> tuple | 
     images = [v for v in values if isinstance(v, (torch.Tensor, EncodedJpeg))]
     if not images or any(type(t) not in (Image, Mask, EncodedJpeg) or t.ndim != 3
                          or t.shape[-2:] != images[0].shape[-2:] for t in images): return None
-    top, left, h, w = crop_box(*images[0].shape[-2:], tf.scale, tf.ratio)
+    box = crop_box(*images[0].shape[-2:], tf.scale, tf.ratio)
     flipped = torch.rand(1).item() < tf.p  # RandomHorizontalFlip's draw
     out = []
     for v in values:
         if type(v) is EncodedJpeg or (Image is not None and type(v) is Image):
-            if type(v) is EncodedJpeg: x = v.crop(top, left, h, w, size=tf.size, flip=flipped,
-                                                  dct=tf.dct)  # decoded, cut, flipped
+            if type(v) is EncodedJpeg: x = v.crop(box, size=tf.size, flip=flipped, dct=tf.dct)  # decoded, cut, flipped
             else:
                 F = _tv()[1]
-                x = F.resized_crop_image(v.as_subclass(torch.Tensor), top, left, h, w, tf.size, antialias=True)
+                x = F.resized_crop_image(v.as_subclass(torch.Tensor), **box._asdict(), size=tf.size, antialias=True)
                 if flipped: x = F.horizontal_flip_image(x)
             if tf.normalize:
                 F = _tv()[1]
@@ -179,7 +178,7 @@ def _crop_flip(tf: TrainTransform, values: tuple, wrap: bool = True) -> tuple | 
             v = x.as_subclass(_tv()[0].Image) if wrap else x
         elif Mask is not None and type(v) is Mask:
             F = _tv()[1]
-            x = F.resized_crop_mask(v.as_subclass(torch.Tensor), top, left, h, w, tf.size)
+            x = F.resized_crop_mask(v.as_subclass(torch.Tensor), **box._asdict(), size=tf.size)
             x = F.horizontal_flip_mask(x) if flipped else x
             v = x.as_subclass(Mask) if wrap else x
         out.append(v)

@@ -265,10 +265,14 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
                          "--shards 'data/imagenet-train-{000000..000009}.tar'")
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
-    args = dict(locals())  # every argument, and the device, rank and world size just set up
     # the run's own temporary folder: what a killed loader worker (or torch, interrupted) leaves there goes with it
     with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None):
-        try: return _train(**args)
+        try:
+            return _train(shards=shards, folder=folder, base=base, val_shards=val_shards, epochs=epochs, arch=arch,
+                          size=size, batch_size=batch_size, num_workers=num_workers, lr=lr, max_steps=max_steps,
+                          samples=samples, classes=classes, keys_out=keys_out, json=json, threads=threads, seed=seed,
+                          checkpoint=checkpoint, every=every, pipeline=pipeline, decode_on=decode_on,
+                          precision=precision, pad=pad, dev=dev, rank=rank, world_size=world_size)
         except Exception as e:
             # torch's SIGCHLD handler would raise again, into what follows, as a worker's death reaches this process
             torch_handler = _chld(signal.SIG_DFL)
@@ -321,7 +325,7 @@ def _reading(shards, pipeline: str, decode_on: str, dev) -> str:
 
 # %% ../../nbs/30b_train.ipynb
 def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
-           classes, keys_out, json, device, threads, seed, checkpoint, every, pipeline, decode_on, precision, pad,
+           classes, keys_out, json, threads, seed, checkpoint, every, pipeline, decode_on, precision, pad,
            dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":

@@ -22,7 +22,7 @@ from .step import TrainError, count_correct, images_and_labels, training_step
 
 # %% auto 0
 __all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'LoopSettings', 'drop_half_written', 'rank_checkpoint',
-           'latest_checkpoint', 'load_checkpoint', 'run_epochs', 'SGD', 'sgd', 'train_epochs']
+           'latest_checkpoint', 'load_checkpoint', 'run_epochs', 'train_epochs']
 
 # %% ../../nbs/30a_train.loop.ipynb
 def log_rank0(rank: int, *args):
@@ -239,75 +239,10 @@ def run_epochs(step: Callable,             # step(images, labels) -> the loss (`
     return history, losses
 
 # %% ../../nbs/30a_train.loop.ipynb
-class SGD:
-    "torch.optim.SGD's update (momentum, weight decay) and state_dict, without its first-use import of torch._dynamo."
-    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-        params = list(params)
-        if not params or not all(isinstance(p, torch.Tensor) for p in params):
-            raise TrainError("SGD takes a non-empty list of tensors (one parameter group); for groups use torch.optim")
-        if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise TrainError(f"lr, momentum and weight_decay must be >= 0, got {lr}, {momentum} and {weight_decay}")
-        self.param_groups = [dict(params=params, lr=lr, momentum=momentum, dampening=0, weight_decay=weight_decay,
-                                  nesterov=False, maximize=False, foreach=None, differentiable=False, fused=None)]
-        self.state: dict = {}  # parameter -> {"momentum_buffer": tensor}, as torch.optim's
-
-    def zero_grad(self, set_to_none: bool = True):
-        for p in self.param_groups[0]["params"]:
-            if set_to_none: p.grad = None
-            elif p.grad is not None: p.grad.detach_().zero_()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        "One update of every parameter that has a gradient: g + wd * p into the momentum buffer, then p -= lr * buffer."
-        loss = None
-        if closure is not None:
-            with torch.enable_grad(): loss = closure()
-        g = self.param_groups[0]
-        lr, momentum, decay = g["lr"], g["momentum"], g["weight_decay"]
-        for p in g["params"]:  # torch.optim.SGD's loop on the CPU (its multi-tensor kernels are for GPUs)
-            if p.grad is None: continue
-            d = p.grad.add(p, alpha=decay) if decay else p.grad
-            if momentum:
-                state = self.state.setdefault(p, {})
-                buf = state.get("momentum_buffer")
-                if buf is None: buf = state["momentum_buffer"] = torch.clone(d).detach()
-                else: buf.mul_(momentum).add_(d)  # no dampening
-                d = buf
-            p.add_(d, alpha=-lr)
-        return loss
-
-    def state_dict(self) -> dict:
-        "torch.optim.SGD's layout: state by parameter index, the group's settings with the indices of its parameters."
-        ps = self.param_groups[0]["params"]
-        return dict(state={i: dict(self.state[p]) for i, p in enumerate(ps) if self.state.get(p)},
-                    param_groups=[{**{k: v for k, v in self.param_groups[0].items() if k != "params"},
-                                   "params": list(range(len(ps)))}])
-
-    def load_state_dict(self, state_dict: dict):
-        "A `state_dict` of this SGD or of torch.optim.SGD with one group of as many parameters: settings and buffers."
-        groups, ps = state_dict["param_groups"], self.param_groups[0]["params"]
-        if len(groups) != 1 or len(groups[0]["params"]) != len(ps):
-            raise TrainError(f"the saved optimiser has {len(groups)} group(s) of {[len(x['params']) for x in groups]} "
-                             f"parameters; this model has one group of {len(ps)}")
-        if groups[0].get("nesterov") or groups[0].get("dampening"):
-            raise TrainError("the saved optimiser used Nesterov momentum or dampening, which this SGD does not")
-        self.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
-        at = {j: p for j, p in zip(groups[0]["params"], ps)}
-        self.state = {at[int(j)]: {k: v.to(at[int(j)].device, at[int(j)].dtype) if torch.is_tensor(v) else v
-                                   for k, v in s.items()} for j, s in state_dict["state"].items()}
-
+OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=1e-4),
+              "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)}
 
 # %% ../../nbs/30a_train.loop.ipynb
-def sgd(params, lr: float):
-    "SGD with momentum 0.9 and weight decay 5e-4, as `shardkit train`: `SGD` on the CPU, torch.optim's on a GPU."
-    params = list(params)
-    if any(p.is_cuda for p in params):  # its multi-tensor kernels: one launch for all the parameters
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
-    return SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
-
-OPTIMIZERS = {"adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=1e-4),
-              "sgd": sgd}
-
 def train_epochs(model: nn.Module,                 # The model to train (moved to `device`)
                  loader,                           # Batches of (images, labels, ...) in any order (create_dataloader's)
                  epochs: int = 3,                  # Passes over `loader`

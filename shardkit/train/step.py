@@ -179,7 +179,7 @@ def pick_precision(precision: str | None, device) -> str:
 
 # %% ../../nbs/30_train.step.ipynb
 def training_step(net: nn.Module,                # The module to train (DDP's wrapper under DDP)
-                  opt,                            # Its optimiser: torch.optim's, or train.loop's SGD
+                  opt,                            # Its optimiser (a torch.optim one)
                   device,                         # Where the step runs
                   precision: str = "fp32",        # bf16, fp16 (with a GradScaler) or fp32
                   label_offset: int = 0,          # Subtracted from each label (1: classes numbered from 1)
