@@ -8,6 +8,7 @@ import argparse
 import difflib
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -150,7 +151,8 @@ def _version() -> str:
 
 def _unknown(argv: list[str]) -> str:
     "The error for a command line that names no command: the closest commands, and where the whole list is."
-    words, firsts = " ".join(argv[:2]), sorted({k[0] for k in COMMANDS})
+    argv = list(itertools.takewhile(lambda a: not a.startswith("-"), argv[:2])) or argv[:1]  # the words, no options
+    words, firsts = " ".join(argv), sorted({k[0] for k in COMMANDS})
     swapped = tuple(argv[1::-1])  # `pets synth`: the words of `synth pets` the other way round
     close = [" ".join(swapped)] if swapped in COMMANDS else \
         difflib.get_close_matches(words, [" ".join(k) for k in COMMANDS], n=3, cutoff=0.75)

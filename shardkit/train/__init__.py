@@ -50,6 +50,7 @@ from ..config import run_tempdir
 from ..errors import DataError
 from ..loading.gpu import create_gpu_loader, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
+from ..loading.sources import image_folder
 from ..loading.stream import worker_tmpdir_problem
 from ..loading.transforms import eval_transform, train_transform
 from ..shards.fields import ShardError
@@ -220,12 +221,15 @@ def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, de
 
 # %% ../../nbs/30b_train.ipynb
 def _folder_loaders(folder, train_tf, val_tf, batch_size, *, num_workers, classes):
-    "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
+    """(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree: ROOT/<class>/*.jpg, or
+    ROOT/train/<class>/*.jpg beside a validation set in ROOT/val/."""
     root = Path(folder)
-    if not (root / "train").is_dir():
-        raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
-    classes = classes or len(KeyedImageFolder(root / "train").classes)
-    make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size=batch_size, num_workers=num_workers,
+    train_root = root / "train" if (root / "train").is_dir() else root
+    if not image_folder(train_root):
+        raise TrainError(f"{shown_path(root)} holds no images: an image tree is ROOT/<class>/*.jpg, or "
+                         "ROOT/train/<class>/*.jpg with ROOT/val/<class>/*.jpg; for shards: shardkit train SRC")
+    classes = classes or len(KeyedImageFolder(train_root).classes)
+    make_train = lambda epoch: folder_loader(train_root, train_tf, batch_size=batch_size, num_workers=num_workers,
                                              train=True, epoch=epoch)
     val = root / "val"
     val_loader = folder_loader(val, val_tf, batch_size=batch_size, num_workers=num_workers,
@@ -233,9 +237,10 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, *, num_workers, classe
     return make_train, val_loader, classes, None
 
 # %% ../../nbs/30b_train.ipynb
-def train(shards: str | list[str] | None = None,  # Training shards: a directory, ais://, s3://, a template or URLs
+def train(shards: str | list[str] | None = None,  # Shards (a directory, ais://, s3://, a template, URLs), or images
           *,
-          folder: str | None = None,       # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
+          folder: str | None = None,       # Or an image tree: ROOT/<class>/*.jpg, or ROOT/train/... and ROOT/val/...
+
           base: str = "",                  # Prefix of shard names: http://host:port/ or pipe:curl -s http://host:port/
           val_shards: str | list[str] | None = None, # Validation shards (a brace template or URLs, same base)
           epochs: int = 1,                 # Passes over the training data
@@ -260,9 +265,10 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
           pad: bool = False,               # Several ranks: repeat samples to fill each epoch's last step, not drop it
           ) -> list[dict]:                 # Per epoch: samples, steps, samples/s, loss, validation accuracy, waiting
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
+    if folder is None and not base and image_folder(shards): shards, folder = None, shards  # images, not shards
     if (shards is None) == (folder is None):
-        raise TrainError("give either shards (--shards TEMPLATE) or folder (--folder ROOT), exactly one, e.g. "
-                         "--shards 'data/imagenet-train-{000000..000009}.tar'")
+        raise TrainError("give the data to train on, shards or a folder of images, exactly one: `shardkit train SRC` "
+                         "(train(src) from Python), e.g. shardkit train 'data/imagenet-train-{000000..000009}.tar'")
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
     args = dict(locals())  # every argument, and the device, rank and world size just set up
@@ -356,6 +362,6 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
     return hist
 
 # %% ../../nbs/30b_train.ipynb
-@command(train)
+@command(train, source="shards")
 def train_cli(hist, args):
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."

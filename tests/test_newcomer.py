@@ -1,0 +1,59 @@
+"""What a newcomer meets in the first hour, each case run as a user runs it: the command's words and exit status.
+Fast cases go through the command's own entry point in this process (`main_cli`); a real process (`run_cli`) where
+the time a run takes, or what a terminal shows, is the point."""
+import time
+from pathlib import Path
+import numpy as np
+import pytest
+from PIL import Image
+from conftest import main_cli, run_cli
+
+
+def photo_tree(root: Path, n: int = 8, classes=("cat", "dog")) -> Path:
+    "A folder of `n` small JPEGs in one folder per class, as people's photo folders look (no train/ in it)."
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        folder = root / classes[i % len(classes)]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"IMG_{i:04d}.jpg")
+    return root
+
+
+# Options exactly: no prefixes, a wrong option in one line with the closest, an unknown command without its options
+@pytest.mark.parametrize("wrong, meant", [("--epocs", "--epochs"), ("--epoch", "--epochs"), ("--shard", "--shards")])
+def test_a_wrong_option_is_one_line_with_the_closest(wrong, meant):
+    r = main_cli("train", wrong, "1")
+    assert r.returncode == 2, r
+    assert r.stderr.strip().splitlines() == [f"shardkit train: unknown option {wrong}; did you mean {meant}? "
+                                             "(`shardkit train --help` lists its options)"], r.stderr
+
+
+def test_an_unknown_command_is_named_without_its_options():
+    r = main_cli("trian", "--shards", "x")
+    assert r.returncode == 2
+    assert "unknown command 'trian'; did you mean 'shardkit train'?" in r.stderr, r.stderr
+
+
+# One way to name data: train takes a positional source as convert and profile do; an image tree is trained on
+def test_train_takes_its_source_first(tmp_path):
+    tree = photo_tree(tmp_path / "mydata")
+    r = main_cli("train", tree, "--max-steps", 1, "--workers", 0, "--size", 32, "--batch-size", 4)
+    assert r.returncode == 0, r.stderr
+    assert "training small on folder: 2 classes" in r.stdout, r.stdout  # the README's own-data tree, no train/ in it
+    r = main_cli("train", tree, "--shards", tree)
+    assert r.returncode == 2 and "SRC" in r.stderr and "both given: give one" in r.stderr, r.stderr
+    r = main_cli("train", tree, tree)
+    assert r.returncode == 2 and "takes one SRC at most" in r.stderr, r.stderr
+
+
+def test_a_folder_of_images_is_named_as_one(tmp_path):
+    tree = photo_tree(tmp_path / "mydata")
+    r = main_cli("profile", tree)
+    assert r.returncode == 1, r
+    assert f"{tree} holds images, not shards: make shards of them first, `shardkit convert folder {tree} " \
+           f"{tree}-shards`" in r.stderr, r.stderr
+    from shardkit import create_dataset
+    with pytest.raises(Exception, match="holds images, not shards: make shards of them first"): create_dataset(tree)
+    (tmp_path / "notes").mkdir(); (tmp_path / "notes" / "a.txt").write_text("x")
+    r = main_cli("train", "--folder", tmp_path / "notes")
+    assert r.returncode == 2 and "holds no images: an image tree is ROOT/<class>/*.jpg" in r.stderr, r.stderr
