@@ -1,6 +1,10 @@
 """What a newcomer meets in the first hour, each case run as a user runs it: the command's words and exit status.
 Fast cases go through the command's own entry point in this process (`main_cli`); a real process (`run_cli`) where
 the time a run takes, or what a terminal shows, is the point."""
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 import numpy as np
@@ -57,3 +61,52 @@ def test_a_folder_of_images_is_named_as_one(tmp_path):
     (tmp_path / "notes").mkdir(); (tmp_path / "notes" / "a.txt").write_text("x")
     r = main_cli("train", "--folder", tmp_path / "notes")
     assert r.returncode == 2 and "holds no images: an image tree is ROOT/<class>/*.jpg" in r.stderr, r.stderr
+
+
+# No wait without a word: the first fault said at once, with the host; what cannot succeed ends within seconds
+def closed_port() -> int:
+    "A port on 127.0.0.1 that nothing listens on (bound, then let go)."
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_first_fault_is_said_at_once():
+    port = closed_port()
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "shardkit.apps.cli", "train", "s3://mybucket/mydata"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stderr.readline()  # the first fault is met right after start-up: its line comes then, not later
+        took = time.monotonic() - t0
+    finally:
+        proc.kill(); proc.wait()
+    assert line.startswith(f"shardkit: cannot connect to 127.0.0.1:{port} (connection refused), listing "
+                           "s3://mybucket/mydata/: retrying for up to 2 min; the endpoint is "
+                           f"http://127.0.0.1:{port} ($AWS_ENDPOINT_URL)"), line
+    assert took < 30, took  # start-up (torch) and one attempt: seconds, not the 120 s bound
+
+
+def test_a_host_that_does_not_resolve_ends_within_seconds():
+    t0 = time.monotonic()
+    r = run_cli("train", "s3://mybucket/mydata", env={"AWS_ENDPOINT_URL": "http://nosuchhost.invalid:9000"}, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r
+    assert "shardkit: the host name nosuchhost.invalid:9000 does not resolve, listing s3://mybucket/mydata/: " \
+           "retrying for up to 5 s" in r.stderr, r.stderr
+    assert "gave up listing s3://mybucket/mydata/" in r.stderr and "check the URL and the network" in r.stderr
+    assert r.stderr.count("does not resolve, listing") == 1, r.stderr  # said once
+    assert took < 15 + 10, took  # 5 s of tries after start-up (several seconds on a loaded machine)
+
+
+def test_giving_up_advises_the_command_line(monkeypatch):
+    from shardkit import remote
+    monkeypatch.setattr(remote.DEFAULT_RETRIES, "wait", 1.0)  # the listing's bound, short for the test
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    r = main_cli("train", "s3://mybucket/mydata")
+    assert r.returncode == 1, r
+    assert "gave up listing s3://mybucket/mydata/" in r.stderr, r.stderr
+    assert "run `shardkit train` again (with --checkpoint PATH it goes on from its last one)" in r.stderr, r.stderr
+    assert "load_state_dict" not in r.stderr, r.stderr

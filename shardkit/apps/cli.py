@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 import shardkit
 from ..command import command_parser, help_arguments, help_parser, write_json
-from ..errors import ShardkitError
+from ..errors import RUNNING, Running, ShardkitError
 
 # %% auto 0
 __all__ = ['COMMANDS', 'EXAMPLES', 'ENVIRONMENT', 'HELP_TABLE', 'find_command', 'load_command', 'parser_of', 'command_help',
@@ -182,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)  # as argparse ends a --help
     if "torch" not in sys.modules:  # else OpenMP has read its settings already
         for k, v in ENVIRONMENT.get(cmd, {}).items(): os.environ.setdefault(k, v)
-    func = load_command(cmd)
-    args = vars(parser_of(cmd).parse_args([_hyphenate(a) for a in rest]))
+    func, parser = load_command(cmd), parser_of(cmd)
+    args = vars(parser.parse_args([_hyphenate(a) for a in rest]))
+    # while it runs, an error's advice names this command's flags, not Python's calls (`command_running`)
+    RUNNING.append(Running("shardkit " + " ".join(cmd), frozenset(s for a in parser._actions for s in a.option_strings)))
     try:
         result = func(**args)
     except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally: RUNNING.pop()
     return result if isinstance(result, int) else 0
 
 # %% ../../nbs/99_cli.ipynb
