@@ -110,3 +110,16 @@ def test_giving_up_advises_the_command_line(monkeypatch):
     assert "gave up listing s3://mybucket/mydata/" in r.stderr, r.stderr
     assert "run `shardkit train` again (with --checkpoint PATH it goes on from its last one)" in r.stderr, r.stderr
     assert "load_state_dict" not in r.stderr, r.stderr
+
+
+# Files as the user's umask says: shards and the manifest readable by others under 022, private under 077
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_shards_are_written_as_the_umask_says(tmp_path, umask, mode):
+    tree = photo_tree(tmp_path / "mydata")
+    old = os.umask(umask)
+    try: r = main_cli("convert", "folder", tree, tmp_path / "myshards")
+    finally: os.umask(old)
+    assert r.returncode == 0, r.stderr
+    written = sorted((tmp_path / "myshards").iterdir())
+    assert any(p.suffix == ".tar" for p in written) and any(p.suffix == ".json" for p in written), written
+    assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(mode)}, [(p.name, oct(p.stat().st_mode)) for p in written]

@@ -65,7 +65,7 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
 }
 
 EXAMPLES = {  # shown after a command's options (`--help`): what its options alone do not say
-    ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train --shards myshards "
+    ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train myshards "
                 "(every rank takes equal steps; --pad repeats samples to fill the last one rather than leave it out)",
 }
 
