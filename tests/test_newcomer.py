@@ -122,4 +122,22 @@ def test_shards_are_written_as_the_umask_says(tmp_path, umask, mode):
     assert r.returncode == 0, r.stderr
     written = sorted((tmp_path / "myshards").iterdir())
     assert any(p.suffix == ".tar" for p in written) and any(p.suffix == ".json" for p in written), written
-    assert {oct(p.stat().st_mode & 0o777) for p in written} == {oct(mode)}, [(p.name, oct(p.stat().st_mode)) for p in written]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in written}
+    assert set(modes.values()) == {oct(mode)}, modes
+
+
+# The command line says what the library says: workers beyond the work, in shardkit's words, once
+def test_workers_beyond_the_work_are_said_once(tmp_path):
+    shards = tmp_path / "few"
+    assert main_cli("convert", "folder", photo_tree(tmp_path / "mydata"), shards,
+                    "--maxcount", 4).returncode == 0  # 2 shards
+    cores = len(os.sched_getaffinity(0))
+    r = main_cli("train", shards, "--workers", cores + 2, "--max-steps", 1, "--size", 32)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f"--workers {cores + 2} is more than the 1 batch of an epoch can keep busy: 1 worker per "
+                          "rank will read") == 1, r.stdout
+    assert "1 worker per rank, device" in r.stdout, r.stdout
+    r = main_cli("train", shards, "--workers", cores + 2, "--max-steps", 1, "--size", 32, "--pipeline", "example")
+    assert r.returncode == 0, r.stderr
+    assert "shards can keep busy (a worker reads whole shards)" in r.stdout, r.stdout
+    assert "This DataLoader will create" not in r.stderr, r.stderr  # torch's own warning: not shown

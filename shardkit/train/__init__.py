@@ -154,6 +154,9 @@ def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples
                                     world_size=world_size, pad=pad), \
             val_loader, classes, None
     if pipeline == "example":
+        n = len(rank_shards(urls, rank, world_size))
+        num_workers = _busy_workers(num_workers, n, f"this rank's {n} shards can keep busy (a worker reads whole "
+                                    "shards)", rank=rank)
         tf, val_tf = make_transform(size, True), make_transform(size, False)
         make_train = lambda epoch: example_loader(urls, tf, batch_size, num_workers, nbatches=nbatches,
                                                   seed=seed + epoch)
@@ -161,8 +164,16 @@ def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world_size)  # this rank's shards, as split_by_node deals them: no sample shared
     make = _gpu_train_loader if decode_on == "gpu" else _cpu_train_loader
-    return make(mine, size, batch_size, min(num_workers, len(mine)), nbatches=nbatches, seed=seed,
-                dev=dev), val_loader, classes, nbatches
+    workers = _busy_workers(num_workers, len(mine), f"this rank's {len(mine)} shards can keep busy (a worker reads "
+                           "whole shards)", rank=rank)
+    return make(mine, size, batch_size, workers, nbatches=nbatches, seed=seed, dev=dev), val_loader, classes, nbatches
+
+def _busy_workers(asked: int, useful: int, why: str, *, rank: int = 0) -> int:
+    "The loader workers that will have work: `asked`, or `useful` (at least 1) with one line that says why."
+    useful = max(useful, 1)
+    if asked <= useful: return asked
+    log_rank0(rank, f"--workers {asked} is more than {why}: {useful} worker{'s' * (useful != 1)} per rank will read")
+    return useful
 
 # %% ../../nbs/30b_train.ipynb
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
@@ -175,17 +186,20 @@ def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, de
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
-    at.loader = loader
+    at.loader, at.workers = loader, num_workers
     return at
 
 def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank, world_size, pad=False):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=rank, world_size=world_size, access="random", pad=pad)
+    n = len(ds)  # batches an epoch on this rank: each worker makes whole batches
+    num_workers = _busy_workers(num_workers, n, f"the {n} batch{'es' * (n != 1)} of an epoch can keep busy", rank=rank)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader, at.any_rank = loader, True  # its state is a place in the epoch's order: any rank's resumes any shape
+    at.workers = num_workers
     return at
 
 # %% ../../nbs/30b_train.ipynb
@@ -199,6 +213,7 @@ def _gpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, de
         return lambda epoch: stream
     def at(epoch): loader.set_epoch(epoch); return loader
     if hasattr(loader, "state_dict"): at.loader = loader
+    at.workers = num_workers
     return at
 
 # %% ../../nbs/30b_train.ipynb
@@ -273,7 +288,9 @@ def train(shards: str | list[str] | None = None,  # Shards (a directory, ais://,
     rank, world_size = setup_distributed(dev)
     args = dict(locals())  # every argument, and the device, rank and world size just set up
     # the run's own temporary folder: what a killed loader worker (or torch, interrupted) leaves there goes with it
-    with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None):
+    with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None), \
+            warnings.catch_warnings():  # torch's warning of more workers than cores: the first line says it once
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
         try: return _train(**args)
         except Exception as e:
             # torch's SIGCHLD handler would raise again, into what follows, as a worker's death reaches this process
@@ -350,9 +367,11 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
                                                   ck=latest_checkpoint(checkpoint) if ck and any_rank else ck,
                                                   any_rank=any_rank)
     step = training_step(net, opt, dev, precision)
+    workers, cores = getattr(make_train, "workers", num_workers), len(os.sched_getaffinity(0))
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world_size} rank{'s' * (world_size != 1)}, "
-               f"batch {batch_size} per rank, {num_workers} worker{'s' * (num_workers != 1)} per rank, "
+               f"batch {batch_size} per rank, {workers} worker{'s' * (workers != 1)} per rank"
+               + f" (more than the {cores} cores: they take turns)" * (workers > cores) + ", "
                f"device {dev}, {precision}"
                + _reading(shards, pipeline, decode_on, dev))
     loop = LoopSettings(epochs=epochs, device=dev, rank=rank, world_size=world_size, checkpoint=ck, every=every,
