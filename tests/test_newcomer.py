@@ -141,3 +141,20 @@ def test_workers_beyond_the_work_are_said_once(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "shards can keep busy (a worker reads whole shards)" in r.stdout, r.stdout
     assert "This DataLoader will create" not in r.stderr, r.stderr  # torch's own warning: not shown
+
+
+# Output for people: the chosen fields said once; no bar's carriage returns where the output is not a terminal
+def test_the_chosen_fields_are_said_once(tmp_path, capsys):
+    from shardkit import create_dataset
+    shards = tmp_path / "myshards"
+    assert main_cli("convert", "folder", photo_tree(tmp_path / "mydata"), shards, "--maxcount", 4).returncode == 0
+    capsys.readouterr()
+    for _ in range(3): create_dataset(shards)
+    assert capsys.readouterr().out.count("fields=('cls', 'jpg'): the fields every sample has") == 1
+
+
+def test_progress_is_not_drawn_into_a_file(tmp_path):
+    r = main_cli("convert", "folder", photo_tree(tmp_path / "mydata"), tmp_path / "myshards")  # into a StringIO
+    assert r.returncode == 0, r.stderr
+    assert "8 samples in" in r.stdout, r.stdout
+    assert "\r" not in r.stdout + r.stderr, (r.stdout + r.stderr)[:500]  # tqdm draws bars only on a terminal
