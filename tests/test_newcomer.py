@@ -158,3 +158,26 @@ def test_progress_is_not_drawn_into_a_file(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "8 samples in" in r.stdout, r.stdout
     assert "\r" not in r.stdout + r.stderr, (r.stdout + r.stderr)[:500]  # tqdm draws bars only on a terminal
+
+
+# Verdicts checked against the case they name: each on a profile built to trigger it, and on one built not to
+def test_the_decode_and_idle_core_verdicts_fit_the_case(tmp_path):
+    from dataclasses import replace
+    from shardkit.profile import profile_shards
+    from shardkit.profile.verdicts import verdicts
+    shards = tmp_path / "myshards"
+    assert main_cli("convert", "folder", photo_tree(tmp_path / "mydata"), shards, "--maxcount", 4).returncode == 0
+    p = profile_shards(str(shards), num_workers=0, batch_size=4, out=tmp_path / "pictures")["profiles"][0]
+    assert (p.image_px, p.out_px) == (48, 224), p  # the photos' side, read from their headers; the crops' side
+    decode_bound = replace(p, stages={**p.stages, "decode": dict(wall=9.0, cpu=9.0)}, gpu=False,
+                           windows="used", cores=2, load=0.0, cpu_ms=0.01, workers=1)
+    text = " ".join(verdicts(decode_bound))
+    assert "The JPEGs are small already (48 px a side for 224-px crops)" in text and "Decode smaller" not in text, text
+    text = " ".join(verdicts(replace(decode_bound, image_px=1000.0)))
+    assert "Decode smaller JPEGs (1,000 px a side for 224-px crops): resize them once" in text, text
+    busy = lambda load, cores_busy: replace(decode_bound, load=load, cpu_ms=cores_busy * p.wall * 1000 / p.samples)
+    text = " ".join(verdicts(busy(1.7, 1.3)))  # the case: 1.3 of 2 busy, the load average the rest
+    assert "no core is idle (this job keeps 1.3 of 2 busy; the load average, 1.7, counts the processes waiting " \
+           "for a core too" in text, text
+    text = " ".join(verdicts(busy(0.3, 0.3)))  # cores idle: more workers, not "would not help"
+    assert "More workers would not help" not in text and "Add workers (1.7 of 2 cores are idle)" in text, text
