@@ -181,3 +181,21 @@ def test_the_decode_and_idle_core_verdicts_fit_the_case(tmp_path):
            "for a core too" in text, text
     text = " ".join(verdicts(busy(0.3, 0.3)))  # cores idle: more workers, not "would not help"
     assert "More workers would not help" not in text and "Add workers (1.7 of 2 cores are idle)" in text, text
+
+
+# The rest of the list: the docs site opens on the tutorials; tutorial 03 says what create_dataset returns
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_tutorials_come_right_after_the_index():
+    from shardkit.docs.pages import site_nav
+    nav = site_nav(ROOT / "nbs")
+    assert [next(iter(d)) for d in nav[:2]] == ["shardkit", "Tutorials"], [next(iter(d)) for d in nav]
+
+
+def test_tutorial_03_says_what_create_dataset_gives():
+    import json
+    nb = json.loads((ROOT / "nbs" / "tutorials" / "03_training_loader.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert "batches of 64 (`batch_size=`). It returns a `ShardDataset`" in text
+    assert "plain `webdataset.DataPipeline`" not in text
