@@ -4,6 +4,7 @@
 
 # %% ../nbs/01a_remote.ipynb 3
 from __future__ import annotations
+import contextlib
 import email.utils
 import errno
 import http.client
@@ -27,10 +28,10 @@ from .errors import LoaderError, StoreError, UsageError, command_running
 # %% auto 0
 __all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'HOPELESS', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError',
            'ObjectMissing', 'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer',
-           'rebalance_conflict', 'fault_cause', 'Retries', 'as_retries', 'say_line', 'retry_after_seconds',
-           'fault_host', 'retried', 'http_session', 'content_version', 'objects_moving', 'cluster_moving', 'refusal',
-           'refused', 'RemoteStream', 'open_remote', 'answer_ok', 'remote_request', 'read_range', 'remote_head',
-           'remote_put']
+           'rebalance_conflict', 'fault_cause', 'Retries', 'as_retries', 'retry_bound', 'say_line',
+           'retry_after_seconds', 'fault_host', 'retried', 'http_session', 'content_version', 'objects_moving',
+           'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote', 'answer_ok', 'remote_request',
+           'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -236,6 +237,14 @@ def report(self: Retries, what: str = "loader", epoch: int | None = None, worker
             + f", {new[len(CAUSES)]:.1f} s waiting for them; {lost}")
 
 DEFAULT_RETRIES = Retries()  # for reads made outside a loader (a store's `open`, an index, an upload)
+
+@contextlib.contextmanager
+def retry_bound(wait: float):
+    "Within it, the reads made outside a loader (`DEFAULT_RETRIES`: listings, heads) retry faults for `wait` seconds."
+    before = DEFAULT_RETRIES.wait
+    DEFAULT_RETRIES.wait = Retries(wait=wait).wait  # (checked as Retries checks it)
+    try: yield DEFAULT_RETRIES
+    finally: DEFAULT_RETRIES.wait = before
 
 def say_line(line: str, file=None):
     "Write `line` to `file` (stderr) in one call, above this process's progress bars: no two lines run together."

@@ -10,6 +10,7 @@ import signal
 import tarfile
 import traceback
 import warnings
+from functools import partial
 from pathlib import Path
 import psutil
 import torch
@@ -53,6 +54,7 @@ from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import image_folder
 from ..loading.stream import worker_tmpdir_problem
 from ..loading.transforms import eval_transform, train_transform
+from ..remote import retry_bound
 from ..shards.fields import ShardError
 from ..store import shown_path
 
@@ -123,7 +125,7 @@ def _end_loaders(e: BaseException):
 # %% ../../nbs/30b_train.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples, classes, seed, rank, world_size,
                    size=64,
-                   pipeline="shardkit", decode_on="cpu", dev=None, pad=False):
+                   pipeline="shardkit", decode_on="cpu", dev=None, pad=False, retry_wait=120):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
@@ -148,10 +150,10 @@ def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples
                   f"epoch; the other {gone} make a last step the ranks cannot fill (the default pipeline's --pad "
                   "repeats samples to fill it)")
     val_loader = _val_loader(val_urls, size, batch_size, num_workers, rank=rank, world_size=world_size,
-                             dev=dev) if val_urls else None
+                             dev=dev, retry_wait=retry_wait) if val_urls else None
     if random:
         return _random_train_loader(urls, size, batch_size, num_workers, seed=seed, dev=dev, rank=rank,
-                                    world_size=world_size, pad=pad), \
+                                    world_size=world_size, pad=pad, retry_wait=retry_wait), \
             val_loader, classes, None
     if pipeline == "example":
         n = len(rank_shards(urls, rank, world_size))
@@ -163,7 +165,7 @@ def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples
         val_loader = example_loader(val_urls, val_tf, batch_size, num_workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world_size)  # this rank's shards, as split_by_node deals them: no sample shared
-    make = _gpu_train_loader if decode_on == "gpu" else _cpu_train_loader
+    make = _gpu_train_loader if decode_on == "gpu" else partial(_cpu_train_loader, retry_wait=retry_wait)
     workers = _busy_workers(num_workers, len(mine), f"this rank's {len(mine)} shards can keep busy (a worker reads "
                            "whole shards)", rank=rank)
     return make(mine, size, batch_size, workers, nbatches=nbatches, seed=seed, dev=dev), val_loader, classes, nbatches
@@ -178,10 +180,10 @@ def _busy_workers(asked: int, useful: int, why: str, *, rank: int = 0) -> int:
 # %% ../../nbs/30b_train.ipynb
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
 
-def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev):
+def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev, retry_wait=120):
     "(epoch -> shardkit's loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
     ds = create_dataset(mine, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=0, world_size=1,  # `mine` is this rank's share already
+                        seed=seed, rank=0, world_size=1, retry_wait=retry_wait,  # `mine`: this rank's share already
                         resampled=nbatches is not None, epoch_samples=nbatches * batch_size if nbatches else None)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
@@ -189,10 +191,11 @@ def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, de
     at.loader, at.workers = loader, num_workers
     return at
 
-def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank, world_size, pad=False):
+def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank, world_size, pad=False,
+                         retry_wait=120):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=rank, world_size=world_size, access="random", pad=pad)
+                        seed=seed, rank=rank, world_size=world_size, access="random", pad=pad, retry_wait=retry_wait)
     n = len(ds)  # batches an epoch on this rank: each worker makes whole batches
     num_workers = _busy_workers(num_workers, n, f"the {n} batch{'es' * (n != 1)} of an epoch can keep busy", rank=rank)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
@@ -225,10 +228,10 @@ def _passes(loader):
         if n == 0: raise TrainError("this rank's shards gave no batch: check that they hold the fields jpg and cls")
 
 # %% ../../nbs/30b_train.ipynb
-def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, dev):
+def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, dev, retry_wait=120):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
     ds = create_dataset(val_urls, fields=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
-                        batch_size=batch_size, seed=0, rank=rank, world_size=world_size)
+                        batch_size=batch_size, seed=0, rank=rank, world_size=world_size, retry_wait=retry_wait)
     with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
         warnings.filterwarnings("ignore", message=".*get no shard and stay idle")
         return create_dataloader(ds, num_workers=min(num_workers, max(len(rank_shards(val_urls, rank, world_size)), 1)),
@@ -278,6 +281,7 @@ def train(shards: str | list[str] | None = None,  # Shards (a directory, ais://,
           decode_on: str = "cpu",          # Where JPEGs are decoded: 'cpu' (loader workers), 'gpu' (nvJPEG) or 'auto'
           precision: str | None = None,    # Precision: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)
           pad: bool = False,               # Several ranks: repeat samples to fill each epoch's last step, not drop it
+          retry_wait: float = 120,         # Seconds a read of a store (a listing, a shard) retries faults, then stops
           ) -> list[dict]:                 # Per epoch: samples, steps, samples/s, loss, validation accuracy, waiting
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
     if folder is None and not base and image_folder(shards): shards, folder = None, shards  # images, not shards
@@ -291,7 +295,8 @@ def train(shards: str | list[str] | None = None,  # Shards (a directory, ais://,
     with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None), \
             warnings.catch_warnings():  # torch's warning of more workers than cores: the first line says it once
         warnings.filterwarnings("ignore", message="This DataLoader will create")
-        try: return _train(**args)
+        try:
+            with retry_bound(retry_wait): return _train(**args)  # the reads made outside the loaders: listings
         except Exception as e:
             # torch's SIGCHLD handler would raise again, into what follows, as a worker's death reaches this process
             torch_handler = _chld(signal.SIG_DFL)
@@ -345,7 +350,7 @@ def _reading(shards, pipeline: str, decode_on: str, dev) -> str:
 # %% ../../nbs/30b_train.ipynb
 def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
            classes, keys_out, json, device, threads, seed, checkpoint, every, pipeline, decode_on, precision, pad,
-           dev, rank, world_size) -> list[dict]:
+           retry_wait, dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":
         torch.set_num_threads(threads or torch_threads(num_workers, world_size))
@@ -355,7 +360,7 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
         make_train, val_loader, classes, nbatches = _shard_loaders(
             shards, base, val_shards, batch_size, num_workers=num_workers, samples=samples, classes=classes, seed=seed,
             rank=rank, world_size=world_size, size=size, pipeline=pipeline,
-            decode_on=decode_on, dev=dev, pad=pad)
+            decode_on=decode_on, dev=dev, pad=pad, retry_wait=retry_wait)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
             folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers=num_workers,
             classes=classes)
