@@ -200,3 +200,30 @@ def test_tutorial_03_says_what_create_dataset_gives():
     text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert "batches of 64 (`batch_size=`). It returns a `ShardDataset`" in text
     assert "plain `webdataset.DataPipeline`" not in text
+
+
+def test_a_bucket_that_needs_credentials_is_refused_at_once(monkeypatch):
+    "A store that answers 403 to unsigned requests: said at once, with where credentials come from; not retried."
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    class Denied(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            self.send_response(403); self.send_header("Content-Length", str(len(body))); self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *args): pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Denied)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"): monkeypatch.setenv(k, "/nonexistent")
+    try:
+        t0 = time.monotonic()
+        r = main_cli("train", "s3://mybucket/mydata")
+        took = time.monotonic() - t0
+    finally: server.shutdown()
+    assert r.returncode == 1 and took < 30, (r, took)  # about 1 s on a quiet machine: one listing, refused
+    assert "access denied (HTTP 403 AccessDenied)" in r.stderr and "give credentials: AWS_ACCESS_KEY_ID" in r.stderr, \
+        r.stderr
+    assert "retrying" not in r.stderr, r.stderr
