@@ -227,3 +227,14 @@ def test_a_bucket_that_needs_credentials_is_refused_at_once(monkeypatch):
     assert "access denied (HTTP 403 AccessDenied)" in r.stderr and "give credentials: AWS_ACCESS_KEY_ID" in r.stderr, \
         r.stderr
     assert "retrying" not in r.stderr, r.stderr
+
+
+def test_warnings_are_the_commands_lines_each_once(tmp_path):
+    shards = tmp_path / "myshards"
+    assert main_cli("convert", "folder", photo_tree(tmp_path / "mydata"), shards, "--maxcount", 4).returncode == 0
+    workers = len(os.sched_getaffinity(0)) + 1  # more than the shards, and than the cores (torch warns twice)
+    r = main_cli("profile", shards, "--workers", workers, "--batches", 1, "--out", tmp_path / "pictures")
+    assert r.returncode == 0, r.stderr
+    assert f"shardkit profile: {workers} workers x 1 ranks read 2 shards: {workers - 2} of them get no shard" in r.stderr
+    assert "UserWarning: " + str(workers) not in r.stderr, r.stderr  # shardkit's own: no Python file and line
+    assert r.stderr.count("This DataLoader will create") <= 1, r.stderr  # torch says it from two lines: once here
