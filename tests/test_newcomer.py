@@ -177,7 +177,7 @@ def test_the_decode_and_idle_core_verdicts_fit_the_case(tmp_path):
     text = " ".join(verdicts(replace(decode_bound, image_px=1000.0)))
     assert "Decode smaller JPEGs (1,000 px a side for 224-px crops): resize them once" in text, text
     busy = lambda load, cores_busy: replace(decode_bound, load=load, cpu_ms=cores_busy * p.wall * 1000 / p.samples)
-    text = " ".join(verdicts(busy(1.7, 1.3)))  # the case: 1.3 of 2 busy, the load average the rest
+    text = " ".join(verdicts(busy(1.7, 1.3)))  # 1.3 of 2 busy, the load average the rest
     assert "no core is idle (this job keeps 1.3 of 2 busy; the load average, 1.7, counts the processes waiting " \
            "for a core too" in text, text
     text = " ".join(verdicts(busy(0.3, 0.3)))  # cores idle: more workers, not "would not help"

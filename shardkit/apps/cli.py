@@ -167,14 +167,14 @@ def _unknown(argv: list[str]) -> str:
 # %% ../../nbs/99_cli.ipynb
 def _asks_help(args: list[str]) -> bool: return any(a in ("-h", "--help") for a in args)
 
-def _say_warning(cmd: str, python_way, said: set, message, category, filename, lineno, file=None, line=None):
+def _say_warning(message, category, filename, lineno, *file_line, cmd: str, python_way, said: set):
     """A warning shardkit gives, said as one line of command `cmd`; another package's, the way Python says it; each
     text once (`said`), where a package warns the same from two places (torch's DataLoader of too many workers)."""
     if str(message) in said: return
     said.add(str(message))
     if Path(filename).resolve().is_relative_to(Path(shardkit.__file__).parent):
-        print(f"shardkit {cmd}: {message}", file=file or sys.stderr)
-    else: python_way(message, category, filename, lineno, file, line)
+        print(f"shardkit {cmd}: {message}", file=(file_line or [None])[0] or sys.stderr)
+    else: python_way(message, category, filename, lineno, *file_line)
 
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `shardkit` command: the one place where errors become a message and an exit status."
@@ -196,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     func, parser = load_command(cmd), parser_of(cmd)
     args = vars(parser.parse_args([_hyphenate(a) for a in rest]))
     # while it runs, an error's advice names this command's flags, not Python's calls (`command_running`)
-    RUNNING.append(Running("shardkit " + " ".join(cmd), frozenset(s for a in parser._actions for s in a.option_strings)))
+    options = frozenset(s for a in parser._actions for s in a.option_strings)
+    RUNNING.append(Running("shardkit " + " ".join(cmd), options))
     try:
         with warnings.catch_warnings():  # shardkit's own warnings as the command's lines, not Python's
-            warnings.showwarning = partial(_say_warning, " ".join(cmd), warnings.showwarning, set())
+            warnings.showwarning = partial(_say_warning, cmd=" ".join(cmd), python_way=warnings.showwarning, said=set())
             result = func(**args)
     except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback
         print(f"shardkit {' '.join(cmd)}: {e}", file=sys.stderr)

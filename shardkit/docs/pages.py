@@ -61,8 +61,8 @@ def _package(path: Path) -> str | None:
     return m.group(1) if m else None
 
 def site_nav(nbs: str | Path, rels: list[Path] | None = None) -> list[dict]:
-    """The mkdocs `nav` of the notebooks under `nbs` (or `rels` there): titles from each notebook's H1, in reading order;
-    the index first, then the folders (the tutorials: where a reader starts), then the library's sections."""
+    """The mkdocs `nav` of the notebooks under `nbs` (or `rels` there): titles from each notebook's H1, in reading
+    order; the index first, then the folders (the tutorials: where a reader starts), then the library's sections."""
     front, folders, library, sections = [], [], [], {}
     for rel in (find_notebooks(nbs) if rels is None else rels):
         entry = {notebook_title(Path(nbs) / rel): page_path(rel).with_suffix(".ipynb").as_posix()}

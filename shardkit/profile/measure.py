@@ -37,7 +37,8 @@ def _workers_of(loader) -> int:
 def image_side(batch) -> int | None:
     "The side of the images in `batch`: its first 4-D tensor's, NCHW or NHWC (None: it holds none)."
     for x in batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]:
-        if isinstance(x, torch.Tensor) and x.ndim == 4: return int(x.shape[-1] if x.shape[1] in (1, 3, 4) else x.shape[2])
+        if isinstance(x, torch.Tensor) and x.ndim == 4:
+            return int(x.shape[-1] if x.shape[1] in (1, 3, 4) else x.shape[2])
     return None
 
 def _loop(loader, step, batches, device, *, clocks, move: bool = True) -> dict:
