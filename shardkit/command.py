@@ -5,6 +5,7 @@
 # %% ../nbs/00a_command.ipynb 2
 from __future__ import annotations
 import argparse
+import difflib
 import inspect
 import json
 import os
@@ -18,7 +19,7 @@ from fastcore.docments import docments
 
 # %% auto 0
 __all__ = ['SPELLINGS', 'OUTPUTS', 'Option', 'cli_type', 'function_options', 'write_json', 'command', 'help_arguments',
-           'help_parser', 'command_parser']
+           'CommandParser', 'help_parser', 'command_parser']
 
 # %% ../nbs/00a_command.ipynb
 SPELLINGS = {"num_workers": "workers"}  # a library name -> the shorter option that also spells it on the command line
@@ -38,6 +39,7 @@ class Option:
     help: str             # The parameter's docment
     flag: str = ""        # "on": `--NAME` sets True; "off": `--no-NAME` sets False (the parameter defaults to True)
     many: bool = False    # A list: it takes one value or more (`nargs="+"`), each parsed to `type`
+    source: bool = False  # Also given as the command's first positional argument, `SRC` (as `convert` takes it)
 
     @property
     def positional(self) -> bool: return self.default is inspect.Parameter.empty
@@ -98,12 +100,14 @@ def _signature(opts: list[Option]) -> inspect.Signature:
     anno = lambda o: bool if o.flag else list[o.type] if o.many else o.type
     return inspect.Signature([P(o.name, P.KEYWORD_ONLY, default=o.default, annotation=anno(o)) for o in opts])
 
-def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None):
+def command(fn, *, outputs=(), hide=(), fixed=None, as_json=None, source=None):
     """Make the decorated `report(result, args)` a command over `fn`: its options are `fn`'s parameters (defaults,
     docments) but those hidden or `fixed`, plus the `OUTPUTS` named; it calls `fn`, then `report` with the result.
-    `--json FILE` writes the result (or `as_json(result, args)`) there, after the report."""
+    `--json FILE` writes the result (or `as_json(result, args)`) there, after the report. The option `source`
+    names may also be given first, as `SRC`, the way commands that read data take it."""
     fixed = dict(fixed or {})
     opts = function_options(fn, {*hide, *fixed}) + [Option(o, **OUTPUTS[o]) for o in outputs]
+    for o in opts: o.source = o.name == source
     def decorate(report):
         def run(**args):
             given, args = {o.name: args[o.name] for o in opts if o.name not in outputs}, AttrDict(args)
@@ -131,6 +135,9 @@ def help_arguments(run) -> list[dict]:
     "How `--help` shows the command `run`'s options, positionals first: each one's names and `add_argument` keywords."
     out = []
     for o in _ordered(run):
+        if o.source:  # `SRC`, the same as the option: `fills` names it (help_parser's parser merges the two)
+            out.append(dict(names=["src"], metavar="SRC", nargs="?", default=argparse.SUPPRESS, fills=o.name,
+                            help=f"{o.help[:1].upper()}{o.help[1:]} (or {o.spellings()[0]} SRC)"))
         if o.flag: out.append(dict(names=o.spellings(), dest=o.name, action="store_" + str(o.flag == "on").lower()))
         elif o.positional: out.append(dict(names=[o.name]))
         else: out.append(dict(names=o.spellings(), dest=o.name,
@@ -139,17 +146,55 @@ def help_arguments(run) -> list[dict]:
         out[-1]["help"] = _help(o)
     return out
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, but options are spelt whole (no prefix stands for one), a wrong one is answered in one line
+    with the closest spelling, and a positional `SRC` that `fills` an option is merged into it."""
+    def __init__(self, *args, **kw):
+        super().__init__(*args, allow_abbrev=False, **kw)
+        self.fills: dict[str, str] = {}  # a positional's dest -> the option it gives
+
+    def error(self, message: str):
+        "One line: what was wrong, the closest option to a wrong one, and where the options are listed."
+        self.exit(2, f"{self.prog}: {self._plain(message)} (`{self.prog} --help` lists its options)\n")
+
+    def _plain(self, message: str) -> str:
+        "argparse's `unrecognized arguments: ...` as a person would say it, with the closest option to a wrong one."
+        if not message.startswith("unrecognized arguments:"): return message
+        words = message.split(":", 1)[1].split()
+        wrong = next((w.split("=")[0] for w in words if w.startswith("-")), None)
+        if wrong is None:
+            return f"unexpected {' '.join(words)!r}" + f": {self.prog} takes one SRC at most" * bool(self.fills)
+        close = difflib.get_close_matches(wrong, [s for a in self._actions for s in a.option_strings], n=1, cutoff=0.6)
+        return f"unknown option {wrong}" + (f"; did you mean {close[0]}?" if close else "")
+
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        for src, dest in self.fills.items():
+            if not hasattr(ns, src): continue
+            if getattr(ns, dest) != self.get_default(dest):
+                self.error(f"{src.upper()} ({getattr(ns, src)}) and --{dest.replace('_', '-')} "
+                           f"({getattr(ns, dest)}) both given: give one")
+            setattr(ns, dest, getattr(ns, src)); delattr(ns, src)
+        return ns
+
 def help_parser(prog: str, description: str, arguments: list[dict], epilog: str | None = None
                ) -> argparse.ArgumentParser:
     "A parser named `prog` with `arguments` (`help_arguments`'s) and `epilog` after them: what `--help` prints."
     width = min(120, shutil.get_terminal_size((120, 30)).columns)
     fmt = lambda prog: argparse.HelpFormatter(prog, max_help_position=36, width=width)
-    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=fmt)
-    for a in arguments: p.add_argument(*a["names"], **{k: v for k, v in a.items() if k != "names"})
+    p = CommandParser(prog=prog, description=description, epilog=epilog, formatter_class=fmt)
+    for a in arguments:
+        p.add_argument(*a["names"], **{k: v for k, v in a.items() if k not in ("names", "fills")})
+        if "fills" in a: p.fills[a["names"][0]] = a["fills"]
     return p
 
 def command_parser(run, prog: str, epilog: str | None = None) -> argparse.ArgumentParser:
     "An argparse parser for the command `run` (made by `command`), named `prog`: `help_parser`'s, with types, defaults."
-    typed = [a if o.flag else {**a, "type": o.type, **({} if o.positional else {"default": o.default})}
-             for o, a in zip(_ordered(run), help_arguments(run))]
-    return help_parser(prog, run.__doc__, typed, epilog)
+    opts = {o.name: o for o in run.options}
+    def typed(a: dict) -> dict:
+        o = opts[a.get("fills") or a.get("dest") or a["names"][0]]
+        if o.flag: return a
+        return {**a, "type": o.type, **({} if o.positional or "fills" in a else {"default": o.default})}
+    return help_parser(prog, run.__doc__, [typed(a) for a in help_arguments(run)], epilog)
+

@@ -4,9 +4,10 @@
 
 # %% ../nbs/00_errors.ipynb 2
 from __future__ import annotations
+from typing import NamedTuple
 
 # %% auto 0
-__all__ = ['ShardkitError', 'UsageError', 'DataError', 'StoreError', 'LoaderError']
+__all__ = ['RUNNING', 'ShardkitError', 'UsageError', 'DataError', 'StoreError', 'LoaderError', 'Running', 'command_running']
 
 # %% ../nbs/00_errors.ipynb
 class ShardkitError(Exception):
@@ -25,3 +26,15 @@ class StoreError(DataError):
 
 class LoaderError(ShardkitError, ValueError):
     "The loader was given no shards or arguments that do not fit together; the message says what to pass instead."
+
+# %% ../nbs/00_errors.ipynb
+class Running(NamedTuple):
+    "The command the command line runs now: its name (`shardkit train`) and its options' spellings."
+    command: str
+    options: frozenset
+
+RUNNING: list[Running] = []  # the command line's command while it runs one (forked workers inherit it)
+
+def command_running() -> Running | None:
+    "The command the command line runs now, or None (a call from Python)."
+    return RUNNING[-1] if RUNNING else None

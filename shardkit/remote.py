@@ -4,6 +4,7 @@
 
 # %% ../nbs/01a_remote.ipynb 3
 from __future__ import annotations
+import contextlib
 import email.utils
 import errno
 import http.client
@@ -12,6 +13,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import socket
 import ssl
 import sys
 import time
@@ -21,14 +23,15 @@ from typing import Callable
 import requests
 import urllib3
 from fastcore.basics import patch
-from .errors import LoaderError, StoreError, UsageError
+from .errors import LoaderError, StoreError, UsageError, command_running
 
 # %% auto 0
-__all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError', 'ObjectMissing',
-           'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer', 'rebalance_conflict',
-           'fault_cause', 'Retries', 'as_retries', 'say_line', 'retry_after_seconds', 'retried', 'http_session',
-           'content_version', 'objects_moving', 'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote',
-           'answer_ok', 'remote_request', 'read_range', 'remote_head', 'remote_put']
+__all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'HOPELESS', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError',
+           'ObjectMissing', 'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer',
+           'rebalance_conflict', 'fault_cause', 'Retries', 'as_retries', 'retry_bound', 'say_line',
+           'retry_after_seconds', 'fault_host', 'retried', 'http_session', 'content_version', 'objects_moving',
+           'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote', 'answer_ok', 'remote_request',
+           'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -52,7 +55,8 @@ class ClusterBusy(RemoteError):
 RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
 REBALANCING = "cluster rebalancing"
 CAUSES = ("connection refused", "cannot connect", "connection cut", "timed out", "HTTP 404 mid-read",
-          *(f"HTTP {c}" for c in RETRIED_STATUS), REBALANCING)
+          *(f"HTTP {c}" for c in RETRIED_STATUS), REBALANCING, "name not known", "no route")
+HOPELESS = {"name not known": 5.0, "no route": 5.0}  # causes that a wait rarely mends: retried this long at most (s)
 
 # %% ../nbs/01a_remote.ipynb
 class HTTPAnswer(Exception):
@@ -61,7 +65,9 @@ class HTTPAnswer(Exception):
         super().__init__(f"HTTP {status_code}")
         self.status_code, self.retry_after, self.text = status_code, retry_after, text
 
-_CUT_ERRNO = {errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ENETUNREACH, errno.EHOSTUNREACH}
+_CUT_ERRNO = {errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+_NO_ROUTE = {errno.ENETUNREACH, errno.EHOSTUNREACH}
+_NO_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}  # the resolver's no (not EAI_AGAIN)
 _CUT = (ConnectionError, http.client.IncompleteRead, http.client.BadStatusLine, urllib3.exceptions.ProtocolError,
         requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError)
 _TIMEOUT = (TimeoutError, requests.exceptions.Timeout, urllib3.exceptions.TimeoutError)
@@ -103,6 +109,8 @@ def fault_cause(e: BaseException) -> str | None:
         if codes[0] == 400 and any(_NODE_DOWN.search(_text(x)) for x in chain): return "connection refused"
         return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
     if any(isinstance(x, ConnectionRefusedError) for x in chain): return "connection refused"
+    if any(isinstance(x, socket.gaierror) and x.errno in _NO_NAME for x in chain): return "name not known"
+    if any(isinstance(x, OSError) and x.errno in _NO_ROUTE for x in chain): return "no route"
     if any(isinstance(x, urllib3.exceptions.NewConnectionError) for x in chain): return "cannot connect"
     if any(isinstance(x, _TIMEOUT) for x in chain): return "timed out"
     if any(isinstance(x, _CUT) or (isinstance(x, OSError) and x.errno in _CUT_ERRNO) for x in chain):
@@ -126,7 +134,8 @@ class Retries:
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         # + seconds waited, reads given up; the lock is the default context's until a spawned worker needs it
         self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()
-        self._said = mp.RawValue("d", 0.0)  # until when (time.time()) a rebalance's wait needs no new line
+        # [0]: until when (time.time()) a rebalance's wait needs no new line; [1]: 1 once the first fault was said
+        self._said = mp.RawArray("d", 2)
         self._owner = os.getpid()  # a forked worker whose parent is not this process any more reads for nobody
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
         self._reported = {True: list(self._mine), False: list(self._mine)}  # the counts at the last report
@@ -162,7 +171,7 @@ def __getstate__(self: Retries) -> dict:
 def __setstate__(self: Retries, state: dict):
     self.__dict__.update(state)
     if self._table is None:
-        self._table, self._said = mp.RawArray("d", len(CAUSES) + 2), mp.RawValue("d", 0.0)
+        self._table, self._said = mp.RawArray("d", len(CAUSES) + 2), mp.RawArray("d", 2)
         self._lock, self._owner, self._spawnable = mp.Lock(), os.getpid(), False
 
 def as_retries(retry_wait: float | Retries | None = None) -> Retries:
@@ -188,9 +197,18 @@ def gave_up(self: Retries): self._add(len(CAUSES) + 1, 1)
 def say_waiting(self: Retries, what: str, left: float) -> bool:
     "Say on stderr that AIStore is rebalancing and `what` waits (up to `left` s): once per wait, for all workers."
     with self._lock:
-        if self._said.value > time.time(): return False
-        self._said.value = time.time() + self.wait  # the workers of one loader share it: one line, not one each
+        if self._said[0] > time.time(): return False
+        self._said[0] = time.time() + self.wait  # the workers of one loader share it: one line, not one each
     say_line(f"shardkit: AIStore is rebalancing; waiting (up to {_duration(left)}) to go on {what}")
+    return True
+
+@patch
+def say_first(self: Retries, line: str) -> bool:
+    "Say `line` on stderr if it is the first fault these settings meet (in any process that shares them)."
+    with self._lock:
+        if self._said[1]: return False
+        self._said[1] = 1.0
+    say_line(line)
     return True
 
 def _duration(seconds: float) -> str: return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
@@ -220,6 +238,14 @@ def report(self: Retries, what: str = "loader", epoch: int | None = None, worker
 
 DEFAULT_RETRIES = Retries()  # for reads made outside a loader (a store's `open`, an index, an upload)
 
+@contextlib.contextmanager
+def retry_bound(wait: float):
+    "Within it, the reads made outside a loader (`DEFAULT_RETRIES`: listings, heads) retry faults for `wait` seconds."
+    before = DEFAULT_RETRIES.wait
+    DEFAULT_RETRIES.wait = Retries(wait=wait).wait  # (checked as Retries checks it)
+    try: yield DEFAULT_RETRIES
+    finally: DEFAULT_RETRIES.wait = before
+
 def say_line(line: str, file=None):
     "Write `line` to `file` (stderr) in one call, above this process's progress bars: no two lines run together."
     file = file or sys.stderr
@@ -248,31 +274,58 @@ def retry_after_seconds(value: str | None) -> float | None:
     except (TypeError, ValueError): return None
 
 # %% ../nbs/01a_remote.ipynb
+_SAID = {"connection refused": "cannot connect to {host} (connection refused)", "cannot connect": "cannot connect to "
+         "{host}", "timed out": "{host} does not answer (timed out)", "connection cut": "the connection to {host} was "
+         "cut", "name not known": "the host name {host} does not resolve", "no route": "no network route to {host}"}
+
+def fault_host(e: BaseException | None, url: str | None = None) -> str:
+    "The host (and port) a fault `e` met: from the request it carries, else from `url`; '' when neither says."
+    for x in _chain(e) if e is not None else ():
+        got = getattr(getattr(x, "request", None), "url", None) or getattr(x, "url", None)
+        if isinstance(got, str) and "://" in got: return urllib.parse.urlsplit(got).netloc
+    return urllib.parse.urlsplit(url).netloc if url else ""
+
+def _go_on(wait: float) -> str:
+    "What to do after giving up: the command line's flags while it runs a command, else the calls to make."
+    if (run := command_running()) is None:
+        return ("go on from the last checkpoint (loader.load_state_dict(state), state from loader.state_dict()); a "
+                f"longer bound is retry_wait= (now {wait:g} s)")
+    again = f"run `{run.command}` again" + " (with --checkpoint PATH it goes on from its last one)" * (
+        "--checkpoint" in run.options)
+    return again + f"; a longer bound is --retry-wait SECONDS (now {wait:g} s)" * ("--retry-wait" in run.options)
+
 class _Tries:
     "The faults of one read: attempts since it last made progress and since when; it pauses, or gives up at the bound."
-    def __init__(self, name: str, retries: Retries, verb: str = "reading"):
+    def __init__(self, name: str, retries: Retries, verb: str = "reading", *, url: str | None = None, auth=None):
         self.name, self.r, self.verb, self.attempts, self.since = name, retries, verb, 0, None
+        self.url, self.auth = url, auth  # where it goes, and its signer (which may know why a store is not found)
     def progress(self): self.attempts, self.since = 0, None
-    def fault(self, cause: str, started: float, retry_after: float | None = None):
+    def fault(self, cause: str, started: float, retry_after: float | None = None, error: BaseException | None = None):
         "A fault that cost the time since `started`: pause before the next attempt, or raise past the bound."
         now = time.monotonic()
         self.since, self.attempts = self.since or started, self.attempts + 1
-        left = self.since + self.r.wait - now
+        bound = min(self.r.wait, HOPELESS.get(cause, self.r.wait))
+        left = self.since + bound - now
         if os.getpid() != self.r._owner and os.getppid() != self.r._owner:  # a worker of a process killed (-9): it
             self.r.gave_up()  # reads for nobody, so it tries no more (its DataLoader loop then sees it is alone)
             raise RetriesExhausted(f"gave up {self.verb} {self.name}: the process it read for (pid {self.r._owner}) "
                                    "has ended")
+        said = _SAID.get(cause, "{host} answered " + cause).format(host=fault_host(error, self.url) or "the store")
+        hint = getattr(self.auth, "fault_hint", lambda: "")()
         if left <= 0:
             self.r.gave_up()
             err = RetriesExhausted(
                 f"gave up {self.verb} {self.name}: {self.attempts} attempt(s) in {now - self.since:.0f} s met faults, "
-                f"the last {cause}" + (" (a rebalance can run for hours on a large cluster)" * (cause == REBALANCING))
-                + ". Nothing read so far is lost: when the store answers again, go on from the last "
-                "checkpoint (loader.load_state_dict(state), state from loader.state_dict()); a longer bound is "
-                f"retry_wait= (now {self.r.wait:g} s)")
+                f"the last {cause} ({said})"
+                + (" (a rebalance can run for hours on a large cluster)" * (cause == REBALANCING))
+                + (f"; {hint}" if hint else "")
+                + ("; check the URL and the network: a wait rarely mends this" if cause in HOPELESS else
+                   ". Nothing read so far is lost: when the store answers again, " + _go_on(self.r.wait)))
             err.wait = self.r.wait  # how long it tried: a shared cache tells its other readers not to try again as long
             raise err from None
         if cause == REBALANCING: self.r.say_waiting(f"{self.verb} {self.name}", left)
+        else: self.r.say_first(f"shardkit: {said}, {self.verb} {self.name}: retrying for up to {_duration(left)}"
+                               + (f"; {hint}" if hint else ""))
         pause = min(self.r.delay(self.attempts, retry_after), left)
         self.r.record(cause, now - started + pause)
         time.sleep(pause)
@@ -282,16 +335,19 @@ def retried(call: Callable,                  # A whole request: it either succee
             retries: Retries | None = None,  # The settings and counts (None: DEFAULT_RETRIES)
             verb: str = "reading",           # For the message: "reading", "uploading", ...
             job: bool = False,               # A job that runs long: the bound counts from its fault, not its start
+            *,
+            url: str | None = None,          # Where it goes, for messages, where a fault does not say
+            auth=None,                       # The request's signer: its `fault_hint()`, if any, says what to check
            ):
     "`call()`, run again after each fault (refused, cut, timed out, HTTP 408/429/5xx) until the bound; answers raise."
-    tries = _Tries(name, as_retries(retries), verb)
+    tries = _Tries(name, as_retries(retries), verb, url=url, auth=auth)
     while True:
         started = time.monotonic()
         try: return call()
         except Exception as e:
             cause = fault_cause(e)
             if cause is None: raise
-            tries.fault(cause, time.monotonic() if job else started, _retry_after(e))
+            tries.fault(cause, time.monotonic() if job else started, _retry_after(e), e)
 
 # %% ../nbs/01a_remote.ipynb
 _SESSIONS: dict[int, requests.Session] = {}
@@ -381,7 +437,7 @@ class RemoteStream(io.RawIOBase):
                 ):
         self.url, self.name, self.retries, self.auth = url, name or url, as_retries(retries), auth
         self.version, self.size, self.pos, self.at, self.resp = version, size, 0, 0, None
-        self.tries = _Tries(self.name, self.retries)
+        self.tries = _Tries(self.name, self.retries, url=url, auth=auth)
         self._open()
     def readable(self) -> bool: return True
     def close(self):
@@ -449,7 +505,7 @@ def _open(self: RemoteStream):
                 if isinstance(e, HTTPAnswer): raise refused(self.auth, self.name, e.status_code, e.text) from None
                 if isinstance(e, RemoteError): raise
                 raise RemoteError(f"cannot read {self.name}: {type(e).__name__}: {e}") from None
-            self.tries.fault(cause, started, _retry_after(e))
+            self.tries.fault(cause, started, _retry_after(e), e)
 
 @patch
 def readinto(self: RemoteStream, b) -> int:
@@ -462,7 +518,7 @@ def readinto(self: RemoteStream, b) -> int:
         try: n = self.resp.raw.readinto(b)
         except Exception as e:
             if (cause := fault_cause(e)) is None: raise
-            self._drop(); self.tries.fault(cause, started); continue
+            self._drop(); self.tries.fault(cause, started, error=e); continue
         if n == 0 and len(b) and self.size is not None and self.pos < self.size:  # ended before its length
             self._drop(); self.tries.fault("connection cut", started); continue
         if n: self.pos += n; self.at = self.pos; self.tries.progress()
@@ -507,6 +563,7 @@ def answer_ok(r: requests.Response, name: str, verb: str = "read", ok: tuple = (
     "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx or a rebalance; else refused."
     if r.status_code in ok: return r
     answer = HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:500])
+    answer.url = r.url  # who answered
     if fault_cause(answer): raise answer
     if r.status_code == 404 and objects_moving((r.history[0] if r.history else r).url, r.url):
         raise ClusterBusy(f"{name}: HTTP 404 while AIStore moves objects")
@@ -522,7 +579,7 @@ def remote_request(method: str,                     # "GET", "POST", "PUT", ...
     "One request (an AIStore action or query) sent again, whole, after each fault or rebalance; the answer, or raises."
     name, retries = name or f"{method} {url}", as_retries(retries)
     call = lambda: answer_ok(http_session().request(method, url, timeout=retries.timeout, **kw), name, "call", ok)
-    return retried(call, name, retries, "calling")
+    return retried(call, name, retries, "calling", url=url)
 
 def read_range(url: str, start: int, end: int, retries: Retries | None = None, *, name: str | None = None,
                version: str = "", size: int | None = None, auth=None, locate: Callable[[], str] | None = None
@@ -544,7 +601,7 @@ def read_range(url: str, start: int, end: int, retries: Retries | None = None, *
                                     "changed after indexing: build the loader again")
         if len(r.content) != end - start: raise http.client.IncompleteRead(r.content, end - start - len(r.content))
         return r.content
-    return retried(once, name, retries)
+    return retried(once, name, retries, url=url, auth=auth)
 
 # %% ../nbs/01a_remote.ipynb
 def remote_head(url: str, retries: Retries | None = None, name: str | None = None, auth=None) -> tuple[int, str]:
@@ -554,7 +611,7 @@ def remote_head(url: str, retries: Retries | None = None, name: str | None = Non
         r = answer_ok(http_session().head(url, allow_redirects=True, timeout=retries.timeout, auth=auth), name,
                       auth=auth)
         return int(r.headers.get("Content-Length", -1)), content_version(r.headers)
-    return retried(once, name, retries)
+    return retried(once, name, retries, url=url, auth=auth)
 
 def remote_put(url: str, src: str | Path | bytes, retries: Retries | None = None, name: str | None = None,
                auth=None) -> requests.Response:
@@ -567,4 +624,4 @@ def remote_put(url: str, src: str | Path | bytes, retries: Retries | None = None
                               "upload", ok=(200, 201, 204), auth=auth)
         finally:
             if body is not src: body.close()
-    return retried(once, name, retries, "uploading")
+    return retried(once, name, retries, "writing", url=url, auth=auth)

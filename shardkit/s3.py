@@ -222,6 +222,11 @@ class S3Auth(requests.auth.AuthBase):
     def refusal(self, name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
         "The error for an answer that is not retried, in S3's terms (`s3_refusal`)."
         return s3_refusal(self.client, self.bucket, name, code, text=text, verb=verb)
+    def fault_hint(self) -> str:
+        "What to check when the store cannot be reached: where its endpoint came from, and whether keys were found."
+        c, keys = self.client, "" if self.client.keys() else "; no credentials were found"
+        if c.endpoint: return f"the endpoint is {c.where()}{keys}"
+        return f"no endpoint was given, so this is {c.where()} (AWS_ENDPOINT_URL names another store){keys}"
     def __repr__(self): return f"S3Auth(s3://{self.bucket}/{self.key}, {self.client!r})"
 
 # %% ../nbs/01b_s3.ipynb
@@ -305,7 +310,7 @@ def list_objects(bucket: str, prefix: str = "", settings: S3Settings | None = No
         elif after: q["start-after"] = after  # a store that pages without a token (it said more follow)
         url = object_url(client, bucket, "", q)
         page = retried(lambda: answer_ok(http_session().get(url, timeout=retries.timeout, auth=auth), name,
-                                         "list", auth=auth).content, name, retries)
+                                         "list", auth=auth).content, name, retries, "listing", url=url, auth=auth)
         objs, more, token = _page(page)
         yield from objs
         if not more or not objs: return
@@ -361,7 +366,7 @@ def s3_delete(url: str, retries: Retries | None = None) -> None:
     client, bucket, key, http = s3_object(url)
     auth, name = S3Auth(client, bucket, key), s3_name(url)
     retried(lambda: answer_ok(http_session().delete(http, timeout=as_retries(retries).timeout, auth=auth), name,
-                              "delete", ok=(200, 204), auth=auth), name, retries, "deleting")
+                              "delete", ok=(200, 204), auth=auth), name, retries, "deleting", url=http, auth=auth)
 
 # %% ../nbs/01b_s3.ipynb
 def bucket_exists(bucket: str, settings: S3Settings | None = None, retries: Retries | None = None) -> bool:
@@ -371,7 +376,7 @@ def bucket_exists(bucket: str, settings: S3Settings | None = None, retries: Retr
     def once():
         r = http_session().head(url, timeout=as_retries(retries).timeout, auth=auth)
         return r.status_code != 404 and bool(answer_ok(r, name, "list", auth=auth))
-    return retried(once, name, retries)
+    return retried(once, name, retries, "looking for", url=url, auth=auth)
 
 def create_bucket(bucket: str, settings: S3Settings | None = None, retries: Retries | None = None) -> None:
     "Create `bucket` (in the client's region on AWS); one that exists and is yours is fine."
@@ -385,7 +390,7 @@ def create_bucket(bucket: str, settings: S3Settings | None = None, retries: Retr
         r = http_session().put(url, data=body, timeout=as_retries(retries).timeout, auth=auth)
         if r.status_code == 409 and s3_code(r.text)[0] == "BucketAlreadyOwnedByYou": return
         answer_ok(r, name, "create", auth=auth)
-    retried(once, name, retries)
+    retried(once, name, retries, "creating", url=url, auth=auth)
 
 # %% ../nbs/01b_s3.ipynb
 def s3_stat(urls: Iterable[str], retries: Retries | None = None) -> list[tuple[int, str]]:

@@ -61,7 +61,7 @@ class _Inputs:
         if isinstance(store, LocalStore): self.paths = [store.path(n) for n in names]
         else:
             self.paths = []
-            for i, n in enumerate(tqdm(names, desc="fetch", unit="shard", disable=not progress)):
+            for i, n in enumerate(tqdm(names, desc="fetch", unit="shard", disable=None if progress else True)):
                 p = spill / f"in-{i:06d}.tar"
                 with store.open(n) as r, open(p, "wb") as w: shutil.copyfileobj(r, w, 1 << 20)
                 self.paths.append(p)
@@ -135,13 +135,14 @@ def _shuffle_local(src, dest, names, shard_size: int, *, seed, output_prefix: st
     inputs = _Inputs(src, names, work, progress)
     try:
         index, skipped = [], 0
-        for i, p in enumerate(tqdm(inputs.paths, desc="index", unit="shard", disable=not progress)):
+        for i, p in enumerate(tqdm(inputs.paths, desc="index", unit="shard", disable=None if progress else True)):
             rows, s = _index_shard(p, i, names[i])
             index.extend(rows); skipped += s
         index = np.array(index, dtype=np.int64).reshape(-1, 4)
         order = np.random.default_rng(seed).permutation(len(index))[m["samples"]:]  # a resumed run skips what is stored
         out = _OutputShards(dest, output_prefix, shard_size, work, m=m)
-        for shard, offset, members, size in tqdm(index[order], desc="write", unit="sample", disable=not progress):
+        for shard, offset, members, size in tqdm(index[order], desc="write", unit="sample",
+                                                 disable=None if progress else True):
             out.add(inputs.file(int(shard)), int(offset), int(members), int(size))
         out.finish()
     finally:
@@ -215,7 +216,7 @@ def wait_dsort(job,                    # A started dSort job (the SDK's `client.
                progress: bool = True,  # Show a progress bar per phase (extract, then create)
               ) -> list:               # The job's per-target infos (metrics of both phases)
     "Wait for dSort `job` to finish: StoreError if it fails or times out, ClusterBusy if a rebalance stops it."
-    bar = tqdm(total=n_inputs, desc="dsort extract", unit="shard", disable=not progress)
+    bar = tqdm(total=n_inputs, desc="dsort extract", unit="shard", disable=None if progress else True)
     t0, phase = time.time(), "extract"
     try:
         while True:

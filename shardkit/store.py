@@ -34,9 +34,9 @@ from .errors import StoreError, UsageError
 from .remote import ClusterBusy, ObjectMissing, Retries, as_retries, cluster_moving, open_remote, remote_put, retried
 
 # %% auto 0
-__all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'did_you_mean', 'LocalStore', 'ais_endpoint',
-           'ais_client', 'AISStore', 'listed_settled', 'S3Store', 'not_yet', 'open_store', 's3_shard_urls',
-           'upload_shards']
+__all__ = ['NOT_YET', 'SHARD_SUFFIXES', 'expand_names', 'parse_size', 'shown_path', 'did_you_mean', 'LocalStore', 'file_mode',
+           'ais_endpoint', 'ais_client', 'AISStore', 'listed_settled', 'S3Store', 'not_yet', 'open_store',
+           's3_shard_urls', 'upload_shards']
 
 # %% ../nbs/02_store.ipynb
 def expand_names(names: str | Iterable[str]) -> list[str]:
@@ -142,15 +142,23 @@ def put_bytes(self: LocalStore, data: bytes, name: str) -> str:
     self._write(name, lambda out: out.write(data))
     return name
 
+def file_mode() -> int:
+    "The mode `open()` gives a new file: 0o666 less the process's umask (read from Linux without changing it)."
+    try: mask = int(re.search(r"^Umask:\s*([0-7]+)", Path("/proc/self/status").read_text(), re.M).group(1), 8)
+    except (OSError, AttributeError): mask = os.umask(0o022); os.umask(mask)  # elsewhere: set, and set back
+    return 0o666 & ~mask
+
 @patch
 def _write(self: LocalStore, name, fill):
+    "Write object `name` through `fill(file)` atomically, readable as the umask allows (as `open()` makes files)."
     dst = self.path(name)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)  # (mkstemp makes it 0o600)
     try:
         with os.fdopen(fd, "wb") as out:
             fill(out)
             out.flush(); os.fsync(out.fileno())
+            os.fchmod(out.fileno(), file_mode())
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

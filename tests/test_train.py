@@ -160,7 +160,7 @@ def test_bad_input(tmp_path, capsys):
     rc, out, err = shardkit(capsys, "train", "--shards", tmp_path / "nope-{0..1}.tar")
     assert rc == 1 and "2 of which do not exist" in err and "nope-0.tar" in err and "curl" not in err
     rc, out, err = shardkit(capsys, "train", "--folder", tmp_path)
-    assert rc == 2 and "has no train/ folder" in err
+    assert rc == 2 and "holds no images" in err
     shards = write_shards(tmp_path / "shards", [4])
     rc, out, err = shardkit(capsys, "train", "--shards", shards, "--arch", "resnet7", "--size", 32)
     assert rc == 2 and "unknown architecture 'resnet7'" in err

@@ -8,13 +8,16 @@ import argparse
 import difflib
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import sys
+import warnings
+from functools import partial
 from pathlib import Path
 import shardkit
 from ..command import command_parser, help_arguments, help_parser, write_json
-from ..errors import ShardkitError
+from ..errors import RUNNING, Running, ShardkitError
 
 # %% auto 0
 __all__ = ['COMMANDS', 'EXAMPLES', 'ENVIRONMENT', 'HELP_TABLE', 'find_command', 'load_command', 'parser_of', 'command_help',
@@ -64,7 +67,7 @@ COMMANDS = {**_DATA_COMMANDS,  # then transforms, benchmarks and the application
 }
 
 EXAMPLES = {  # shown after a command's options (`--help`): what its options alone do not say
-    ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train --shards myshards "
+    ("train",): "Several ranks of one machine: torchrun --nproc_per_node 2 -m shardkit train myshards "
                 "(every rank takes equal steps; --pad repeats samples to fill the last one rather than leave it out)",
 }
 
@@ -150,7 +153,8 @@ def _version() -> str:
 
 def _unknown(argv: list[str]) -> str:
     "The error for a command line that names no command: the closest commands, and where the whole list is."
-    words, firsts = " ".join(argv[:2]), sorted({k[0] for k in COMMANDS})
+    argv = list(itertools.takewhile(lambda a: not a.startswith("-"), argv[:2])) or argv[:1]  # the words, no options
+    words, firsts = " ".join(argv), sorted({k[0] for k in COMMANDS})
     swapped = tuple(argv[1::-1])  # `pets synth`: the words of `synth pets` the other way round
     close = [" ".join(swapped)] if swapped in COMMANDS else \
         difflib.get_close_matches(words, [" ".join(k) for k in COMMANDS], n=3, cutoff=0.75)
@@ -162,6 +166,15 @@ def _unknown(argv: list[str]) -> str:
 
 # %% ../../nbs/99_cli.ipynb
 def _asks_help(args: list[str]) -> bool: return any(a in ("-h", "--help") for a in args)
+
+def _say_warning(message, category, filename, lineno, *file_line, cmd: str, python_way, said: set):
+    """A warning shardkit gives, said as one line of command `cmd`; another package's, the way Python says it; each
+    text once (`said`), where a package warns the same from two places (torch's DataLoader of too many workers)."""
+    if str(message) in said: return
+    said.add(str(message))
+    if Path(filename).resolve().is_relative_to(Path(shardkit.__file__).parent):
+        print(f"shardkit {cmd}: {message}", file=(file_line or [None])[0] or sys.stderr)
+    else: python_way(message, category, filename, lineno, *file_line)
 
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `shardkit` command: the one place where errors become a message and an exit status."
@@ -180,16 +193,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)  # as argparse ends a --help
     if "torch" not in sys.modules:  # else OpenMP has read its settings already
         for k, v in ENVIRONMENT.get(cmd, {}).items(): os.environ.setdefault(k, v)
-    func = load_command(cmd)
-    args = vars(parser_of(cmd).parse_args([_hyphenate(a) for a in rest]))
+    func, parser = load_command(cmd), parser_of(cmd)
+    args = vars(parser.parse_args([_hyphenate(a) for a in rest]))
+    # while it runs, an error's advice names this command's flags, not Python's calls (`command_running`)
+    options = frozenset(s for a in parser._actions for s in a.option_strings)
+    RUNNING.append(Running("shardkit " + " ".join(cmd), options))
     try:
-        result = func(**args)
+        with warnings.catch_warnings():  # shardkit's own warnings as the command's lines, not Python's
+            warnings.showwarning = partial(_say_warning, cmd=" ".join(cmd), python_way=warnings.showwarning, said=set())
+            result = func(**args)
     except ShardkitError as e:  # a user mistake or bad input: the message says what to do, no traceback
         print(f"shardkit {' '.join(cmd)}: {e}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally: RUNNING.pop()
     return result if isinstance(result, int) else 0
 
 # %% ../../nbs/99_cli.ipynb

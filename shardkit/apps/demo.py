@@ -305,7 +305,7 @@ def run_demo(out: str | Path = "shardkit-demo", # Folder for the results (and, o
     out.mkdir(parents=True, exist_ok=True)
     state, stores = DemoState(out, fresh), demo_stores(out)
     names = ["data", "shards", "shuffle", "ETL + loader + training"] + (["benchmark"] if bench else [])
-    bar = tqdm(total=len(names), desc="shardkit demo", disable=quiet, position=0)
+    bar = tqdm(total=len(names), desc="shardkit demo", disable=True if quiet else None, position=0)
     def advance():
         bar.update(1)
         if bar.n < len(names): bar.set_postfix_str(names[bar.n])

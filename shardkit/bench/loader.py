@@ -201,7 +201,7 @@ def _rounds(specs: dict, root: str, repeats: int, timeout: float, *, cold: bool,
     runs, yard, note = {n: [] for n in specs}, {"ceiling": [], "floor": []}, None
     todo = [(r, n) for r in range(repeats) for n in [*yard, *specs]]
     with warm_children(["shardkit.bench.loader"]):  # forks of one process with torch imported; clocks start later
-        for r, name in tqdm(todo, desc="loader runs", disable=not progress):
+        for r, name in tqdm(todo, desc="loader runs", disable=None if progress else True):
             if cold: note = drop_page_cache() or note
             if name in yard:
                 c = _run_child(dict(task=name, root=root, seconds=seconds), timeout)

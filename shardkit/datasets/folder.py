@@ -56,7 +56,7 @@ def synthesize_folder(root: str | Path,        # Folder to write train/ and val/
             for c in range(classes) for k in range(n)]
     for split in FOLDER_SPLITS:
         for name in names: (root / split / name).mkdir(parents=True, exist_ok=True)
-    for split, c, k in tqdm(jobs, desc=f"drawing {shown_path(root)}", unit="img", disable=not progress):
+    for split, c, k in tqdm(jobs, desc=f"drawing {shown_path(root)}", unit="img", disable=None if progress else True):
         _draw_file(root / split / names[c] / f"{names[c]}_{k:05d}.jpg", split, c, k, seed=seed, quality=quality)
     return root
 

@@ -115,7 +115,7 @@ def _draw_files(root: Path, names: list, extra: list, planted: dict, *, seed: in
     jobs = [(seed, cid, k) for _, cid, k in names + extra]
     xmls = 0
     drawn = zip(names + extra, ordered_map(_draw_pet, jobs, processes))
-    for (name, cid, k), (jpg, trimap, box) in tqdm(drawn, total=len(jobs), disable=not progress,
+    for (name, cid, k), (jpg, trimap, box) in tqdm(drawn, total=len(jobs), disable=None if progress else True,
                                                    desc="drawing", unit="img"):
         quirk = next((q for q, nm in planted.items() if nm == name), None)
         data = _quirk_bytes(quirk, jpg) if quirk else jpg

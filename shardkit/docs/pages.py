@@ -61,18 +61,19 @@ def _package(path: Path) -> str | None:
     return m.group(1) if m else None
 
 def site_nav(nbs: str | Path, rels: list[Path] | None = None) -> list[dict]:
-    "The mkdocs `nav` of the notebooks under `nbs` (or `rels` there): titles from each notebook's H1, in reading order."
-    nav, sections = [], {}
+    """The mkdocs `nav` of the notebooks under `nbs` (or `rels` there): titles from each notebook's H1, in reading
+    order; the index first, then the folders (the tutorials: where a reader starts), then the library's sections."""
+    front, folders, library, sections = [], [], [], {}
     for rel in (find_notebooks(nbs) if rels is None else rels):
         entry = {notebook_title(Path(nbs) / rel): page_path(rel).with_suffix(".ipynb").as_posix()}
-        if rel == Path("index.ipynb"): nav.insert(0, entry); continue
+        if rel == Path("index.ipynb"): front.append(entry); continue
         section = (PACKAGES.get(_package(Path(nbs) / rel), "Library") if len(rel.parts) == 1
                    else rel.parts[0].replace("_", " ").capitalize())
         if section not in sections:
             sections[section] = []
-            nav.append({section: sections[section]})
+            (library if len(rel.parts) == 1 else folders).append({section: sections[section]})
         sections[section].append(entry)
-    return nav
+    return front + folders + library
 
 # %% ../../nbs/97a_docs.pages.ipynb
 _DIRECTIVE = re.compile(r"^\s*#\|\s*([\w-]+)\s*:?\s*(.*?)\s*$")

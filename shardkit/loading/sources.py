@@ -16,22 +16,39 @@ from ..errors import DataError, LoaderError
 from ..store import NOT_YET, did_you_mean, expand_names, not_yet, open_store, s3_shard_urls, shown_path
 
 # %% auto 0
-__all__ = ['SOURCE_FORMS', 'MissingShards', 'shard_urls', 'rank_and_world', 'seed_for', 'seeded_rng', 'shard_name',
-           'epoch_shard_order', 'EpochShards', 'split_count', 'take_share', 'buffer_shuffle', 'shuffle_samples',
-           'drop_planned']
+__all__ = ['SOURCE_FORMS', 'IMAGE_SUFFIXES', 'MissingShards', 'image_folder', 'shard_urls', 'rank_and_world', 'seed_for',
+           'seeded_rng', 'shard_name', 'epoch_shard_order', 'EpochShards', 'split_count', 'take_share',
+           'buffer_shuffle', 'shuffle_samples', 'drop_planned']
 
 # %% ../../nbs/21_sources.ipynb
 class MissingShards(LoaderError, DataError):
     "A source names no shard, or shards that are not there; the message says which, and what a source can be."
 
-SOURCE_FORMS = ("a directory of .tar shards, ais://bucket, a brace template such as data/x-{000000..000015}.tar, "
-                "or a list of shard paths or URLs")
+SOURCE_FORMS = ("a directory of .tar shards, ais://bucket, s3://bucket/prefix, a brace template such as "
+                "data/x-{000000..000015}.tar, or a list of shard paths or URLs")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+def image_folder(path, *, look: int = 64) -> bool:
+    """Whether `path` is a local folder of images, in it or in its class folders (an ImageFolder tree), rather than of
+    shards: the first `look` entries of it and of each of its first `look` folders are enough to tell."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in str(path) or not Path(path).is_dir(): return False
+    def entries(folder: Path): return list(islice(os.scandir(folder), look))
+    top = entries(Path(path))
+    if any(e.name.endswith(".tar") for e in top): return False
+    if any(e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES) for e in top): return True
+    return any(f.is_file() and f.name.lower().endswith(IMAGE_SUFFIXES)
+               for e in top if e.is_dir() for f in entries(Path(e.path)))
 
 def _no_shards(spec: str, pattern: str) -> str:
-    "Why an empty store gives no shards, and how shards are made for any data."
+    "Why an empty store gives no shards, and how shards are made for any data (a folder of images: from it)."
     where = shown_path(spec)
+    if image_folder(spec):
+        dest = shown_path(str(Path(spec)) + "-shards")
+        return (f"{where} holds images, not shards: make shards of them first, `shardkit convert folder {where} "
+                f"{dest}`, then read {dest}")
     return (f"no shards matching {pattern!r} in {where}; write some first: `shardkit convert folder SRC {where}` "
             f"from an ImageFolder tree, or write_shards(samples, {where!r}) from Python")
+
 
 def _missing(urls: list[str], given: str | None = None) -> str | None:
     "Why the local files among `urls` (from `given`, a path or template) are not all there; None when they are."

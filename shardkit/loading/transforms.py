@@ -27,7 +27,7 @@ from shardkit.shards.fields import (
     is_mask_key,
 )
 from ..errors import LoaderError, ShardkitError
-from ..remote import Retries
+from ..remote import Retries, say_line
 from ..shards.manifest import manifest_fields
 from ..shards.read import first_sample
 from ..store import open_store, shown_path
@@ -305,5 +305,9 @@ def data_fields(sources,                        # What create_dataset was given:
         have, where = [k for k in s if not k.startswith("__")], f"the first sample of {_url_name(urls[0])} has"
     fields = tuple(sorted(k for k in have if allow_pickle or field_ext(k) not in PICKLE_EXTS))
     if not fields: raise MissingField(f"no field to load: {where} {sorted(have) or 'none'}; pass fields=")
-    print(f"fields={fields}: the fields {where}; pass fields= to choose")
+    if (said := (urls[0] if urls else str(sources), fields)) not in _SAID_FIELDS:  # once a process, for each data
+        _SAID_FIELDS.add(said)
+        say_line(f"fields={fields}: the fields {where}; pass fields= to choose", sys.stdout)  # above any bars
     return fields
+
+_SAID_FIELDS: set = set()  # (first shard, fields) said in this process

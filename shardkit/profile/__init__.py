@@ -4,23 +4,28 @@
 
 # %% ../../nbs/42b_profile.ipynb 3
 from __future__ import annotations
+import io
+import itertools
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
 import torch
+from PIL import Image
 from ..bench.core import cpu_seconds
 from ..command import command
 from ..errors import UsageError
 from ..loading.gpu import why_no_gpu
 from ..loading.sources import shard_urls
 from ..loading.stream import restart_workers
+from ..shards.fields import is_jpeg_key
+from ..shards.read import url_samples
 from .measure import Profile, profile_pipeline
 from .timing import batch_len, loader_parts
 from .verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_timeline, profile_report, verdicts
 
 # %% auto 0
-__all__ = ['PIPELINES', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_summary',
+__all__ = ['PIPELINES', 'profile_overhead', 'build_loader', 'simulated_step', 'suggested_change', 'profile_summary', 'jpeg_side',
            'profile_shards', 'profile_cli', 'MAIN_PARTS', 'COLORS', 'Profile', 'profile_pipeline', 'verdicts',
            'profile_report', 'compare', 'plot_stages', 'plot_timeline']
 
@@ -125,6 +130,17 @@ def profile_summary(res: dict) -> str:
     return "\n".join(lines + [f"pictures: {', '.join(str(f) for f in res['pictures'])}"])
 
 # %% ../../nbs/42b_profile.ipynb
+def jpeg_side(urls: list[str], n: int = 16) -> float | None:
+    "The median longer side of the first `n` JPEGs of shard `urls[0]`, from their headers (None: it holds none)."
+    sides, samples = [], url_samples([dict(url=urls[0])])
+    try:
+        for s in itertools.islice(samples, n):
+            jpeg = next((v for k, v in s.items() if is_jpeg_key(k)), None)
+            if jpeg is None: continue
+            with Image.open(io.BytesIO(jpeg)) as im: sides.append(max(im.size))  # the header: nothing decoded
+    finally: samples.close()
+    return float(statistics.median(sides)) if sides else None
+
 def profile_shards(src: str,                  # Shards: a directory, ais://, s3://, a brace template, or a .tar
                    *,
                    pipeline: str = "default", # Loader: default, whole (whole JPEGs), post (the AIStore post's), gpu
@@ -150,6 +166,7 @@ def profile_shards(src: str,                  # Shards: a directory, ais://, s3:
                                      device=None if device == "cpu" else device, label=label(a))
     profiles = [run(base)]
     if try_: profiles.append(run({**base, **(suggested_change(profiles[0]) if try_ == "auto" else change)}))
+    for p in profiles: p.image_px = jpeg_side(shard_urls(src))  # what the decode verdict weighs against the crops
     o = profile_overhead(lambda: build_loader(src, **base, device=device), batches or None, 3,
                          simulated_step(step_ms)) if overhead else None
     d = Path(out); d.mkdir(parents=True, exist_ok=True)

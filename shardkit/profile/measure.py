@@ -16,7 +16,7 @@ from ..loading import jpeg
 from .timing import SLOT, ProfileClocks, batch_len, instrumented, loader_parts, loader_retries
 
 # %% auto 0
-__all__ = ['Profile', 'profile_pipeline']
+__all__ = ['image_side', 'Profile', 'profile_pipeline']
 
 # %% ../../nbs/42_profile.measure.ipynb
 def _on_device(batch, device):
@@ -34,12 +34,19 @@ def _workers_of(loader) -> int:
     return int(getattr(dl, "num_workers", 0) or 0) if dl is not None else int(getattr(loader, "num_workers", 0) or 0)
 
 # %% ../../nbs/42_profile.measure.ipynb
+def image_side(batch) -> int | None:
+    "The side of the images in `batch`: its first 4-D tensor's, NCHW or NHWC (None: it holds none)."
+    for x in batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]:
+        if isinstance(x, torch.Tensor) and x.ndim == 4:
+            return int(x.shape[-1] if x.shape[1] in (1, 3, 4) else x.shape[2])
+    return None
+
 def _loop(loader, step, batches, device, *, clocks, move: bool = True) -> dict:
     "Iterate `loader` (at most `batches` batches), timing the main process's parts; `move`: copy batches to `device`."
     pc, tt, main = time.perf_counter, time.thread_time, []
     n = next_w = next_c = dev = step_t = 0.0
     cpu0, self0, t0 = cpu_seconds(descendants=True), cpu_seconds(children=False), pc()
-    it, first, n_first = iter(loader), None, 0
+    it, first, n_first, out_px = iter(loader), None, 0, None
     while batches is None or len(main) < batches:
         a, c = pc(), tt()
         try: batch = next(it)
@@ -55,12 +62,13 @@ def _loop(loader, step, batches, device, *, clocks, move: bool = True) -> dict:
             if device is not None and torch.device(device).type == "cuda": torch.cuda.synchronize(device)
         e = pc(); step_t += e - s
         main.append((a, b, s, e))
-        if len(main) == 1: n_first = n
+        if len(main) == 1: n_first, out_px = n, image_side(batch)
     end = pc()
     cpu, self_cpu = cpu_seconds(descendants=True) - cpu0, cpu_seconds(children=False) - self0
     acc, ev = clocks.acc.numpy().copy(), clocks.ev.numpy().copy()
     del it
     return dict(samples=int(n), batches=len(main), wall=end - t0, first=first or end - t0, next_wall=next_w,
+                out_px=out_px,
                 next_cpu=next_c, device=dev, step=step_t, cpu=cpu, main_cpu=self_cpu, acc=acc, ev=ev,
                 main_ev=np.array(main).reshape(-1, 4), t0=t0, first_samples=int(n_first))
 
@@ -88,6 +96,8 @@ class Profile:
     retry_wait: float = 0.0     # s spent on those faults (failed attempts and pauses, in all processes)
     gpu: bool = False           # a usable CUDA GPU was there (torch.cuda.is_available()): GPU advice only then
     files: bool = False         # a map-style DataLoader over files (torchvision's ImageFolder), not over shards
+    out_px: int | None = None   # the side of a batch's images, as the step gets them (None: no image tensor seen)
+    image_px: float | None = None  # the JPEGs' median longer side before decoding, where the caller knows it
     def to_dict(self) -> dict:
         "The measured numbers as plain Python values, the timeline left out: for JSON, and `Profile(**d)` again."
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
@@ -195,5 +205,6 @@ def profile_pipeline(loader,                         # Any iterable of batches: 
         p.retries = {c: n - before[0].get(c, 0) for c, n in retries.counts().items() if n > before[0].get(c, 0)}
         p.retry_wait = retries.waited - before[1]
     p.gpu, p.files = torch.cuda.is_available(), kind == "map-style" and _over_files(loader)
+    p.out_px = raw["out_px"]
     for f in fields(p): setattr(p, f.name, getattr(p, f.name) if f.name == "timeline" else _plain(getattr(p, f.name)))
     return p

@@ -42,10 +42,17 @@ def _stage_advice(p: Profile,  # The profile
         if p.kind == "webdataset":
             todo.append("Decode only the fields the step uses, straight to uint8 (shardkit's create_dataset), "
                         "and only the crop's window of each JPEG.")
-        todo.append(f"Decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): "
-                    f"{v['wall']:.2f} ms/sample off the workers, up to {_without(p, v['wall']):,.0f} samples/s."
-                    if p.gpu else f"Decode smaller JPEGs: resize them once, next to the data (run_etl, the ETL "
-                    f"tutorial), and each decode costs less than the {v['wall']:.2f} ms/sample it takes now.")
+        small = p.image_px is not None and p.out_px is not None and p.image_px < 2 * p.out_px
+        if p.gpu:
+            todo.append(f"Decode on the GPU (nvJPEG, create_gpu_loader; `--try pipeline=gpu` measures it): "
+                        f"{v['wall']:.2f} ms/sample off the workers, up to {_without(p, v['wall']):,.0f} samples/s.")
+        elif small:  # resizing would not shrink them: the crop is about as large as the image, or larger
+            todo.append(f"The JPEGs are small already ({p.image_px:,.0f} px a side for {p.out_px}-px crops): a "
+                        "smaller copy would lose what the crops need, so resizing them is no remedy here.")
+        else:
+            sizes = f" ({p.image_px:,.0f} px a side for {p.out_px}-px crops)" if p.image_px and p.out_px else ""
+            todo.append(f"Decode smaller JPEGs{sizes}: resize them once, next to the data (run_etl, the ETL "
+                        f"tutorial), and each decode costs less than the {v['wall']:.2f} ms/sample it takes now.")
     elif p.kind == "gpu":
         todo.append(f"The GPU loader's workers only parse, check JPEG headers and pack bytes: of {v['wall']:.2f} "
                     f"ms/sample here, {v['cpu']:.2f} ms is work on a core; the rest waits (for reads, or for a core).")
@@ -60,10 +67,12 @@ def _stage_advice(p: Profile,  # The profile
     elif idle >= 0.5 and p.workers < p.cores * (2 if b == "read" else 1):
         todo.insert(0, f"Add workers ({idle:.1f} of {p.cores} cores are idle): "
                        f"about {p.capacity * (p.workers + idle) / p.workers:,.0f} samples/s.")
-    elif idle < 0.5 and b != "read":  # said with whose work keeps the cores busy: this job's, or others' too
-        others = f", other work the rest: load average {p.load:.1f}" if p.load > p.cores_busy + 0.5 else ""
-        todo.append(f"More workers would not help: no core is idle (this job keeps {p.cores_busy:.1f} of {p.cores} "
-                    f"busy{others}).")
+    elif idle < 0.5 and b != "read":  # said with whose work keeps the cores busy: this job's, and others'
+        whose = f"this job keeps {p.cores_busy:.1f} of {p.cores} busy"
+        if p.load >= p.cores_busy + 0.2:  # the rest: what waits for a core, this job's processes or others'
+            whose += (f"; the load average, {p.load:.1f}, counts the processes waiting for a core too, this job's "
+                      "and others'")
+        todo.append(f"More workers would not help: no core is idle ({whose}).")
     return todo
 
 

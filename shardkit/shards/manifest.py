@@ -112,7 +112,8 @@ def verify_shards(dest,                  # Store to check: a directory, ais:// o
     store = open_store(dest)
     problems, recorded = list(incomplete_jobs(store)), set()
     for name, m in _manifests(store):
-        for sh in tqdm(m["shards"], desc=f"verify {name}", unit="shard", disable=not progress, file=sys.stderr):
+        for sh in tqdm(m["shards"], desc=f"verify {name}", unit="shard", disable=None if progress else True,
+                       file=sys.stderr):
             recorded.add(sh["name"])
             if not store.exists(sh["name"]): problems.append(f"{sh['name']}: missing (recorded in {name})"); continue
             h, n = hashlib.sha256(), 0

@@ -264,7 +264,8 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
     m = dict(settings, store=store.spec, shards=shards, complete=False,
              samples=sum(s["samples"] for s in shards), bytes=sum(s["bytes"] for s in shards))
     sink = _ShardSink(store, m, prefix, digits, mtime=mtime, index=len(shards))
-    bar = tqdm(total=total, disable=not progress, unit="sample", desc=f"writing {prefix}*.tar", file=sys.stderr)
+    bar = tqdm(total=total, disable=None if progress else True, unit="sample", desc=f"writing {prefix}*.tar",
+               file=sys.stderr)  # (None: tqdm draws no bar where stderr is not a terminal, as in a file or a pipe)
     try: _feed(sink, samples, shards, maxcount, maxsize=maxsize, bar=bar, stats=stats)
     except OSError as e:
         if e.errno != errno.ENOSPC: raise

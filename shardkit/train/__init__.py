@@ -10,6 +10,7 @@ import signal
 import tarfile
 import traceback
 import warnings
+from functools import partial
 from pathlib import Path
 import psutil
 import torch
@@ -50,8 +51,10 @@ from ..config import run_tempdir
 from ..errors import DataError
 from ..loading.gpu import create_gpu_loader, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
+from ..loading.sources import image_folder
 from ..loading.stream import worker_tmpdir_problem
 from ..loading.transforms import eval_transform, train_transform
+from ..remote import retry_bound
 from ..shards.fields import ShardError
 from ..store import shown_path
 
@@ -122,7 +125,7 @@ def _end_loaders(e: BaseException):
 # %% ../../nbs/30b_train.ipynb
 def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples, classes, seed, rank, world_size,
                    size=64,
-                   pipeline="shardkit", decode_on="cpu", dev=None, pad=False):
+                   pipeline="shardkit", decode_on="cpu", dev=None, pad=False, retry_wait=120):
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
@@ -147,44 +150,59 @@ def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples
                   f"epoch; the other {gone} make a last step the ranks cannot fill (the default pipeline's --pad "
                   "repeats samples to fill it)")
     val_loader = _val_loader(val_urls, size, batch_size, num_workers, rank=rank, world_size=world_size,
-                             dev=dev) if val_urls else None
+                             dev=dev, retry_wait=retry_wait) if val_urls else None
     if random:
         return _random_train_loader(urls, size, batch_size, num_workers, seed=seed, dev=dev, rank=rank,
-                                    world_size=world_size, pad=pad), \
+                                    world_size=world_size, pad=pad, retry_wait=retry_wait), \
             val_loader, classes, None
     if pipeline == "example":
+        n = len(rank_shards(urls, rank, world_size))
+        num_workers = _busy_workers(num_workers, n, f"this rank's {n} shards can keep busy (a worker reads whole "
+                                    "shards)", rank=rank)
         tf, val_tf = make_transform(size, True), make_transform(size, False)
         make_train = lambda epoch: example_loader(urls, tf, batch_size, num_workers, nbatches=nbatches,
                                                   seed=seed + epoch)
         val_loader = example_loader(val_urls, val_tf, batch_size, num_workers, shuffle=0) if val_urls else None
         return make_train, val_loader, classes, nbatches
     mine = rank_shards(urls, rank, world_size)  # this rank's shards, as split_by_node deals them: no sample shared
-    make = _gpu_train_loader if decode_on == "gpu" else _cpu_train_loader
-    return make(mine, size, batch_size, min(num_workers, len(mine)), nbatches=nbatches, seed=seed,
-                dev=dev), val_loader, classes, nbatches
+    make = _gpu_train_loader if decode_on == "gpu" else partial(_cpu_train_loader, retry_wait=retry_wait)
+    workers = _busy_workers(num_workers, len(mine), f"this rank's {len(mine)} shards can keep busy (a worker reads "
+                           "whole shards)", rank=rank)
+    return make(mine, size, batch_size, workers, nbatches=nbatches, seed=seed, dev=dev), val_loader, classes, nbatches
+
+def _busy_workers(asked: int, useful: int, why: str, *, rank: int = 0) -> int:
+    "The loader workers that will have work: `asked`, or `useful` (at least 1) with one line that says why."
+    useful = max(useful, 1)
+    if asked <= useful: return asked
+    log_rank0(rank, f"--workers {asked} is more than {why}: {useful} worker{'s' * (useful != 1)} per rank will read")
+    return useful
 
 # %% ../../nbs/30b_train.ipynb
 _FIELDS = ("jpg", "cls", "__key__")  # the example's fields, in the order the loop unpacks them
 
-def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev):
+def _cpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev, retry_wait=120):
     "(epoch -> shardkit's loader over this rank's shards `mine`): uint8 batches, resumable (`.loader.state_dict`)."
     ds = create_dataset(mine, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=0, world_size=1,  # `mine` is this rank's share already
+                        seed=seed, rank=0, world_size=1, retry_wait=retry_wait,  # `mine`: this rank's share already
                         resampled=nbatches is not None, epoch_samples=nbatches * batch_size if nbatches else None)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
-    at.loader = loader
+    at.loader, at.workers = loader, num_workers
     return at
 
-def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank, world_size, pad=False):
+def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank, world_size, pad=False,
+                         retry_wait=120):
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=rank, world_size=world_size, access="random", pad=pad)
+                        seed=seed, rank=rank, world_size=world_size, access="random", pad=pad, retry_wait=retry_wait)
+    n = len(ds)  # batches an epoch on this rank: each worker makes whole batches
+    num_workers = _busy_workers(num_workers, n, f"the {n} batch{'es' * (n != 1)} of an epoch can keep busy", rank=rank)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
     def at(epoch): loader.set_epoch(epoch); return loader
     at.loader, at.any_rank = loader, True  # its state is a place in the epoch's order: any rank's resumes any shape
+    at.workers = num_workers
     return at
 
 # %% ../../nbs/30b_train.ipynb
@@ -198,6 +216,7 @@ def _gpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, de
         return lambda epoch: stream
     def at(epoch): loader.set_epoch(epoch); return loader
     if hasattr(loader, "state_dict"): at.loader = loader
+    at.workers = num_workers
     return at
 
 # %% ../../nbs/30b_train.ipynb
@@ -209,10 +228,10 @@ def _passes(loader):
         if n == 0: raise TrainError("this rank's shards gave no batch: check that they hold the fields jpg and cls")
 
 # %% ../../nbs/30b_train.ipynb
-def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, dev):
+def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, dev, retry_wait=120):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
     ds = create_dataset(val_urls, fields=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
-                        batch_size=batch_size, seed=0, rank=rank, world_size=world_size)
+                        batch_size=batch_size, seed=0, rank=rank, world_size=world_size, retry_wait=retry_wait)
     with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
         warnings.filterwarnings("ignore", message=".*get no shard and stay idle")
         return create_dataloader(ds, num_workers=min(num_workers, max(len(rank_shards(val_urls, rank, world_size)), 1)),
@@ -220,12 +239,15 @@ def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, de
 
 # %% ../../nbs/30b_train.ipynb
 def _folder_loaders(folder, train_tf, val_tf, batch_size, *, num_workers, classes):
-    "(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree with train/ (and val/)."
+    """(epoch -> training loader, validation loader or None, classes) for an ImageFolder tree: ROOT/<class>/*.jpg, or
+    ROOT/train/<class>/*.jpg beside a validation set in ROOT/val/."""
     root = Path(folder)
-    if not (root / "train").is_dir():
-        raise TrainError(f"{root} has no train/ folder; expected ROOT/train/<class>/*.jpg")
-    classes = classes or len(KeyedImageFolder(root / "train").classes)
-    make_train = lambda epoch: folder_loader(root / "train", train_tf, batch_size=batch_size, num_workers=num_workers,
+    train_root = root / "train" if (root / "train").is_dir() else root
+    if not image_folder(train_root):
+        raise TrainError(f"{shown_path(root)} holds no images: an image tree is ROOT/<class>/*.jpg, or "
+                         "ROOT/train/<class>/*.jpg with ROOT/val/<class>/*.jpg; for shards: shardkit train SRC")
+    classes = classes or len(KeyedImageFolder(train_root).classes)
+    make_train = lambda epoch: folder_loader(train_root, train_tf, batch_size=batch_size, num_workers=num_workers,
                                              train=True, epoch=epoch)
     val = root / "val"
     val_loader = folder_loader(val, val_tf, batch_size=batch_size, num_workers=num_workers,
@@ -233,9 +255,10 @@ def _folder_loaders(folder, train_tf, val_tf, batch_size, *, num_workers, classe
     return make_train, val_loader, classes, None
 
 # %% ../../nbs/30b_train.ipynb
-def train(shards: str | list[str] | None = None,  # Training shards: a directory, ais://, s3://, a template or URLs
+def train(shards: str | list[str] | None = None,  # Shards (a directory, ais://, s3://, a template, URLs), or images
           *,
-          folder: str | None = None,       # Or an ImageFolder tree ROOT (ROOT/train/<class>/*.jpg, optional ROOT/val/)
+          folder: str | None = None,       # Or an image tree: ROOT/<class>/*.jpg, or ROOT/train/... and ROOT/val/...
+
           base: str = "",                  # Prefix of shard names: http://host:port/ or pipe:curl -s http://host:port/
           val_shards: str | list[str] | None = None, # Validation shards (a brace template or URLs, same base)
           epochs: int = 1,                 # Passes over the training data
@@ -258,21 +281,27 @@ def train(shards: str | list[str] | None = None,  # Training shards: a directory
           decode_on: str = "cpu",          # Where JPEGs are decoded: 'cpu' (loader workers), 'gpu' (nvJPEG) or 'auto'
           precision: str | None = None,    # Precision: bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU)
           pad: bool = False,               # Several ranks: repeat samples to fill each epoch's last step, not drop it
+          retry_wait: float = 120,         # Seconds a read of a store (a listing, a shard) retries faults, then stops
           ) -> list[dict]:                 # Per epoch: samples, steps, samples/s, loss, validation accuracy, waiting
     "Train a classifier from WebDataset shards or an ImageFolder tree; per-epoch throughput, loss and accuracy."
+    if folder is None and not base and image_folder(shards): shards, folder = None, shards  # images, not shards
     if (shards is None) == (folder is None):
-        raise TrainError("give either shards (--shards TEMPLATE) or folder (--folder ROOT), exactly one, e.g. "
-                         "--shards 'data/imagenet-train-{000000..000009}.tar'")
+        raise TrainError("give the data to train on, shards or a folder of images, exactly one: `shardkit train SRC` "
+                         "(train(src) from Python), e.g. shardkit train 'data/imagenet-train-{000000..000009}.tar'")
     dev = _pick_device(device)
     rank, world_size = setup_distributed(dev)
     # the run's own temporary folder: what a killed loader worker (or torch, interrupted) leaves there goes with it
-    with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None):
+    with run_tempdir(fits=lambda path: worker_tmpdir_problem(num_workers, tmp=path) is None), \
+            warnings.catch_warnings():  # torch's warning of more workers than cores: the first line says it once
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
         try:
-            return _train(shards=shards, folder=folder, base=base, val_shards=val_shards, epochs=epochs, arch=arch,
-                          size=size, batch_size=batch_size, num_workers=num_workers, lr=lr, max_steps=max_steps,
-                          samples=samples, classes=classes, keys_out=keys_out, json=json, threads=threads, seed=seed,
-                          checkpoint=checkpoint, every=every, pipeline=pipeline, decode_on=decode_on,
-                          precision=precision, pad=pad, dev=dev, rank=rank, world_size=world_size)
+            with retry_bound(retry_wait):  # the reads made outside the loaders: listings
+                return _train(shards=shards, folder=folder, base=base, val_shards=val_shards, epochs=epochs,
+                              arch=arch, size=size, batch_size=batch_size, num_workers=num_workers, lr=lr,
+                              max_steps=max_steps, samples=samples, classes=classes, keys_out=keys_out, json=json,
+                              threads=threads, seed=seed, checkpoint=checkpoint, every=every, pipeline=pipeline,
+                              decode_on=decode_on, precision=precision, pad=pad, retry_wait=retry_wait, dev=dev,
+                              rank=rank, world_size=world_size)
         except Exception as e:
             # torch's SIGCHLD handler would raise again, into what follows, as a worker's death reaches this process
             torch_handler = _chld(signal.SIG_DFL)
@@ -326,7 +355,7 @@ def _reading(shards, pipeline: str, decode_on: str, dev) -> str:
 # %% ../../nbs/30b_train.ipynb
 def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, num_workers, lr, max_steps, samples,
            classes, keys_out, json, threads, seed, checkpoint, every, pipeline, decode_on, precision, pad,
-           dev, rank, world_size) -> list[dict]:
+           retry_wait, dev, rank, world_size) -> list[dict]:
     "The body of `train` on device `dev` as `rank` of `world`."
     if dev.type == "cpu":
         torch.set_num_threads(threads or torch_threads(num_workers, world_size))
@@ -336,7 +365,7 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
         make_train, val_loader, classes, nbatches = _shard_loaders(
             shards, base, val_shards, batch_size, num_workers=num_workers, samples=samples, classes=classes, seed=seed,
             rank=rank, world_size=world_size, size=size, pipeline=pipeline,
-            decode_on=decode_on, dev=dev, pad=pad)
+            decode_on=decode_on, dev=dev, pad=pad, retry_wait=retry_wait)
     else: make_train, val_loader, classes, nbatches = _folder_loaders(
             folder, make_transform(size, True), make_transform(size, False), batch_size, num_workers=num_workers,
             classes=classes)
@@ -348,9 +377,11 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
                                                   ck=latest_checkpoint(checkpoint) if ck and any_rank else ck,
                                                   any_rank=any_rank)
     step = training_step(net, opt, dev, precision)
+    workers, cores = getattr(make_train, "workers", num_workers), len(os.sched_getaffinity(0))
     log_rank0(rank, f"training {arch} on {'shards' if shards is not None else 'folder'}: {classes} classes, "
                f"{world_size} rank{'s' * (world_size != 1)}, "
-               f"batch {batch_size} per rank, {num_workers} worker{'s' * (num_workers != 1)} per rank, "
+               f"batch {batch_size} per rank, {workers} worker{'s' * (workers != 1)} per rank"
+               + f" (more than the {cores} cores: they take turns)" * (workers > cores) + ", "
                f"device {dev}, {precision}"
                + _reading(shards, pipeline, decode_on, dev))
     loop = LoopSettings(epochs=epochs, device=dev, rank=rank, world_size=world_size, checkpoint=ck, every=every,
@@ -360,6 +391,6 @@ def _train(*, shards, folder, base, val_shards, epochs, arch, size, batch_size, 
     return hist
 
 # %% ../../nbs/30b_train.ipynb
-@command(train)
+@command(train, source="shards")
 def train_cli(hist, args):
     "Train a classifier from WebDataset shards (or an ImageFolder tree); reports throughput and validation accuracy."

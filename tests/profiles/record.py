@@ -82,6 +82,8 @@ def edited(r: dict) -> dict:
                                        step_rate=500.0, wait_share=0.5, main={k: 0.0 for k in r["shardkit-2-workers"].main}),
         "workers-wait-for-cores": e("shardkit-2-workers", "stages waited for a core", load=4.0,
                                     stages=st(r["shardkit-2-workers"], decode=(4.0, 1.0))),
+        "small-jpegs": e("shardkit-2-workers", "96-px JPEGs for 224-px crops", **busy, image_px=96.0, out_px=224),
+        "large-jpegs": e("shardkit-2-workers", "1000-px JPEGs for 224-px crops", **busy, image_px=1000.0, out_px=224),
     }
 
 
