@@ -153,6 +153,10 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kw)
         self.fills: dict[str, str] = {}  # a positional's dest -> the option it gives
 
+    def option_strings(self) -> frozenset[str]:
+        "Every spelling of every option of the command (`--epochs`, `-h`, ...)."
+        return frozenset(s for a in self._actions for s in a.option_strings)
+
     def error(self, message: str):
         "One line: what was wrong, the closest option to a wrong one, and where the options are listed."
         self.exit(2, f"{self.prog}: {self._plain(message)} (`{self.prog} --help` lists its options)\n")
@@ -164,7 +168,7 @@ class CommandParser(argparse.ArgumentParser):
         wrong = next((w.split("=")[0] for w in words if w.startswith("-")), None)
         if wrong is None:
             return f"unexpected {' '.join(words)!r}" + f": {self.prog} takes one SRC at most" * bool(self.fills)
-        close = difflib.get_close_matches(wrong, [s for a in self._actions for s in a.option_strings], n=1, cutoff=0.6)
+        close = difflib.get_close_matches(wrong, sorted(self.option_strings()), n=1, cutoff=0.6)
         return f"unknown option {wrong}" + (f"; did you mean {close[0]}?" if close else "")
 
 

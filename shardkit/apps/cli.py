@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     func, parser = load_command(cmd), parser_of(cmd)
     args = vars(parser.parse_args([_hyphenate(a) for a in rest]))
     # while it runs, an error's advice names this command's flags, not Python's calls (`command_running`)
-    options = frozenset(s for a in parser._actions for s in a.option_strings)
+    options = parser.option_strings()
     RUNNING.append(Running("shardkit " + " ".join(cmd), options))
     try:
         with warnings.catch_warnings():  # shardkit's own warnings as the command's lines, not Python's
