@@ -8,6 +8,7 @@ import email.utils
 import errno
 import http.client
 import io
+import math
 import multiprocessing as mp
 import os
 import random
@@ -242,8 +243,9 @@ def _retry_after(e: BaseException) -> float | None:
 def retry_after_seconds(value: str | None) -> float | None:
     "A `Retry-After` header's seconds (a number, or an HTTP date), or None."
     if not value: return None
-    try: return max(float(value), 0.0)
+    try: s = float(value)
     except ValueError: pass
+    else: return max(s, 0.0) if math.isfinite(s) else None  # 'nan' and 'inf' parse as floats: no wait says them
     try: return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     except (TypeError, ValueError): return None
 
@@ -322,9 +324,10 @@ def content_version(headers) -> str:
 def _total(r) -> int | None:
     "The object's size from an answer: the total of its `Content-Range`, else its `Content-Length`."
     cr = r.headers.get("Content-Range", "")
-    if "/" in cr and cr.rsplit("/", 1)[1].strip().isdigit(): return int(cr.rsplit("/", 1)[1])
+    total = cr.rsplit("/", 1)[1].strip() if "/" in cr else ""
+    if total.isascii() and total.isdigit(): return int(total)  # ASCII: str.isdigit() also takes '³', which int() not
     n = r.headers.get("Content-Length", "")
-    return int(n) if n.isdigit() and r.status_code == 200 else None
+    return int(n) if n.isascii() and n.isdigit() and r.status_code == 200 else None
 
 def objects_moving(url: str,                   # The object's URL on an AIStore proxy (`.../v1/objects/...`)
                    answered: str | None = None,  # The URL that answered 404 (a target's, after the redirect)

@@ -82,8 +82,11 @@ def _pax_path(data: bytes) -> bytes | None:
     "The `path` record of a pax extended header (`LEN path=VALUE\\n` records), if it has one."
     path, i = None, 0
     while i < len(data) and data[i:i + 1] != b"\0":
-        length = int(data[i:data.index(b" ", i)])
-        key, _, value = data[data.index(b" ", i) + 1:i + length - 1].partition(b"=")
+        space = data.index(b" ", i)
+        length = int(data[i:space])
+        if length <= space - i + 1 or i + length > len(data):  # a record must hold more than its length, and fit
+            raise ValueError(f"a pax record of length {length} at byte {i}")
+        key, _, value = data[space + 1:i + length - 1].partition(b"=")
         if key == b"path": path = value
         i += length
     return path
@@ -126,6 +129,12 @@ def _passer(stream, name: str, seek: bool, start: int = 0):
     return read, skip, lambda: pos[0]
 
 # %% ../../nbs/04_read.ipynb
+def _read_body(read, size: int) -> bytes:
+    "`size` bytes by `read`, fewer where the stream ends, in reads of at most 16 MB: a header's size is not trusted."
+    parts, got = [], 0  # (one read of the size a header claims would allocate all of it, 8 GB for 512 bytes)
+    while got < size and (b := read(min(size - got, 1 << 24))): parts.append(b); got += len(b)
+    return b"".join(parts)
+
 def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | None = None) -> Iterator[TarEntry]:
     "The entries of uncompressed tar `stream` by their headers, with bytes unless `data=False`; ShardError if broken."
     bad = lambda why: ShardError(f"shard {name} is not a readable tar of samples ({why})")
@@ -146,7 +155,7 @@ def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | No
         start = at if start is None else start
         body_at = at + 512
         if data or kind in (b"L", b"x"):
-            body = read(size)
+            body = _read_body(read, size)
             if len(body) < size: raise bad("it ends inside a member")
         elif skip(size) < size: raise bad("it ends inside a member")
         skip(-size % 512)  # the padding (a tar cut short after its last member's data still yields that member)
@@ -180,7 +189,7 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
     "The raw samples (bytes per field) of tar `stream`, grouped as webdataset does; ShardError if unreadable or unsafe."
     from webdataset.tariterators import group_by_keys  # here, not at the top: webdataset imports torch
     try:
-        yield from group_by_keys(tar_members(stream, name))
+        yield from group_by_keys(tar_members(stream, name), keys=split_key)  # split_key: linear time
     except (tarfile.TarError, ValueError, OSError, EOFError, AssertionError) as e:
         if isinstance(e, ShardkitError): raise  # a remote read that gave up says so itself
         raise ShardError(f"shard {name} is not a readable tar of samples ({_tar_reason(e)}); "
@@ -221,7 +230,7 @@ def url_samples(src: Iterable[dict], handler: Callable = _reraise, retries: Retr
     "Samples (dicts of raw bytes) from a stream of `dict(url=...)`, each shard closed as soon as it is read."
     from webdataset.tariterators import group_by_keys
     for d in open_shards(src, handler, retries):
-        try: yield from group_by_keys(tar_members(d["stream"], d["url"]), handler=handler)
+        try: yield from group_by_keys(tar_members(d["stream"], d["url"]), keys=split_key, handler=handler)
         except (ShardError, RemoteError) as e:  # broken, unsafe, or unreadable through faults: the handler decides
             if handler(e): continue
             raise
