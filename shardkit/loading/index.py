@@ -354,11 +354,14 @@ def _index_listing(store: AISStore, fields: Sequence[str], expect: list | None) 
     where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"
     for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version",
                                             flags=[ListObjectFlag.ARCH_DIR]):
+        size = int(e.size)
+        if not 0 <= size < 2**63:  # a listing is another program's answer: a size past int64 is no size
+            raise RandomAccessError(f"AIStore listed {e.name!r} in {store.spec} with a size of {size} bytes")
         if shards and e.name.startswith(shards[-1] + "/"):
-            members.append((e.name[len(shards[-1]) + 1:], int(e.size)))
+            members.append((e.name[len(shards[-1]) + 1:], size))
         elif e.name.endswith(ARCHIVE_EXTS):
             if shards: groups.append(_group_listing(members, where()))  # one shard's names at a time, then arrays
-            shards.append(e.name); sizes.append(int(e.size)); versions.append(_ais_version(e)); members = []
+            shards.append(e.name); sizes.append(size); versions.append(_ais_version(e)); members = []
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
     if expect is not None and list(zip(shards, sizes, versions)) != expect:

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60, help="time per target (seconds)")
     ap.add_argument("--runs", type=int, default=None, help="stop a target after this many executions")
+    ap.add_argument("--c-runs", type=int, default=None, help="the C decoder's --runs (default: --runs)")
     ap.add_argument("--targets", default="", help="comma-separated targets (default: all): " + ", ".join(all_targets()))
     ap.add_argument("--out", default=None, help="folder for logs and found inputs (default: a temporary folder)")
     ap.add_argument("--jobs", type=int, default=1, help="targets run at once")
@@ -124,9 +125,10 @@ def main(argv: list[str] | None = None):
             binary = build_c(build)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(lambda n: fuzz_one(n, a.seconds, a.runs, out, binary if n == C_TARGET else None, a.nice),
-                             names))
-    print(f"fuzz run started {started}, {a.seconds:g} s per target" + (f", at most {a.runs:,} runs" if a.runs else "")
+        rows = list(pool.map(lambda n: fuzz_one(n, a.seconds, a.c_runs or a.runs if n == C_TARGET else a.runs, out,
+                                                binary if n == C_TARGET else None, a.nice), names))
+    print(f"fuzz run started {started}, at most {a.seconds:g} s per target"
+          + (f", {a.runs:,} runs" if a.runs else "") + (f" ({a.c_runs:,} for {C_TARGET})" if a.c_runs else "")
           + f"; logs in {out}")
     print(table(rows))
     for r in rows:

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import tarfile
 import tempfile
 import time
@@ -416,9 +417,8 @@ def sources():
             s3_name(text)
             return
         if text.startswith("size:"): parse_size(text[5:]); return
-        if text.count("{") > 4 or text.count("..") > 4: return  # a product of ranges is as large as it says: by design
+        if text.count("{") > 4 or re.search(r"\d{6}", text): return  # ranges are as large as written: by design
         names = expand_names(text)
-        if len(names) > 100_000: raise Broken(f"{text!r} names {len(names)}")
         if "{" in text and "/" not in text: shard_urls(["http://127.0.0.1:9/" + n for n in names[:100]])
     return one
 
