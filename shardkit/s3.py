@@ -35,9 +35,9 @@ from .errors import StoreError, UsageError
 
 # %% auto 0
 __all__ = ['NO_KEYS', 'EMPTY_SHA256', 'MAX_PUT', 'S3Settings', 'parse_s3_url', 's3_url', 's3_name', 'S3Client', 'object_url',
-           's3_client', 'signing_key', 'sign_v4', 'S3Auth', 's3_code', 's3_refusal', 'S3Object', 'list_objects',
-           's3_object', 's3_open', 's3_range', 's3_head', 's3_put', 's3_delete', 'bucket_exists', 'create_bucket',
-           's3_stat']
+           's3_client', 'signing_key', 'sign_v4', 'S3Auth', 's3_code', 's3_refusal', 'S3Object', 'listing_page',
+           'list_objects', 's3_object', 's3_open', 's3_range', 's3_head', 's3_put', 's3_delete', 'bucket_exists',
+           'create_bucket', 's3_stat']
 
 # %% ../nbs/01b_s3.ipynb
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def parse_s3_url(url: str) -> tuple[str, str, S3Settings]:
     bucket, _, key = rest.partition("/")
     if not bucket: raise StoreError(f"{url!r} names no bucket; use s3://BUCKET/KEY or s3://BUCKET/PREFIX/")
     if not _BUCKET.fullmatch(bucket):  # a '?' in it would be read as settings once the URL is written again
-        raise StoreError(f"{url!r} names bucket {bucket!r}, which is not a bucket name (letters, digits, '.', '-', '_')")
+        raise StoreError(f"{url!r} names bucket {bucket!r}, which is not a bucket name (letters, digits, '.-_')")
     if "anonymous" in opts: opts["anonymous"] = opts["anonymous"].lower() in ("1", "true", "yes")
     return bucket, key, S3Settings(**opts)
 
@@ -295,7 +295,7 @@ class S3Object(NamedTuple):
 
 def _local(tag: str) -> str: return tag.rpartition("}")[2]
 
-def _page(content: bytes) -> tuple[list[S3Object], bool, str]:
+def listing_page(content: bytes) -> tuple[list[S3Object], bool, str]:
     "The objects of one ListObjectsV2 page, whether more follow, and the token for them."
     try: root = ET.fromstring(content)
     except (ET.ParseError, LookupError, ValueError) as e:  # an encoding Python does not know, or cannot parse
@@ -326,7 +326,7 @@ def list_objects(bucket: str, prefix: str = "", settings: S3Settings | None = No
         url = object_url(client, bucket, "", q)
         page = retried(lambda: answer_ok(http_session().get(url, timeout=retries.timeout, auth=auth), name,
                                          "list", auth=auth).content, name, retries)
-        objs, more, token = _page(page)
+        objs, more, token = listing_page(page)
         yield from objs
         if not more or not objs: return
         after = objs[-1].key

@@ -49,7 +49,7 @@ def test_c_decoder_smoke(tmp_path):
 
 
 # ---- one test per bug found -------------------------------------------------------------------------------------
-def _member(name: bytes, body: bytes, kind: bytes = b"0", size: int | None = None) -> bytes:
+def tar_member(name: bytes, body: bytes, kind: bytes = b"0", size: int | None = None) -> bytes:
     h = bytearray(512)
     h[:len(name)] = name; h[100:108] = b"0000644\0"; h[124:136] = b"%011o\0" % (len(body) if size is None else size)
     h[156:157] = kind; h[257:263] = b"ustar\0"; h[263:265] = b"00"
@@ -60,7 +60,7 @@ def _member(name: bytes, body: bytes, kind: bytes = b"0", size: int | None = Non
 def test_pax_record_of_length_zero_is_refused_not_looped():
     from shardkit.shards.fields import ShardError
     from shardkit.shards.read import tar_members
-    tar = _member(b"PaxHeader", b"0 path=a.txt\n", b"x") + _member(b"x.txt", b"hello") + b"\0" * 1024
+    tar = tar_member(b"PaxHeader", b"0 path=a.txt\n", b"x") + tar_member(b"x.txt", b"hello") + b"\0" * 1024
     t0 = time.monotonic()
     with pytest.raises(ShardError, match="broken pax header"): list(tar_members(io.BytesIO(tar)))
     assert time.monotonic() - t0 < 5
@@ -68,11 +68,11 @@ def test_pax_record_of_length_zero_is_refused_not_looped():
 
 def test_split_key_is_webdatasets_rule_in_linear_time():
     from shardkit.shards.fields import split_key
-    from tests.fuzz.targets import _base_plus_ext_rule
+    from tests.fuzz.targets import webdataset_split
     rng = random.Random(0)
     for _ in range(20_000):
         name = "".join(rng.choice("ab./\n") for _ in range(rng.randrange(14)))
-        assert split_key(name) == _base_plus_ext_rule(name), name
+        assert split_key(name) == webdataset_split(name), name
     t0 = time.monotonic()
     assert split_key("a/" * 200_000 + "k.jpg") == ("a/" * 200_000 + "k", "jpg")  # the regex: minutes
     assert time.monotonic() - t0 < 1
@@ -82,7 +82,7 @@ def test_a_header_claiming_gigabytes_is_not_allocated():
     import tracemalloc
     from shardkit.shards.fields import ShardError
     from shardkit.shards.read import tar_members
-    tar = _member(b"a.jpg", b"x" * 100, size=8 << 30)  # 8 GB claimed, 100 bytes there
+    tar = tar_member(b"a.jpg", b"x" * 100, size=8 << 30)  # 8 GB claimed, 100 bytes there
     tracemalloc.start()
     with pytest.raises(ShardError, match="ends inside a member"): list(tar_members(io.BytesIO(tar)))
     peak = tracemalloc.get_traced_memory()[1]
@@ -92,20 +92,20 @@ def test_a_header_claiming_gigabytes_is_not_allocated():
 
 def test_retry_after_and_sizes_from_odd_headers():
     import requests
-    from shardkit.remote import _total, retry_after_seconds
+    from shardkit.remote import answer_size, retry_after_seconds
     assert retry_after_seconds("nan") is None and retry_after_seconds("inf") is None
     assert retry_after_seconds("3") == 3.0
     r = requests.Response(); r.status_code = 206
     r.headers.update({"Content-Range": "bytes 0-9/³10"})  # str.isdigit() takes '³'
-    assert _total(r) is None
+    assert answer_size(r) is None
 
 
 def test_s3_listing_and_url_refusals():
     from shardkit.errors import StoreError
-    from shardkit.s3 import _page, parse_s3_url
+    from shardkit.s3 import listing_page, parse_s3_url
     for page in (b"", b"not xml", b'<?xml version="1.0" encoding="UTF-6"?><r/>', b"<r><Contents><Size>1</Size>"
                  b"</Contents></r>", b"<r><Contents><Key>k</Key><Size>x</Size></Contents></r>"):
-        with pytest.raises(StoreError): _page(page)
+        with pytest.raises(StoreError): listing_page(page)
     with pytest.raises(StoreError, match="not a bucket name"): parse_s3_url("s3://b?x=1/k.tar")
 
 
@@ -170,11 +170,11 @@ def test_sidecar_source_route_answers_404_for_a_name_too_long(tmp_path):
 def test_tarfile_agrees_on_the_corpus():
     "The differential check holds on every seed both readers accept (tar seeds carry a mode byte first)."
     from shardkit.shards.read import tar_members
-    from tests.fuzz.targets import _tarfile_files
+    from tests.fuzz.targets import tarfile_files
     agreed = 0
     for p in corpus_files("tar"):
         tar = p.read_bytes()[1:]
-        theirs = _tarfile_files(tar)
+        theirs = tarfile_files(tar)
         try: ours = [(m["fname"], m["data"]) for m in tar_members(io.BytesIO(tar))]
         except Exception: continue
         if theirs is not None: assert ours == theirs, p.name; agreed += 1

@@ -28,7 +28,7 @@ from .sources import shard_urls
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'key_from_header', 'SampleIndex',
            'save_index', 'load_index', 'file_lock', 'index_url', 'remote_index_path', 'cached_index', 'sample_index',
-           'index_ais', 'synthetic_listing', 'index_scale', 'synthetic_index', 'index_memory']
+           'index_ais', 'index_listing', 'synthetic_listing', 'index_scale', 'synthetic_index', 'index_memory']
 
 # %% ../../nbs/26_loading.index.ipynb
 class RandomAccessError(ShardkitError):
@@ -184,7 +184,7 @@ def save_index(idx: SampleIndex, folder: str | Path) -> Path:
     return folder
 
 def _unsound_index(meta, a: dict) -> str | None:
-    "What an index read back from disk lacks for `SampleIndex` (plain data of the right kinds, arrays that fit), or None."
+    "What an index read back from disk lacks (plain data of the right kinds, arrays that fit), or None."
     strs = lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x)  # noqa: E731
     if not (isinstance(meta, dict) and strs(meta.get("shards")) and strs(meta.get("fields"))
             and isinstance(meta.get("source"), str) and meta.get("kind") in ("local", "http", "ais", "s3")
@@ -202,7 +202,8 @@ def _unsound_index(meta, a: dict) -> str | None:
             ints(a["keys"], 1) and ints(a["key_end"], 1) and len(a["key_end"]) == n
             and (not n or 0 <= a["key_end"][0] <= a["key_end"][-1] <= len(a["keys"])))):
         return "keys.npy and key_end.npy do not fit"
-    if a["shard_bytes"] is not None and not (ints(a["shard_bytes"], 1) and len(a["shard_bytes"]) == len(meta["shards"])):
+    sb = a["shard_bytes"]
+    if sb is not None and not (ints(sb, 1) and len(sb) == len(meta["shards"])):
         return "shard_bytes.npy not one size per shard"
     return None
 
@@ -346,9 +347,10 @@ def index_ais(store: AISStore,                  # The bucket (and prefix)
               expect: list | None = None,       # The shards' (name, size, version) a cache key was made of, if any
              ) -> SampleIndex:
     "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing, streamed."
-    return listed_settled(store, lambda: _index_listing(store, fields, expect), f"the shards of {store.spec}")
+    return listed_settled(store, lambda: index_listing(store, fields, expect), f"the shards of {store.spec}")
 
-def _index_listing(store: AISStore, fields: Sequence[str], expect: list | None) -> SampleIndex:
+def index_listing(store: AISStore, fields: Sequence[str], expect: list | None) -> SampleIndex:
+    "The index of one `ARCH_DIR` listing of `store` (`index_ais` without its wait for a settled cluster)."
     from aistore.sdk.list_object_flag import ListObjectFlag
     shards, sizes, versions, groups, members = [], [], [], [], []
     where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"

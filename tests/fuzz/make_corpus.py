@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from pathlib import Path
 import numpy as np
 from .core import CORPUS
 from .targets import SEP
@@ -74,10 +75,13 @@ def key_seeds():
 
 
 def index_seeds():
-    from shardkit.loading.index import _select, group_members
-    g = group_members(["000.cls", "000.jpg", "001.cls", "001.jpg"], [512, 1536, 2560, 3584], [1, 700, 1, 700], "s")
-    idx = _select([g], ["/data/s.tar"], ("cls", "jpg"), "/data", keep_keys=True)
-    idx.shard_bytes = np.array([5120], np.int64)
+    import tempfile
+    from shardkit.loading.index import sample_index
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "s.tar").write_bytes(_tar([("000.cls", b"1"), ("000.jpg", b"j" * 700), ("001.cls", b"2"),
+                                                ("001.jpg", b"j" * 700)]))
+        idx = sample_index(tmp, ("cls", "jpg"), index_cache=False)
+        idx.keys, idx.key_end = np.frombuffer(b"000001", np.uint8), np.array([3, 6], np.int64)
 
     def npy(a) -> bytes:
         b = io.BytesIO(); np.save(b, np.ascontiguousarray(a)); return b.getvalue()

@@ -39,6 +39,14 @@ def why_no_clang() -> str | None:
     "None where clang can build a libFuzzer target with ASan and UBSan; else why not and what to install."
     if not shutil.which("clang"): return "clang is not installed (apt-get install clang)"
     if not Path("/usr/include/jpeglib.h").exists(): return "libjpeg's headers are missing (apt-get install libjpeg-dev)"
+    with tempfile.TemporaryDirectory() as tmp:  # clang without its sanitizer runtimes cannot link a libFuzzer target
+        (Path(tmp) / "t.c").write_text("#include <stddef.h>\n#include <stdint.h>\n"
+                                       "int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) { return 0; }\n")
+        r = subprocess.run(["clang", "-fsanitize=fuzzer,address,undefined", "-o", f"{tmp}/t", f"{tmp}/t.c"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            return (f"clang cannot link a libFuzzer target ({(r.stderr.strip().splitlines() or ['?'])[-1]}); "
+                    "install its runtimes (Debian: apt-get install libclang-rt-14-dev, or the one of your clang)")
     return None
 
 

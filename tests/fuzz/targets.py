@@ -25,21 +25,23 @@ def _json(data: bytes):
 # ---------------------------------------------------------------- the tar reader
 def fix_checksums(tar: bytes) -> bytes:
     "`tar` with each header's checksum made right, so that mutations get past the checksum to the fields behind it."
-    from shardkit.shards.read import _number
     b, at = bytearray(tar), 0
     while at + 512 <= len(b) and b[at:at + 512].count(0) != 512:
         head = b[at:at + 512]
         head[148:156] = b" " * 8
         head[148:156] = b"%06o\0 " % (sum(head) & 0o777777)
         b[at:at + 512] = head
-        try: size = _number(bytes(head[124:136]))
-        except ValueError: break
+        field = bytes(head[124:136])
+        if field[0] & 0x80: size = int.from_bytes(field[1:], "big")  # GNU base-256
+        else:
+            try: size = int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+            except ValueError: break
         if size < 0 or size > len(b): break
         at += 512 + -(-size // 512) * 512
     return bytes(b)
 
 
-def _tarfile_files(tar: bytes) -> list[tuple[str, bytes]] | None:
+def tarfile_files(tar: bytes) -> list[tuple[str, bytes]] | None:
     "The regular files Python's `tarfile` reads in `tar` (names and bytes), or None where it refuses the archive."
     try:
         with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as tf:
@@ -90,7 +92,7 @@ def tar():
                         raise Broken(f"member {name!r}: {size} bytes at offset {off} differ from what the read gave")
                 group_members([n for n, *_ in files], [o for _, o, _ in files], [s for *_, s in files], "fuzz.tar")
         if isinstance(members, Exception): raise members
-        theirs = _tarfile_files(tar) if _posix_names(tar, ents) else None
+        theirs = tarfile_files(tar) if _posix_names(tar, ents) else None
         if theirs is not None and theirs != members:
             raise Broken(f"tarfile reads {[(n, len(d)) for n, d in theirs][:8]}, shardkit "
                          f"{[(n, len(d)) for n, d in members][:8]}")
@@ -100,7 +102,7 @@ def tar():
 
 
 # ---------------------------------------------------------------- keys and fields
-def _base_plus_ext_rule(name: str):
+def webdataset_split(name: str):
     "WebDataset's own rule (its regex), the reference split_key must match."
     import re
     m = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
@@ -117,8 +119,8 @@ def keys():
         names = data.decode("utf-8", "surrogateescape").split("\0")[:64]
         for name in names:
             k, f = split_key(name)
-            if len(name) <= 2000 and (k, f) != _base_plus_ext_rule(name):
-                raise Broken(f"split_key({name!r}) = {(k, f)}, WebDataset's rule gives {_base_plus_ext_rule(name)}")
+            if len(name) <= 2000 and (k, f) != webdataset_split(name):
+                raise Broken(f"split_key({name!r}) = {(k, f)}, WebDataset's rule gives {webdataset_split(name)}")
             if k is not None and f"{k}.{f}" != name: raise Broken(f"split_key({name!r}) = {(k, f)} loses characters")
             if f is not None:
                 field_ext(f); is_image_key(f); is_jpeg_key(f); is_mask_key(f); refuse_pickle(f)
@@ -293,19 +295,17 @@ def _tensors(x):
 
 @target("train_checkpoint")
 def train_checkpoint():
-    "`shardkit train` checkpoints past torch.load (train/loop.py: load_checkpoint, _resume, _keys_file)."
+    "`shardkit train` checkpoints past torch.load (train/loop.py load_checkpoint), then resumed as run_epochs resumes."
     import contextlib
     import torch
     from shardkit import create_dataloader, create_dataset
-    from shardkit.train.loop import LoopSettings, _keys_file, _resume, load_checkpoint, sgd
+    from shardkit.train.loop import load_checkpoint, sgd
     root = Path(tempfile.mkdtemp(prefix="fuzz-train-", dir=_SHM))
     model = torch.nn.Linear(3, 2)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     loader = create_dataloader(create_dataset(str(_shards()), fields=("cls", "txt"), seed=1, batch_size=4),
                                num_workers=2)
     snap = _snapshot(loader, loader.dataset, loader.dataset.shards)
-    make_train = lambda epoch: loader  # noqa: E731
-    make_train.loader = loader
     ck = root / "ck.pt"
 
     def one(data: bytes):
@@ -316,16 +316,15 @@ def train_checkpoint():
         if isinstance(saved.get("model"), dict): saved["model"] = {**weights, **saved["model"]}
         try: torch.save(saved, ck)
         except (TypeError, RuntimeError, OverflowError): return
-        loop = LoopSettings(epochs=2, device=torch.device("cpu"), checkpoint=ck, keys_out=str(root / "keys"))
-        (root / "keys").mkdir(exist_ok=True)
-        (root / "keys" / "keys-rank0.txt").write_text("k\n" * 8)
         with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
             got = load_checkpoint(ck, model, torch.device("cpu"), 1)
-            epoch, done, steps, history, stats = _resume(got, sgd(model.parameters(), 0.1), make_train, loop)
-            _keys_file(loop, got).close()
+            sgd(model.parameters(), 0.1).load_state_dict(got["opt"])  # what run_epochs does with an accepted one
+            if got["loader"] is not None: loader.load_state_dict(got["loader"])
+            stats, history = got["stats"].cpu() * 1.0, list(got["history"])
         ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
-        if not (ok(epoch) and ok(done) and ok(steps) and torch.is_tensor(stats) and stats.shape == (3,)):
-            raise Broken(f"resumed at epoch {epoch!r}, done {done!r}, steps {steps!r}, stats {stats!r}")
+        if not (all(ok(got[k]) for k in ("epoch", "done", "steps")) and stats.shape == (3,)
+                and isinstance(history, list)):
+            raise Broken(f"accepted a checkpoint at epoch {got['epoch']!r}, done {got['done']!r}, stats {stats!r}")
     return one
 
 
@@ -333,7 +332,7 @@ def train_checkpoint():
 @target("s3_listing")
 def s3_listing():
     "S3 ListObjectsV2 pages and error bodies (s3.py: _page, s3_code, s3_refusal)."
-    from shardkit.s3 import S3Client, S3Settings, _page, s3_code, s3_refusal
+    from shardkit.s3 import S3Client, S3Settings, listing_page, s3_code, s3_refusal
     client = S3Client(S3Settings(endpoint_url="http://127.0.0.1:9", anonymous=True))
 
     def one(data: bytes):
@@ -341,7 +340,7 @@ def s3_listing():
         code, msg = s3_code(text)
         e = s3_refusal(client, "bucket", "s3://bucket/x", 403 if data[:1] == b"<" else 404, text=text)
         str(e)
-        objs, more, token = _page(data)
+        objs, more, token = listing_page(data)
         for o in objs:
             if not (isinstance(o.key, str) and isinstance(o.size, int) and o.size >= 0 and isinstance(o.etag, str)):
                 raise Broken(f"a listed object {o!r}")
@@ -354,7 +353,7 @@ def ais_listing():
     "AIStore's JSON listing (the SDK's BucketList), indexed as random access indexes a bucket (loading/index.py)."
     import msgspec
     from aistore.sdk.types import BucketList
-    from shardkit.loading import index as ix
+    from shardkit.loading.index import index_listing
 
     class Bucket:
         name = "fuzz"
@@ -370,7 +369,7 @@ def ais_listing():
         try: listing = msgspec.json.decode(data, type=BucketList)
         except (msgspec.MsgspecError, UnicodeDecodeError): return  # the SDK refuses it before shardkit sees it
         Bucket.entries = listing.entries or []
-        idx = ix._index_listing(store, ("cls", "jpg"), None)
+        idx = index_listing(store, ("cls", "jpg"), None)
         for i in range(min(len(idx), 4)): idx.key(i)
     return one
 
@@ -379,7 +378,7 @@ def ais_listing():
 def http_answers():
     "What shardkit reads from HTTP answers' headers (remote.py): Retry-After, versions, sizes, fault causes."
     import requests
-    from shardkit.remote import Retries, _total, content_version, retry_after_seconds
+    from shardkit.remote import Retries, answer_size, content_version, retry_after_seconds
 
     def one(data: bytes):
         parts = data.decode("latin-1").split("\n")
@@ -393,7 +392,7 @@ def http_answers():
         if s is not None:
             d = Retries(wait=5).delay(1, s)
             if not (math.isfinite(d) and d >= 0): raise Broken(f"a delay of {d!r}")
-        n = _total(r)
+        n = answer_size(r)
         if n is not None and not (isinstance(n, int) and n >= 0): raise Broken(f"a size of {n!r}")
         content_version(r.headers)
     return one
@@ -431,11 +430,12 @@ def etl_http():
     from starlette.testclient import TestClient
     from shardkit.etl.sidecar import sidecar_server
     for name in ("uvicorn", "httpx"): logging.getLogger(name).setLevel(logging.CRITICAL)
+    import socket
     import threading
     import httpx
     import uvicorn
-    from shardkit.etl.sidecar import _free_port
-    src, port = _shards(8), _free_port()
+    with socket.socket() as sock: sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]
+    src = _shards(8)
     server = sidecar_server(lambda sample: sample, str(src), port=port, decode=None)
     server.logger.setLevel(logging.CRITICAL)
     # the same app also listens on `port`: a GET pulls the shard from it (`/_source/...`), as from an AIStore target
