@@ -90,6 +90,13 @@ def test_a_header_claiming_gigabytes_is_not_allocated():
     assert peak < 64 << 20
 
 
+def test_an_old_style_directory_is_no_member():
+    "A member of type '\\0' (old tars' regular file) whose name ends in '/' is a directory, as tarfile reads it."
+    from shardkit.shards.read import tar_members
+    tar = tar_member(b"dir/", b"", kind=b"\0") + tar_member(b"dir/k.txt", b"t") + b"\0" * 1024
+    assert [m["fname"] for m in tar_members(io.BytesIO(tar))] == ["dir/k.txt"]
+
+
 def test_retry_after_and_sizes_from_odd_headers():
     import requests
     from shardkit.remote import answer_size, retry_after_seconds
@@ -112,7 +119,9 @@ def test_s3_listing_and_url_refusals():
 def test_unsound_manifest_is_refused(tmp_path):
     from shardkit.errors import StoreError
     from shardkit.shards.manifest import read_manifest
-    for text in ("", "{}", "[1]", '{"shards": [1], "store": "x", "samples": 0, "bytes": 0}'):
+    ok = '"store": "x", "samples": 0, "bytes": 0'
+    for text in ("", "{}", "[1]", '{"shards": [1], %s}' % ok,
+                 '{"shards": [], "source": {"skipped": {"a": "1"}}, %s}' % ok):
         (tmp_path / "shard-manifest.json").write_text(text)
         with pytest.raises(StoreError, match="not a shardkit manifest"): read_manifest(str(tmp_path))
 
@@ -125,6 +134,8 @@ def test_damaged_index_is_refused(tmp_path):
     np.save(tmp_path / "size.npy", np.ones((2, 1), np.int32))
     with pytest.raises(RandomAccessError, match="shard numbers past the shards"): load_index(tmp_path)
     (tmp_path / "shard.npy").write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': '<i4\n")
+    with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)
+    (tmp_path / "meta.json").unlink()
     with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)
 
 

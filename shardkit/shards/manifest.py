@@ -49,6 +49,10 @@ def _unsound(m) -> str | None:
     if not isinstance(m, dict): return f"a {type(m).__name__}, not an object"
     if not (isinstance(m.get("shards"), list) and isinstance(m.get("store"), str)): return "no store or list of shards"
     if not (_count(m.get("samples")) and _count(m.get("bytes"))): return "no counts of samples and bytes"
+    src = m.get("source")
+    counts = lambda d: isinstance(d or {}, dict) and all(map(_count, (d or {}).values()))  # noqa: E731
+    if src is not None and not (isinstance(src, dict) and counts(src.get("skipped")) and counts(src.get("converted"))):
+        return "a source summary without counts of what was skipped and converted"
     for s in m["shards"]:
         if not (isinstance(s, dict) and isinstance(s.get("name"), str) and _count(s.get("samples"))
                 and _count(s.get("bytes"))):

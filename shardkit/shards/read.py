@@ -109,7 +109,9 @@ class TarEntry(NamedTuple):
     size: int
     data: bytes | None = None
     @property
-    def is_file(self) -> bool: return self.kind in (b"0", b"\0", b"7")
+    def is_file(self) -> bool: return self.kind in (b"0", b"7") or (self.kind == b"\0" and not self.is_dir)
+    @property
+    def is_dir(self) -> bool: return self.kind == b"5" or (self.kind == b"\0" and self.name.endswith("/"))  # old tars'
     @property
     def end(self) -> int: return self.data_offset + -(-self.size // 512) * 512
 
@@ -178,9 +180,9 @@ def tar_members(stream, name: str = "shard") -> Iterator[dict]:
     if head.startswith(_COMPRESSED):  # compressed: tarfile decompresses
         yield from _safe_members(_Rewound(head, stream), name); return
     for e in tar_entries(stream, name, head=head):
-        why = unsafe_name(e.name) or (None if e.is_file or e.kind == b"5" else "a link or device, not a file")
+        why = unsafe_name(e.name) or (None if e.is_file or e.is_dir else "a link or device, not a file")
         if why: _refuse(name, e.name, why)
-        if e.kind != b"5" and not (e.name.startswith("__") and e.name.endswith("__")):
+        if not e.is_dir and not (e.name.startswith("__") and e.name.endswith("__")):
             yield dict(fname=e.name, data=e.data, __url__=name)
     for _ in range(16):  # read the padding after the end marker (tar pads to 10 KB records): a `curl` writing
         if not stream.read(1 << 16): break  # into a pipe that was closed on it would fail the shard
