@@ -39,7 +39,7 @@ def merge_states(states: dict | Sequence[dict],  # Every rank's `state_dict()` (
     job = {k: states[0].get(k) for k in _JOB}
     job["shard_shuffle"] = states[0].get("shard_shuffle", True)
     # the counts the plan computes with, checked (a LoaderError names the field) and taken as ints
-    job.update(epoch=saved_count(job["epoch"], "epoch"), num_workers=saved_count(job["num_workers"], "num_workers", 1),
+    job.update(epoch=saved_count(job["epoch"], "epoch"), num_workers=saved_count(job["num_workers"], "num_workers"),
                shuffle=saved_count(job["shuffle"] or 0, "shuffle"))
     if job["batch_size"] is not None: job["batch_size"] = saved_count(job["batch_size"], "batch_size", 1)
     batches = {}

@@ -47,13 +47,18 @@ def _unsound(m) -> str | None:
     "What a manifest read back lacks (a conversion's settings, store, counts, shards with names and counts), or None."
     if isinstance(m, Exception): return f"not JSON: {str(m)[:80]}"
     if not isinstance(m, dict): return f"a {type(m).__name__}, not an object"
-    if not (isinstance(m.get("shards"), list) and isinstance(m.get("store"), str)): return "no store or list of shards"
+    if not isinstance(m.get("store"), str): return "no store"
     if not (_count(m.get("samples")) and _count(m.get("bytes"))): return "no counts of samples and bytes"
     src = m.get("source")
     counts = lambda d: isinstance(d or {}, dict) and all(map(_count, (d or {}).values()))  # noqa: E731
     if src is not None and not (isinstance(src, dict) and counts(src.get("skipped")) and counts(src.get("converted"))):
         return "a source summary without counts of what was skipped and converted"
-    for s in m["shards"]:
+    return _unsound_shards(m.get("shards"))
+
+def _unsound_shards(shards) -> str | None:
+    "What a manifest's list of shards lacks (each a record with a name and counts of samples and bytes), or None."
+    if not isinstance(shards, list): return "no list of shards"
+    for s in shards:
         if not (isinstance(s, dict) and isinstance(s.get("name"), str) and _count(s.get("samples"))
                 and _count(s.get("bytes"))):
             return f"a shard without a name and counts: {str(s)[:80]}"
@@ -107,7 +112,7 @@ def _manifests(store) -> Iterator[tuple[str, dict]]:
     for name in store.list("*manifest.json"):
         try: m = json.loads(store.read_bytes(name))
         except ValueError: continue
-        if _unsound(m) is None and "complete" in m: yield name, m
+        if isinstance(m, dict) and "complete" in m and _unsound_shards(m.get("shards")) is None: yield name, m
 
 def incomplete_jobs(store) -> list[str]:
     "One line per manifest in `store` that says its job did not finish."
