@@ -170,12 +170,13 @@ def test_train_checkpoint_without_a_field_is_refused(tmp_path):
     assert load_checkpoint(tmp_path / "ck.pt", model, "cpu", 1)["steps"] == 1
 
 
-def test_sidecar_source_route_answers_404_for_a_name_too_long(tmp_path):
+def test_sidecar_source_route_refuses_names_no_file_can_have(tmp_path):
     from starlette.testclient import TestClient
     from shardkit.etl.sidecar import sidecar_server
     server = sidecar_server(lambda s: s, str(tmp_path), decode=None)
-    r = TestClient(server.app).get("/_source/" + "x" * 300)
-    assert r.status_code == 404
+    client = TestClient(server.app, raise_server_exceptions=False)
+    assert client.get("/_source/" + "x" * 300).status_code == 404  # too long for the file system: OSError
+    assert client.get("/_source/a%00b").status_code == 400  # a NUL byte: ValueError in the path's resolve()
 
 
 def test_tarfile_agrees_on_the_corpus():

@@ -92,11 +92,13 @@ def fuzz_one(name: str, seconds: float, runs: int | None, out: Path, binary: Pat
     if m := re.search(r"stat::number_of_executed_units: (\d+)", text): execs = max(execs, int(m.group(1)))
     if m := re.search(r"stat::peak_rss_mb: (\d+)", text): rss = max(rss, int(m.group(1)))
     found = sorted(p for p in work.iterdir() if p.name.startswith(("crash-", "oom-", "timeout-", "leak-")))
+    said = any(w in text for w in ("=== Uncaught Python exception", "ERROR: libFuzzer", "ERROR: AddressSanitizer",
+                                   "runtime error:"))  # a process that died before writing its input says so
     kept = [save_input(seeds, p.read_bytes(), p.name.split("-")[0]) for p in found]
     slow = sorted((work / "slow").glob("slow-*")) if (work / "slow").is_dir() else []
     kept += [save_input(seeds, p.read_bytes(), "slow") for p in slow]
     fuzz_s = float(m.group(1)) if (m := re.search(r"Done \d+ runs in (\d+) second", text)) else took
-    return dict(target=name, executions=execs, per_s=execs / max(fuzz_s, 1e-9), cov=cov, ft=ft, crashes=len(found),
+    return dict(target=name, executions=execs, per_s=execs / max(fuzz_s, 1e-9), cov=cov, ft=ft, crashes=max(len(found), int(said)),
                 slow=len(slow), rss_mb=rss, seconds=took, rc=r.returncode, kept=[str(p) for p in kept],
                 log=str(work / "log.txt"))
 
