@@ -135,6 +135,8 @@ def test_damaged_index_is_refused(tmp_path):
     with pytest.raises(RandomAccessError, match="shard numbers past the shards"): load_index(tmp_path)
     (tmp_path / "shard.npy").write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': '<i4\n")
     with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)
+    (tmp_path / "shard.npy").write_bytes(b"\x93NUMPY\x01\x00\x20\x00{'descr': b'', 'shape': (2,)}    \n")
+    with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)  # TypeError in numpy's parser
     (tmp_path / "meta.json").unlink()
     with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)
 

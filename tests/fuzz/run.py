@@ -98,9 +98,9 @@ def fuzz_one(name: str, seconds: float, runs: int | None, out: Path, binary: Pat
     slow = sorted((work / "slow").glob("slow-*")) if (work / "slow").is_dir() else []
     kept += [save_input(seeds, p.read_bytes(), "slow") for p in slow]
     fuzz_s = float(m.group(1)) if (m := re.search(r"Done \d+ runs in (\d+) second", text)) else took
-    return dict(target=name, executions=execs, per_s=execs / max(fuzz_s, 1e-9), cov=cov, ft=ft, crashes=max(len(found), int(said)),
-                slow=len(slow), rss_mb=rss, seconds=took, rc=r.returncode, kept=[str(p) for p in kept],
-                log=str(work / "log.txt"))
+    return dict(target=name, executions=execs, per_s=execs / max(fuzz_s, 1e-9), cov=cov, ft=ft,
+                crashes=max(len(found), int(said)), slow=len(slow), rss_mb=rss, seconds=took, rc=r.returncode,
+                kept=[str(p) for p in kept], log=str(work / "log.txt"))
 
 
 def table(rows: list[dict]) -> str:
