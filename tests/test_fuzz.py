@@ -90,6 +90,28 @@ def test_a_header_claiming_gigabytes_is_not_allocated():
     assert peak < 64 << 20
 
 
+def test_a_negative_size_is_refused_not_sought_back():
+    "int(text, 8) takes a sign: a size of -512 sent the header scan back to the same header, for ever."
+    from shardkit.shards.fields import ShardError
+    from shardkit.shards.read import tar_entries
+    h = bytearray(tar_member(b"a.jpg", b"")); h[124:136] = b"-0001000\0   "
+    h[148:156] = b" " * 8; h[148:156] = b"%06o\0 " % sum(h[:512])
+    for data in (True, False):
+        t0 = time.monotonic()
+        with pytest.raises(ShardError, match="bad size"): list(tar_entries(io.BytesIO(bytes(h) * 3), data=data))
+        assert time.monotonic() - t0 < 5
+
+
+def test_etl_skips_a_sample_with_a_field_of_no_name():
+    "A member named `000.` is a field with no name: the writer cannot write it (IndexError, HTTP 500 before)."
+    import warnings
+    from shardkit.etl.core import ShardTransform
+    tar = tar_member(b"000.", b"x") + tar_member(b"001.cls", b"1") + b"\0" * 1024
+    t = ShardTransform(lambda s: s, None, "skip", None)
+    with warnings.catch_warnings(): warnings.simplefilter("ignore"); out = t(tar, "s.tar")
+    assert t.counts["skipped"] == 1 and t.counts["out"] == 1 and b"001.cls" in out
+
+
 def test_an_old_style_directory_is_no_member():
     "A member of type '\\0' (old tars' regular file) whose name ends in '/' is a directory, as tarfile reads it."
     from shardkit.shards.read import tar_members

@@ -52,10 +52,13 @@ def _safe_members(stream, name: str) -> Iterator[dict]:
 # %% ../../nbs/04_read.ipynb
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")  # gzip, bzip2, xz, zstd
 
+_OCTAL = re.compile(rb"[0-7]*")
+
 def _number(field: bytes) -> int:
     "A tar header's number: octal text, or GNU base-256 for large values."
     if field[:1] and field[0] & 0x80: return int.from_bytes(field[1:], "big")
     text = field.split(b"\0", 1)[0].strip()
+    if not _OCTAL.fullmatch(text): raise ValueError(f"not an octal number: {text!r}")  # int() takes '-', '+', '_'
     return int(text, 8) if text else 0
 
 def _read(stream, n: int) -> bytes:

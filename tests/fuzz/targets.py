@@ -91,6 +91,8 @@ def tar():
                     if got is not None and tar[off:off + size] != got and [n for n, _ in members].count(name) == 1:
                         raise Broken(f"member {name!r}: {size} bytes at offset {off} differ from what the read gave")
                 group_members([n for n, *_ in files], [o for _, o, _ in files], [s for *_, s in files], "fuzz.tar")
+        if isinstance(ents, Exception) and not isinstance(members, Exception):
+            raise Broken(f"the header scan refuses what the read accepts: {ents}")
         if isinstance(members, Exception): raise members
         theirs = tarfile_files(tar) if _posix_names(tar, ents) else None
         if theirs is not None and theirs != members:
