@@ -112,6 +112,14 @@ def test_etl_skips_a_sample_with_a_field_of_no_name():
     assert t.counts["skipped"] == 1 and t.counts["out"] == 1 and b"001.cls" in out
 
 
+def test_an_empty_long_name_is_an_empty_name():
+    "An empty GNU long name names the next member '' (as tarfile reads it), refused; not the header's own name."
+    from shardkit.shards.fields import ShardError
+    from shardkit.shards.read import tar_members
+    tar = tar_member(b"././@LongLink", b"\0", b"L") + tar_member(b"a.txt", b"t") + b"\0" * 1024
+    with pytest.raises(ShardError, match="empty name"): list(tar_members(io.BytesIO(tar)))
+
+
 def test_an_old_style_directory_is_no_member():
     "A member of type '\\0' (old tars' regular file) whose name ends in '/' is a directory, as tarfile reads it."
     from shardkit.shards.read import tar_members

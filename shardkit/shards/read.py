@@ -165,11 +165,13 @@ def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | No
         elif skip(size) < size: raise bad("it ends inside a member")
         skip(-size % 512)  # the padding (a tar cut short after its last member's data still yields that member)
         if kind in (b"L", b"x"):  # GNU long name, pax header: they name the next member
-            try: long_name = body.rstrip(b"\0") if kind == b"L" else _pax_path(body) or long_name
+            try: named = body.rstrip(b"\0") if kind == b"L" else _pax_path(body)
             except ValueError: raise bad("a broken pax header") from None
+            long_name = named if named is not None else long_name  # an empty one is a name (refused), as tarfile's
         elif kind == b"g": start = None  # a pax global header says nothing shardkit needs
         else:
-            fname, long_name = (long_name or member).decode("utf-8", "surrogateescape"), None
+            fname = (long_name if long_name is not None else member).decode("utf-8", "surrogateescape")
+            long_name = None
             yield TarEntry(fname, kind, start, body_at, size=size, data=body if data else None)
             start = None
         at, head = pos(), read(512)
