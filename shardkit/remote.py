@@ -9,6 +9,7 @@ import email.utils
 import errno
 import http.client
 import io
+import math
 import multiprocessing as mp
 import os
 import random
@@ -29,9 +30,9 @@ from .errors import LoaderError, StoreError, UsageError, command_running
 __all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'HOPELESS', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError',
            'ObjectMissing', 'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer',
            'rebalance_conflict', 'fault_cause', 'Retries', 'as_retries', 'retry_bound', 'say_line',
-           'retry_after_seconds', 'fault_host', 'retried', 'http_session', 'content_version', 'objects_moving',
-           'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote', 'answer_ok', 'remote_request',
-           'read_range', 'remote_head', 'remote_put']
+           'retry_after_seconds', 'fault_host', 'retried', 'http_session', 'content_version', 'answer_size',
+           'objects_moving', 'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote', 'answer_ok',
+           'remote_request', 'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -268,8 +269,9 @@ def _retry_after(e: BaseException) -> float | None:
 def retry_after_seconds(value: str | None) -> float | None:
     "A `Retry-After` header's seconds (a number, or an HTTP date), or None."
     if not value: return None
-    try: return max(float(value), 0.0)
+    try: s = float(value)
     except ValueError: pass
+    else: return max(s, 0.0) if math.isfinite(s) else None  # 'nan' and 'inf' parse as floats: no wait says them
     try: return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     except (TypeError, ValueError): return None
 
@@ -375,12 +377,13 @@ def content_version(headers) -> str:
     if cs or v: return f"{cs}/{v}"
     return headers.get("ETag") or headers.get("Last-Modified") or ""
 
-def _total(r) -> int | None:
+def answer_size(r) -> int | None:
     "The object's size from an answer: the total of its `Content-Range`, else its `Content-Length`."
     cr = r.headers.get("Content-Range", "")
-    if "/" in cr and cr.rsplit("/", 1)[1].strip().isdigit(): return int(cr.rsplit("/", 1)[1])
+    total = cr.rsplit("/", 1)[1].strip() if "/" in cr else ""
+    if total.isascii() and total.isdigit(): return int(total)  # ASCII: str.isdigit() also takes '³', which int() not
     n = r.headers.get("Content-Length", "")
-    return int(n) if n.isdigit() and r.status_code == 200 else None
+    return int(n) if n.isascii() and n.isdigit() and r.status_code == 200 else None
 
 def objects_moving(url: str,                   # The object's URL on an AIStore proxy (`.../v1/objects/...`)
                    answered: str | None = None,  # The URL that answered 404 (a target's, after the redirect)
@@ -469,7 +472,7 @@ def _request(self: RemoteStream):
         answer = HTTPAnswer(r.status_code, after, text)
         answer.url = r.url  # who answered (AIStore: the target the proxy sent it to)
         raise answer
-    version, size = content_version(r.headers), _total(r)
+    version, size = content_version(r.headers), answer_size(r)
     changed = [(what, a, b) for what, a, b in (("version", self.version, version), ("size", self.size, size))
                if a and b and a != b]
     if changed or (r.status_code == 200 and "If-Range" in h):
@@ -595,8 +598,8 @@ def read_range(url: str, start: int, end: int, retries: Retries | None = None, *
             raise RemoteError(f"{name} does not answer range requests (HTTP 200 to a Range): read whole shards "
                               "instead (read='cache')")
         answer_ok(r, name, ok=(206,), auth=auth)
-        got = [(w, a, b) for w, a, b in (("version", version, content_version(r.headers)), ("size", size, _total(r)))
-               if a and b and a != b]
+        now = (("version", version, content_version(r.headers)), ("size", size, answer_size(r)))
+        got = [(w, a, b) for w, a, b in now if a and b and a != b]
         if got: raise ObjectChanged(f"{name} is now {got[0][0]} {got[0][2]}, indexed as {got[0][1]}: the shard "
                                     "changed after indexing: build the loader again")
         if len(r.content) != end - start: raise http.client.IncompleteRead(r.content, end - start - len(r.content))

@@ -36,8 +36,8 @@ from .errors import StoreError, UsageError
 
 # %% auto 0
 __all__ = ['NO_KEYS', 'EMPTY_SHA256', 'MAX_PUT', 'S3Settings', 'parse_s3_url', 's3_url', 's3_name', 'S3Client', 'object_url',
-           's3_client', 'S3Auth', 's3_code', 's3_refusal', 'S3Object', 'list_objects', 's3_object', 's3_open',
-           's3_range', 's3_head', 's3_put', 's3_delete', 'bucket_exists', 'create_bucket', 's3_stat']
+           's3_client', 'S3Auth', 's3_code', 's3_refusal', 'S3Object', 'listing_page', 'list_objects', 's3_object',
+           's3_open', 's3_range', 's3_head', 's3_put', 's3_delete', 'bucket_exists', 'create_bucket', 's3_stat']
 
 # %% ../nbs/01b_s3.ipynb
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class S3Settings:
 _OPTIONS = tuple(f.name for f in fields(S3Settings))
 
 # %% ../nbs/01b_s3.ipynb
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")  # S3's bucket names, with the upper case and '_' older stores allow
+
 def parse_s3_url(url: str) -> tuple[str, str, S3Settings]:
     "(bucket, key, settings) of `s3://bucket/key`; settings that travel with it follow a `?` (`?endpoint_url=...`)."
     if not str(url).startswith("s3://"): raise UsageError(f"{url!r} is not an s3:// URL (s3://BUCKET/KEY)")
@@ -71,6 +73,8 @@ def parse_s3_url(url: str) -> tuple[str, str, S3Settings]:
         if pairs and all(k in _OPTIONS for k, _ in pairs): rest, opts = head, dict(pairs)
     bucket, _, key = rest.partition("/")
     if not bucket: raise StoreError(f"{url!r} names no bucket; use s3://BUCKET/KEY or s3://BUCKET/PREFIX/")
+    if not _BUCKET.fullmatch(bucket):  # a '?' in it would be read as settings once the URL is written again
+        raise StoreError(f"{url!r} names bucket {bucket!r}, which is not a bucket name (letters, digits, '.-_')")
     if "anonymous" in opts: opts["anonymous"] = opts["anonymous"].lower() in ("1", "true", "yes")
     return bucket, key, S3Settings(**opts)
 
@@ -285,15 +289,20 @@ class S3Object(NamedTuple):
 
 def _local(tag: str) -> str: return tag.rpartition("}")[2]
 
-def _page(content: bytes) -> tuple[list[S3Object], bool, str]:
+def listing_page(content: bytes) -> tuple[list[S3Object], bool, str]:
     "The objects of one ListObjectsV2 page, whether more follow, and the token for them."
-    root, objs, more, token = ET.fromstring(content), [], False, ""
+    try: root = ET.fromstring(content)
+    except (ET.ParseError, LookupError, ValueError) as e:  # an encoding Python does not know, or cannot parse
+        raise StoreError(f"the store answered a listing that is not XML ({e})") from None
+    objs, more, token = [], False, ""
     for el in root:
         t = _local(el.tag)
         if t == "Contents":
             d = {_local(x.tag): x.text or "" for x in el}
-            tag = d.get("ETag", "").strip('"')
-            objs.append(S3Object(d["Key"], int(d.get("Size") or 0), f'"{tag}"' if tag else ""))
+            tag, size = d.get("ETag", "").strip('"'), (d.get("Size") or "0").strip()
+            if not d.get("Key") or not (size.isascii() and size.isdigit()):
+                raise StoreError(f"the store listed an object without a key or a size in bytes: {str(d)[:200]}")
+            objs.append(S3Object(d["Key"], int(size), f'"{tag}"' if tag else ""))
         elif t == "IsTruncated": more = (el.text or "").strip().lower() == "true"
         elif t == "NextContinuationToken": token = el.text or ""
     return objs, more, token
@@ -311,7 +320,7 @@ def list_objects(bucket: str, prefix: str = "", settings: S3Settings | None = No
         url = object_url(client, bucket, "", q)
         page = retried(lambda: answer_ok(http_session().get(url, timeout=retries.timeout, auth=auth), name,
                                          "list", auth=auth).content, name, retries, "listing", url=url, auth=auth)
-        objs, more, token = _page(page)
+        objs, more, token = listing_page(page)
         yield from objs
         if not more or not objs: return
         after = objs[-1].key

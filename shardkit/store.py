@@ -123,6 +123,7 @@ class LocalStore:
     def __repr__(self): return f"LocalStore({shown_path(self.spec)!r})"
     def path(self, name: str) -> Path:
         "The local file of object `name`."
+        if "\0" in name: raise StoreError(f"object name {name!r} holds a NUL byte, which no file name can")
         p = (self.root / name).resolve()
         if self.root not in p.parents:
             raise StoreError(f"object name {name!r} points outside the store {shown_path(self.spec)}")

@@ -448,7 +448,8 @@ def imported_elsewhere(source: str, module: str | None, homes: dict, packages: s
     for n in ast.walk(ast.parse(source)):
         if not isinstance(n, ast.ImportFrom): continue
         src = n.module or ""
-        if n.level:  # relative, in a module of the package
+        if n.level:  # relative, in a module of the package (or of tests/fuzz, which imports no shardkit name so)
+            if module is None: continue
             base = module.split(".")[:len(module.split(".")) - n.level]
             src = ".".join(base + ([n.module] if n.module else []))
         if not src.startswith("shardkit"): continue

@@ -95,6 +95,8 @@ def apply(self: SampleTransform, sample: dict, keep_raw: bool = False) -> dict |
         raise ETLError(f"transform {getattr(self.fn, '__name__', self.fn)} returned a {type(out).__name__}: "
                        "return the sample as a dict (or None to drop it)")
     out["__key__"] = sample["__key__"]
+    if "" in out:  # a member named `key.` (WebDataset reads it as a field with no name): no tar name can hold it
+        raise ETLError(f"the sample has a field with no name (a member named {sample['__key__']!r} + '.')")
     if keep_raw:
         out = {k: sample[k] if (k in dec and v is dec[k] and isinstance(sample.get(k), bytes)) else v
                for k, v in out.items() if k == "__key__" or not k.startswith("__")}

@@ -91,9 +91,10 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
         from starlette.routing import Route
         async def _source(request):
             name = request.path_params["name"]
-            try: path = store.path(name)
+            try: path = store.path(name); there = path.is_file()
             except StoreError as e: return PlainTextResponse(str(e), status_code=400)
-            if not path.is_file(): return PlainTextResponse(f"no object {name!r} in {store.spec}", status_code=404)
+            except OSError as e: there = False; name = f"{name[:80]}... ({e.strerror})"  # a name too long, say
+            if not there: return PlainTextResponse(f"no object {name!r} in {store.spec}", status_code=404)
             return FileResponse(path)
         server.app.router.routes.insert(0, Route("/_source/{name:path}", _source))
     _guard(server.app, store)

@@ -38,7 +38,17 @@ def merge_states(states: dict | Sequence[dict],  # Every rank's `state_dict()` (
                           "to share out again; resume it on the shape that saved it")
     job = {k: states[0].get(k) for k in _JOB}
     job["shard_shuffle"] = states[0].get("shard_shuffle", True)
-    return dict(job, world_size=world, batches={s["rank"]: list(s["batches"]) for s in states})
+    # the counts the plan computes with, checked (a LoaderError names the field) and taken as ints
+    job.update(epoch=saved_count(job["epoch"], "epoch"), num_workers=saved_count(job["num_workers"], "num_workers"),
+               shuffle=saved_count(job["shuffle"] or 0, "shuffle"))
+    if job["batch_size"] is not None: job["batch_size"] = saved_count(job["batch_size"], "batch_size", 1)
+    batches = {}
+    for s in states:
+        if not isinstance(s.get("batches"), (list, tuple)):
+            raise LoaderError(f"cannot resume: batches is {s.get('batches')!r:.60} in rank {s['rank']}'s saved state; "
+                              "it should be a list of counts, one per worker. The state is corrupted")
+        batches[saved_count(s["rank"], "rank")] = [saved_count(n, f"batches[{w}]") for w, n in enumerate(s["batches"])]
+    return dict(job, world_size=world, batches=batches)
 
 # %% ../../nbs/24b_elastic.ipynb
 def _epoch_shards(job: dict, urls: Sequence[str]) -> list[list]:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import time
+import tokenize
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from .sources import shard_urls
 # %% auto 0
 __all__ = ['ARCHIVE_EXTS', 'RandomAccessError', 'group_members', 'index_cache_dir', 'index_tar', 'key_from_header', 'SampleIndex',
            'save_index', 'load_index', 'file_lock', 'index_url', 'remote_index_path', 'cached_index', 'sample_index',
-           'index_ais', 'synthetic_listing', 'index_scale', 'synthetic_index', 'index_memory']
+           'index_ais', 'index_listing', 'synthetic_listing', 'index_scale', 'synthetic_index', 'index_memory']
 
 # %% ../../nbs/26_loading.index.ipynb
 class RandomAccessError(ShardkitError):
@@ -49,8 +50,8 @@ def group_members(names: Sequence[str], offsets, sizes, shard: str = "shard") ->
         seen.add(field)
         if field not in fid: fid[field] = len(fields); fields.append(field)
         m_sample.append(len(keys) - 1); m_field.append(fid[field]); keep.append(j)
-    blob = "".join(keys).encode()
-    key_end = np.cumsum([len(k.encode()) for k in keys], dtype=np.int64)
+    blob = "".join(keys).encode(errors="surrogateescape")  # names not in UTF-8 were read as surrogateescape
+    key_end = np.cumsum([len(k.encode(errors="surrogateescape")) for k in keys], dtype=np.int64)
     keep = np.array(keep, np.int64)
     plain = all(names[j].isascii() and len(names[j]) <= 100 for j in keep)
     return dict(keys=np.frombuffer(blob, np.uint8), key_end=key_end, fields=np.array(fields, dtype=str),
@@ -119,7 +120,7 @@ class SampleIndex:
             path, off = self.shards[self.shard[i]], int(self.offset[i, 0])
             with open(path, "rb") as f:
                 return key_from_header(os.pread(f.fileno(), 512, off - 512), self.fields[0], path)
-        return bytes(self.keys[(self.key_end[i - 1] if i else 0):self.key_end[i]]).decode()
+        return bytes(self.keys[(self.key_end[i - 1] if i else 0):self.key_end[i]]).decode(errors="surrogateescape")
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.shard, self.offset, self.size, self.keys, self.key_end) if a is not None)
@@ -182,16 +183,49 @@ def save_index(idx: SampleIndex, folder: str | Path) -> Path:
     except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process saved the same index first
     return folder
 
+def _unsound_index(meta, a: dict) -> str | None:
+    "What an index read back from disk lacks (plain data of the right kinds, arrays that fit), or None."
+    strs = lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x)  # noqa: E731
+    if not (isinstance(meta, dict) and strs(meta.get("shards")) and strs(meta.get("fields"))
+            and isinstance(meta.get("source"), str) and meta.get("kind") in ("local", "http", "ais", "s3")
+            and isinstance(meta.get("endpoint"), (str, type(None))) and (meta.get("versions") is None or (
+                strs(meta["versions"]) and len(meta["versions"]) == len(meta["shards"])))):
+        return "meta.json lacks shards, fields, source, kind or versions of the right kinds"
+    ints = lambda x, dims: x is not None and x.dtype.kind in "iu" and x.ndim == dims  # noqa: E731
+    shard, n, F = a["shard"], len(a["shard"]) if a["shard"] is not None else 0, len(meta["fields"])
+    if not (ints(shard, 1) and ints(a["size"], 2) and a["size"].shape == (n, F)):
+        return "shard.npy or size.npy missing, or not integers of one row per sample"
+    if n and not (0 <= shard.min() and shard.max() < len(meta["shards"])): return "shard numbers past the shards"
+    if a["offset"] is not None and not (ints(a["offset"], 2) and a["offset"].shape == (n, F)):
+        return "offset.npy not integers of one row per sample"
+    if (a["keys"] is None) != (a["key_end"] is None) or (a["keys"] is not None and not (
+            ints(a["keys"], 1) and ints(a["key_end"], 1) and len(a["key_end"]) == n
+            and (not n or 0 <= a["key_end"][0] <= a["key_end"][-1] <= len(a["keys"])))):
+        return "keys.npy and key_end.npy do not fit"
+    sb = a["shard_bytes"]
+    if sb is not None and not (ints(sb, 1) and len(sb) == len(meta["shards"])):
+        return "shard_bytes.npy not one size per shard"
+    return None
+
 def load_index(folder: str | Path) -> SampleIndex:
     "The index saved in `folder`, its arrays memory-mapped read-only: the processes of a machine share one copy."
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
-    a = {n: np.load(folder / f"{n}.npy", mmap_mode="r") if (folder / f"{n}.npy").exists() else None for n in _ARRAYS}
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        a = {n: np.load(folder / f"{n}.npy", mmap_mode="r") if (folder / f"{n}.npy").exists() else None
+             for n in _ARRAYS}
+        why = _unsound_index(meta, a)
+    except (OSError, ValueError, TypeError, EOFError, RecursionError, SyntaxError, tokenize.TokenError) as e:
+        # (numpy's header parser raises several of these for a header that is not its own)
+        why = f"{type(e).__name__}: {e}"[:200]
+    if why:
+        raise RandomAccessError(f"the sample index in {shown_path(folder)} is damaged ({why}); delete that folder: "
+                                "the next loader builds it again")
     idx = SampleIndex(meta["shards"], a["shard"], a["offset"], a["size"], keys=a["keys"], key_end=a["key_end"],
                       fields=meta["fields"],
                       source=meta["source"])
     idx.shard_bytes, idx.kind = a["shard_bytes"], meta["kind"]
-    if meta["endpoint"]: idx.endpoint = meta["endpoint"]
+    if meta.get("endpoint"): idx.endpoint = meta["endpoint"]
     idx.versions = meta.get("versions")
     return idx
 
@@ -314,19 +348,23 @@ def index_ais(store: AISStore,                  # The bucket (and prefix)
               expect: list | None = None,       # The shards' (name, size, version) a cache key was made of, if any
              ) -> SampleIndex:
     "The index of every sample in the shards of AIStore bucket `store`, from one `ARCH_DIR` listing, streamed."
-    return listed_settled(store, lambda: _index_listing(store, fields, expect), f"the shards of {store.spec}")
+    return listed_settled(store, lambda: index_listing(store, fields, expect), f"the shards of {store.spec}")
 
-def _index_listing(store: AISStore, fields: Sequence[str], expect: list | None) -> SampleIndex:
+def index_listing(store: AISStore, fields: Sequence[str], expect: list | None) -> SampleIndex:
+    "The index of one `ARCH_DIR` listing of `store` (`index_ais` without its wait for a settled cluster)."
     from aistore.sdk.list_object_flag import ListObjectFlag
     shards, sizes, versions, groups, members = [], [], [], [], []
     where = lambda: f"ais://{store.bucket.name}/{shards[-1]}"
     for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version",
                                             flags=[ListObjectFlag.ARCH_DIR]):
+        size = int(e.size)
+        if not 0 <= size < 2**63:  # a listing is another program's answer: a size past int64 is no size
+            raise RandomAccessError(f"AIStore listed {e.name!r} in {store.spec} with a size of {size} bytes")
         if shards and e.name.startswith(shards[-1] + "/"):
-            members.append((e.name[len(shards[-1]) + 1:], int(e.size)))
+            members.append((e.name[len(shards[-1]) + 1:], size))
         elif e.name.endswith(ARCHIVE_EXTS):
             if shards: groups.append(_group_listing(members, where()))  # one shard's names at a time, then arrays
-            shards.append(e.name); sizes.append(int(e.size)); versions.append(_ais_version(e)); members = []
+            shards.append(e.name); sizes.append(size); versions.append(_ais_version(e)); members = []
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
     if expect is not None and list(zip(shards, sizes, versions)) != expect:

@@ -176,6 +176,15 @@ def _step(s: dict) -> int:
     "Samples a step of the whole job takes from the order, for a state's (or loader's) shape."
     return s["batch_size"] * (s["world_size"] if s["drop_last"] or s["pad"] else 1)
 
+def _saved_step(state: dict) -> int:
+    "`_step` of a saved state, its fields checked: a LoaderError names the one that is wrong."
+    for k in ("drop_last", "pad"):
+        if not isinstance(state.get(k), bool):
+            raise LoaderError(f"cannot resume: {k} is {state.get(k)!r:.60} in the saved state; it should be True or "
+                              "False. The state is corrupted or not a loader's state_dict(): use an earlier checkpoint")
+    return _step(dict(state, batch_size=saved_count(state.get("batch_size"), "batch_size", 1),
+                      world_size=saved_count(state.get("world_size"), "world_size", 1)))
+
 @patch
 def state_dict(self: RandomAccessLoader) -> dict:
     "Where the loader is: the epoch and how far the whole job is into its order, with what the order depends on."
@@ -190,14 +199,15 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
     "Continue from `state` (any rank's `state_dict`) on this loader's shape: the rest of the epoch's order, once."
     check_resumable(state, self.state_dict(), _MUST_MATCH, "random-access loader")
     epoch = saved_count(state.get("epoch"), "epoch")
+    saved_step = _saved_step(state)
     if "position" in state: position = saved_count(state["position"], "position", 0, len(self.dataset))
     else:  # a state without a position holds the batch count of the saved shape
-        position = min(saved_count(state.get("batch"), "batch") * _step(state), len(self.dataset))
+        position = min(saved_count(state.get("batch"), "batch") * saved_step, len(self.dataset))
     step = _step(self.state_dict())
     self.epoch, self._restored = epoch, True
     self.start, self.batch = (0, position // step) if position % step == 0 else (position, 0)
     if self.start:
-        print(f"resumed at sample {position} of epoch {epoch}'s order on steps of {step} samples, not {_step(state)}: "
+        print(f"resumed at sample {position} of epoch {epoch}'s order on steps of {step} samples, not {saved_step}: "
               "the rest of its order, each sample once, cut into the new steps", file=sys.stderr)
     if self.batch >= len(self): self.epoch, self.batch, self.start = self.epoch + 1, 0, 0  # saved at the epoch's end
 

@@ -26,8 +26,18 @@ class SkipSample(ShardkitError):
 # %% ../../nbs/03_fields.ipynb
 def split_key(member: str) -> tuple[str | None, str | None]:
     "WebDataset's split of a tar member name into (key, field): the key ends at the first dot of the file name."
-    from webdataset.tariterators import base_plus_ext  # here, not at the top: webdataset imports torch
-    return base_plus_ext(member)
+    # webdataset's regex `^((?:.*/|)[^.]+)[.]([^/]*)$`, in linear time: the regex backtracks in quadratic time over
+    # long names of many slashes (a 20 KB name takes seconds), and names come from shards
+    slash = member.rfind("/")
+    dot = member.find(".", slash + 1)  # the first dot of the file name: where the key ends, if the regex matches
+    if dot < 0: return None, None
+    newline = member.find("\n")  # the regex's `.*/` does not cross a newline
+    if dot >= slash + 2 and (newline < 0 or newline > slash): return member[:dot], member[dot + 1:]
+    # the file name starts with a dot, or a newline precedes the last slash: the key may end at an earlier slash
+    if slash < 0: return None, None
+    last_dot = member.rfind(".", 0, slash)
+    before = member.rfind("/", 0, slash if newline < 0 else min(slash, newline))
+    return (member[:dot], member[dot + 1:]) if last_dot < 0 or before > last_dot else (None, None)
 
 # %% ../../nbs/03_fields.ipynb
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "webp", "bmp"})

@@ -34,7 +34,35 @@ def read_manifest(dest, prefix: str = "shard-") -> dict | None:
     "The manifest of the conversion with `prefix` in store `dest`, or None."
     store = open_store(dest)
     if not store.exists(manifest_name(prefix)): return None
-    return json.loads(store.read_bytes(manifest_name(prefix)))
+    try: m = json.loads(store.read_bytes(manifest_name(prefix)))
+    except (ValueError, RecursionError) as e: m = e
+    if why := _unsound(m):
+        raise StoreError(f"{manifest_name(prefix)} in {shown_path(store.spec)} is not a shardkit manifest ({why}); "
+                         "delete it and its shards to start over, or write to another prefix")
+    return m
+
+def _count(x) -> bool: return type(x) is int and x >= 0
+
+def _unsound(m) -> str | None:
+    "What a manifest read back lacks (a conversion's settings, store, counts, shards with names and counts), or None."
+    if isinstance(m, Exception): return f"not JSON: {str(m)[:80]}"
+    if not isinstance(m, dict): return f"a {type(m).__name__}, not an object"
+    if not isinstance(m.get("store"), str): return "no store"
+    if not (_count(m.get("samples")) and _count(m.get("bytes"))): return "no counts of samples and bytes"
+    src = m.get("source")
+    counts = lambda d: isinstance(d or {}, dict) and all(map(_count, (d or {}).values()))  # noqa: E731
+    if src is not None and not (isinstance(src, dict) and counts(src.get("skipped")) and counts(src.get("converted"))):
+        return "a source summary without counts of what was skipped and converted"
+    return _unsound_shards(m.get("shards"))
+
+def _unsound_shards(shards) -> str | None:
+    "What a manifest's list of shards lacks (each a record with a name and counts of samples and bytes), or None."
+    if not isinstance(shards, list): return "no list of shards"
+    for s in shards:
+        if not (isinstance(s, dict) and isinstance(s.get("name"), str) and _count(s.get("samples"))
+                and _count(s.get("bytes"))):
+            return f"a shard without a name and counts: {str(s)[:80]}"
+    return None
 
 def save_manifest(store, m: dict):
     store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), manifest_name(m["prefix"]))
@@ -84,7 +112,7 @@ def _manifests(store) -> Iterator[tuple[str, dict]]:
     for name in store.list("*manifest.json"):
         try: m = json.loads(store.read_bytes(name))
         except ValueError: continue
-        if isinstance(m, dict) and isinstance(m.get("shards"), list) and "complete" in m: yield name, m
+        if isinstance(m, dict) and "complete" in m and _unsound_shards(m.get("shards")) is None: yield name, m
 
 def incomplete_jobs(store) -> list[str]:
     "One line per manifest in `store` that says its job did not finish."
@@ -98,7 +126,9 @@ def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str
     store = open_store(store)
     recs = {s["name"]: s for _, m in _manifests(store) for s in m["shards"]}
     names = list(recs) if names is None else list(names)
-    if not names or any("fields" not in recs.get(n, {}) for n in names): return None  # none, or written before 11-2026
+    fields = lambda n: recs.get(n, {}).get("fields")  # noqa: E731
+    if not names or not all(isinstance(fields(n), dict) and all(map(_count, fields(n).values())) for n in names):
+        return None  # none, or written before 11-2026
     counts = {}
     for n in names:
         for k, c in recs[n]["fields"].items(): counts[k] = counts.get(k, 0) + c

@@ -52,10 +52,13 @@ def _safe_members(stream, name: str) -> Iterator[dict]:
 # %% ../../nbs/04_read.ipynb
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")  # gzip, bzip2, xz, zstd
 
+_OCTAL = re.compile(rb"[0-7]*")
+
 def _number(field: bytes) -> int:
     "A tar header's number: octal text, or GNU base-256 for large values."
     if field[:1] and field[0] & 0x80: return int.from_bytes(field[1:], "big")
     text = field.split(b"\0", 1)[0].strip()
+    if not _OCTAL.fullmatch(text): raise ValueError(f"not an octal number: {text!r}")  # int() takes '-', '+', '_'
     return int(text, 8) if text else 0
 
 def _read(stream, n: int) -> bytes:
@@ -82,8 +85,11 @@ def _pax_path(data: bytes) -> bytes | None:
     "The `path` record of a pax extended header (`LEN path=VALUE\\n` records), if it has one."
     path, i = None, 0
     while i < len(data) and data[i:i + 1] != b"\0":
-        length = int(data[i:data.index(b" ", i)])
-        key, _, value = data[data.index(b" ", i) + 1:i + length - 1].partition(b"=")
+        space = data.index(b" ", i)
+        length = int(data[i:space])
+        if length <= space - i + 1 or i + length > len(data):  # a record must hold more than its length, and fit
+            raise ValueError(f"a pax record of length {length} at byte {i}")
+        key, _, value = data[space + 1:i + length - 1].partition(b"=")
         if key == b"path": path = value
         i += length
     return path
@@ -106,7 +112,9 @@ class TarEntry(NamedTuple):
     size: int
     data: bytes | None = None
     @property
-    def is_file(self) -> bool: return self.kind in (b"0", b"\0", b"7")
+    def is_file(self) -> bool: return self.kind in (b"0", b"7") or (self.kind == b"\0" and not self.is_dir)
+    @property
+    def is_dir(self) -> bool: return self.kind == b"5" or (self.kind == b"\0" and self.name.endswith("/"))  # old tars'
     @property
     def end(self) -> int: return self.data_offset + -(-self.size // 512) * 512
 
@@ -126,6 +134,12 @@ def _passer(stream, name: str, seek: bool, start: int = 0):
     return read, skip, lambda: pos[0]
 
 # %% ../../nbs/04_read.ipynb
+def _read_body(read, size: int) -> bytes:
+    "`size` bytes by `read`, fewer where the stream ends, in reads of at most 16 MB: a header's size is not trusted."
+    parts, got = [], 0  # (one read of the size a header claims would allocate all of it, 8 GB for 512 bytes)
+    while got < size and (b := read(min(size - got, 1 << 24))): parts.append(b); got += len(b)
+    return b"".join(parts)
+
 def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | None = None) -> Iterator[TarEntry]:
     "The entries of uncompressed tar `stream` by their headers, with bytes unless `data=False`; ShardError if broken."
     bad = lambda why: ShardError(f"shard {name} is not a readable tar of samples ({why})")
@@ -146,16 +160,18 @@ def tar_entries(stream, name: str = "shard", data: bool = True, head: bytes | No
         start = at if start is None else start
         body_at = at + 512
         if data or kind in (b"L", b"x"):
-            body = read(size)
+            body = _read_body(read, size)
             if len(body) < size: raise bad("it ends inside a member")
         elif skip(size) < size: raise bad("it ends inside a member")
         skip(-size % 512)  # the padding (a tar cut short after its last member's data still yields that member)
         if kind in (b"L", b"x"):  # GNU long name, pax header: they name the next member
-            try: long_name = body.rstrip(b"\0") if kind == b"L" else _pax_path(body) or long_name
+            try: named = body.rstrip(b"\0") if kind == b"L" else _pax_path(body)
             except ValueError: raise bad("a broken pax header") from None
+            long_name = named if named is not None else long_name  # an empty one is a name (refused), as tarfile's
         elif kind == b"g": start = None  # a pax global header says nothing shardkit needs
         else:
-            fname, long_name = (long_name or member).decode("utf-8", "surrogateescape"), None
+            fname = (long_name if long_name is not None else member).decode("utf-8", "surrogateescape")
+            long_name = None
             yield TarEntry(fname, kind, start, body_at, size=size, data=body if data else None)
             start = None
         at, head = pos(), read(512)
@@ -169,9 +185,9 @@ def tar_members(stream, name: str = "shard") -> Iterator[dict]:
     if head.startswith(_COMPRESSED):  # compressed: tarfile decompresses
         yield from _safe_members(_Rewound(head, stream), name); return
     for e in tar_entries(stream, name, head=head):
-        why = unsafe_name(e.name) or (None if e.is_file or e.kind == b"5" else "a link or device, not a file")
+        why = unsafe_name(e.name) or (None if e.is_file or e.is_dir else "a link or device, not a file")
         if why: _refuse(name, e.name, why)
-        if e.kind != b"5" and not (e.name.startswith("__") and e.name.endswith("__")):
+        if not e.is_dir and not (e.name.startswith("__") and e.name.endswith("__")):
             yield dict(fname=e.name, data=e.data, __url__=name)
     for _ in range(16):  # read the padding after the end marker (tar pads to 10 KB records): a `curl` writing
         if not stream.read(1 << 16): break  # into a pipe that was closed on it would fail the shard
@@ -180,7 +196,7 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
     "The raw samples (bytes per field) of tar `stream`, grouped as webdataset does; ShardError if unreadable or unsafe."
     from webdataset.tariterators import group_by_keys  # here, not at the top: webdataset imports torch
     try:
-        yield from group_by_keys(tar_members(stream, name))
+        yield from group_by_keys(tar_members(stream, name), keys=split_key)  # split_key: linear time
     except (tarfile.TarError, ValueError, OSError, EOFError, AssertionError) as e:
         if isinstance(e, ShardkitError): raise  # a remote read that gave up says so itself
         raise ShardError(f"shard {name} is not a readable tar of samples ({_tar_reason(e)}); "
@@ -221,7 +237,7 @@ def url_samples(src: Iterable[dict], handler: Callable = _reraise, retries: Retr
     "Samples (dicts of raw bytes) from a stream of `dict(url=...)`, each shard closed as soon as it is read."
     from webdataset.tariterators import group_by_keys
     for d in open_shards(src, handler, retries):
-        try: yield from group_by_keys(tar_members(d["stream"], d["url"]), handler=handler)
+        try: yield from group_by_keys(tar_members(d["stream"], d["url"]), keys=split_key, handler=handler)
         except (ShardError, RemoteError) as e:  # broken, unsafe, or unreadable through faults: the handler decides
             if handler(e): continue
             raise

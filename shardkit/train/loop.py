@@ -136,6 +136,34 @@ def _flushed(f) -> int:
     return f.tell()
 
 # %% ../../nbs/30a_train.loop.ipynb
+_COUNTS = dict(epoch=0, done=0, steps=0, keys_bytes=0, rank=0, world_size=1)  # each one's least value
+
+def _number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+def _checkpoint_problem(saved: dict) -> str | None:
+    "The field of checkpoint `saved` (as torch.load read it) that a run cannot go on from, said; None if none."
+    for k, least in _COUNTS.items():
+        v = saved.get(k, least if k in ("keys_bytes", "rank", "world_size") else None)
+        if type(v) is not int or v < least: return f"{k} is {v!r:.40}, not a whole number from {least}"
+    if not (torch.is_tensor(saved.get("stats")) and saved["stats"].shape == (3,)): return "stats is not 3 numbers"
+    if not isinstance(saved.get("history"), list) or not isinstance(saved.get("losses", []), (list, type(None))):
+        return "history or losses is not a list"
+    if not (isinstance(saved.get("model"), dict) and all(map(torch.is_tensor, saved["model"].values()))):
+        return "model is not a dict of tensors"
+    opt = saved.get("opt")
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+            and isinstance(opt.get("state"), dict)):
+        return "opt is not an optimiser's state_dict (state, param_groups with params)"
+    params = {p for g in groups for p in g["params"]}
+    if any(type(p) is not int for p in params) or not set(opt["state"]) <= params:
+        return "opt's state names parameters its groups do not have"
+    for g in groups:
+        for k in ("lr", "momentum", "weight_decay", "eps"):
+            if k in g and not _number(g[k]): return f"opt's {k} is {g[k]!r:.40}, not a number"
+    if not isinstance(saved.get("loader"), (dict, list, type(None))): return "loader is not a loader's state_dict()"
+    return None
+
 def load_checkpoint(ck: Path | None, model: nn.Module, dev, world_size: int) -> dict | None:
     "The training state saved at `ck` (weights loaded into `model`), or None for a fresh start; all ranks at one step."
     # tensors and plain data only (weights_only): nothing in the file runs
@@ -145,6 +173,9 @@ def load_checkpoint(ck: Path | None, model: nn.Module, dev, world_size: int) -> 
         raise TrainError(f"checkpoint {shown_path(ck)} was written by an older train_epochs (format 1: no step count), "
                          "which cannot say where in the epoch it stopped; delete it to start afresh, or give another "
                          "checkpoint path")
+    if saved is not None and (why := _checkpoint_problem(saved)):
+        raise TrainError(f"checkpoint {shown_path(ck)} cannot be gone on from: {why}. It is damaged or not a shardkit "
+                         "checkpoint: delete it to start afresh, or give another checkpoint path")
     if world_size > 1:  # a kill between two ranks' saves leaves them at different steps: the gradients would mismatch
         at = (torch.tensor([saved["steps"] if saved else -1] * 2, dtype=torch.int64) * torch.tensor([1, -1])).to(dev)
         dist.all_reduce(at, op=dist.ReduceOp.MAX)  # on the device: nccl reduces CUDA tensors only
@@ -172,7 +203,7 @@ def _resume(saved: dict | None, opt, make_train, loop: LoopSettings) -> tuple:
     if not saved: return 0, 0, 0, [], torch.zeros(3, dtype=torch.float64)
     opt.load_state_dict(saved["opt"])
     loader, ck = getattr(make_train, "loader", None), saved.get("from", loop.checkpoint)
-    if saved["loader"] is not None and loader is not None:
+    if saved.get("loader") is not None and loader is not None:
         try: loader.load_state_dict(saved["loader"])
         except LoaderError as e:
             raise TrainError(f"checkpoint {shown_path(ck)} cannot place this run's loader: {e}. It was "
@@ -192,7 +223,8 @@ def _keys_file(loop: LoopSettings, saved: dict | None):
     Path(loop.keys_out).mkdir(parents=True, exist_ok=True)
     path = Path(loop.keys_out) / f"keys-rank{loop.rank}.txt"
     own = saved and _shape(saved) == (loop.rank, loop.world_size) and path.exists()
-    if own: os.truncate(path, saved["keys_bytes"])  # the keys trained on up to the checkpoint, not those after it
+    if own:  # the keys trained on up to the checkpoint, not those after it (never longer: no zeros added)
+        os.truncate(path, min(saved["keys_bytes"], path.stat().st_size))
     return open(path, "a" if saved else "w")  # another shape's checkpoint: this rank's keys go on after its own
 
 # %% ../../nbs/30a_train.loop.ipynb
