@@ -1,6 +1,7 @@
 """The fuzz targets' smoke run (tests/fuzz): every target over its corpus, the inputs earlier runs found among them,
 plus a second or two of new inputs from a small mutator; the C decoder under libFuzzer with ASan and UBSan for a few
-seconds. And one test per bug the fuzzing found, named after what went wrong."""
+seconds. And one test per bug the fuzzing found, named after what went wrong. The smoke runs are `slow` (the whole
+suite, so CI, runs them: about 20 s on 2 cores); the bugs' tests are in the fast tier too."""
 import io
 import json
 import random
@@ -16,6 +17,7 @@ NEW_INPUTS_S = 1.0  # seconds of new inputs per target: the smoke run adds secon
 SLOW_BOUND_S = 5.0  # the fuzzing bound is 1 s an input; the suite's machine may be loaded, so 5x here
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_target_smoke(name):
     t = TARGETS[name]
@@ -35,6 +37,7 @@ def test_target_smoke(name):
     assert n > 0 and peak_rss_mb() < 4096
 
 
+@pytest.mark.slow
 def test_c_decoder_smoke(tmp_path):
     if why := why_no_clang(): pytest.skip(f"the C decoder's libFuzzer smoke run needs clang: {why}")
     binary = build_c(tmp_path)  # a private temporary folder: nothing else can write the binary there

@@ -171,6 +171,7 @@ def _batches(loader):
     return [(list(k), c.cpu(), x.cpu(), t.cpu()) for k, c, x, t in loader]
 
 
+@pytest.mark.slow
 def test_device_cpu_gives_the_plain_loaders_batches_and_epochs(shards):
     "device='cpu' runs DeviceLoader's code (one batch ahead, no streams): same batches, epochs, set_epoch and len()."
     plain = create_dataloader(_dataset(shards, seed=6), num_workers=2, batch_size=8)

@@ -89,6 +89,7 @@ def test_the_first_fault_is_said_at_once():
     assert took < 30, took  # start-up (torch) and one attempt: seconds, not the 120 s bound
 
 
+@pytest.mark.slow
 def test_a_host_that_does_not_resolve_ends_within_seconds():
     t0 = time.monotonic()
     r = run_cli("train", "s3://mybucket/mydata", env={"AWS_ENDPOINT_URL": "http://nosuchhost.invalid:9000"}, timeout=60)

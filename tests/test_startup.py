@@ -69,6 +69,7 @@ def test_train_with_the_default_pipeline_imports_no_torchvision_and_dynamo_only_
     assert f"{os.sep}torch{os.sep}optim{os.sep}" in first_torch, got["stack"]  # torch.optim, not shardkit, imports it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,given", [(None, None), ("ACTIVE", None), (None, "1")])
 def test_shardkit_train_lets_idle_threads_sleep_unless_told(policy, given, own_shards):
     "`shardkit train` sets OMP_WAIT_POLICY=PASSIVE before torch loads, then uses every core; a caller's settings win."

@@ -228,6 +228,7 @@ def sidecar(etl_src):
     with Sidecar(imagenet_val_npy, etl_src) as sc: yield sc
 
 
+@pytest.mark.slow
 def test_sidecar_put_of_a_pickle_runs_no_code(sidecar, tmp_path):
     import pickle, requests
     marker = tmp_path / "pwned"
@@ -238,6 +239,7 @@ def test_sidecar_put_of_a_pickle_runs_no_code(sidecar, tmp_path):
     assert not marker.exists(), "a pickle from the request body was unpickled in the sidecar"
 
 
+@pytest.mark.slow
 def test_sidecar_reads_nothing_outside_its_source(sidecar, tmp_path):
     import requests
     secret = tmp_path / "secret.tar"
@@ -249,6 +251,7 @@ def test_sidecar_reads_nothing_outside_its_source(sidecar, tmp_path):
     assert requests.get(f"{sidecar.url}/good-0.tar", timeout=120).status_code == 200  # what it is for still works
 
 
+@pytest.mark.slow
 def test_sidecar_makes_no_call_outs(sidecar):
     import http.server, threading, requests
     hits = []
