@@ -247,3 +247,12 @@ def test_dsort_cli(ais_endpoint, pets, cli):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "(dsort " in r.stdout and f"in {dst.spec}" in r.stdout
     assert len(sample_digests(dst)) == 60
+
+
+def test_a_dsort_outputs_manifest_reads_back(tmp_path):
+    "A dSort run's manifest has no counts of samples (AIStore does not report them): it is read back, not refused."
+    from shardkit.shards.manifest import read_manifest, save_manifest
+    store = open_store(tmp_path)
+    save_manifest(store, dict(prefix="a-", store=store.spec, complete=True, bytes=10, samples=None,
+                              shards=[dict(name="a-000000.tar", bytes=10)]))
+    assert read_manifest(store, "a-")["samples"] is None

@@ -48,7 +48,9 @@ def _unsound(m) -> str | None:
     if isinstance(m, Exception): return f"not JSON: {str(m)[:80]}"
     if not isinstance(m, dict): return f"a {type(m).__name__}, not an object"
     if not isinstance(m.get("store"), str): return "no store"
-    if not (_count(m.get("samples")) and _count(m.get("bytes"))): return "no counts of samples and bytes"
+    # a dSort output's manifest has no counts of samples: AIStore does not report them (`samples` is null)
+    if not ((m.get("samples") is None or _count(m.get("samples"))) and _count(m.get("bytes"))):
+        return "no counts of samples and bytes"
     src = m.get("source")
     counts = lambda d: isinstance(d or {}, dict) and all(map(_count, (d or {}).values()))  # noqa: E731
     if src is not None and not (isinstance(src, dict) and counts(src.get("skipped")) and counts(src.get("converted"))):
@@ -59,7 +61,7 @@ def _unsound_shards(shards) -> str | None:
     "What a manifest's list of shards lacks (each a record with a name and counts of samples and bytes), or None."
     if not isinstance(shards, list): return "no list of shards"
     for s in shards:
-        if not (isinstance(s, dict) and isinstance(s.get("name"), str) and _count(s.get("samples"))
+        if not (isinstance(s, dict) and isinstance(s.get("name"), str) and _count(s.get("samples", 0))
                 and _count(s.get("bytes"))):
             return f"a shard without a name and counts: {str(s)[:80]}"
     return None
