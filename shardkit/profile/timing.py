@@ -28,7 +28,7 @@ from ..loading.sources import EpochShards, drop_planned, shuffle_samples
 from ..loading.stream import restart_workers
 from ..loading.transforms import sample_to_tuple
 from ..remote import RemoteError, Retries
-from ..shards.fields import ShardError
+from ..shards.fields import ShardError, split_key
 from ..shards.read import open_shards, tar_members, url_samples
 
 # %% auto 0
@@ -155,7 +155,8 @@ def _read_shards(src, clocks: ProfileClocks, handler=wds.reraise_exception, retr
     "`url_samples`, its opening and reads (waits for faults too) timed as 'read': the same samples in the same order."
     opened, open_next = open_shards(src, handler, retries), timed_call(next, "read", clocks)
     while (d := open_next(opened, None)) is not None:
-        try: yield from wt.group_by_keys(tar_members(_timed_stream(d["stream"], clocks), d["url"]), handler=handler)
+        try: yield from wt.group_by_keys(tar_members(_timed_stream(d["stream"], clocks), d["url"]), keys=split_key,
+                                         handler=handler)  # split_key: webdataset's split in linear time
         except (ShardError, RemoteError) as e:
             if handler(e): continue
             raise
