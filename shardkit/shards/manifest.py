@@ -49,7 +49,7 @@ def _unsound(m) -> str | None:
     if not isinstance(m, dict): return f"a {type(m).__name__}, not an object"
     if not isinstance(m.get("store"), str): return "no store"
     # a dSort output's manifest has no counts of samples: AIStore does not report them (`samples` is null)
-    if not ((m.get("samples") is None or _count(m.get("samples"))) and _count(m.get("bytes"))):
+    if not ("samples" in m and (m["samples"] is None or _count(m["samples"])) and _count(m.get("bytes"))):
         return "no counts of samples and bytes"
     src = m.get("source")
     counts = lambda d: isinstance(d or {}, dict) and all(map(_count, (d or {}).values()))  # noqa: E731
@@ -129,7 +129,8 @@ def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str
     recs = {s["name"]: s for _, m in _manifests(store) for s in m["shards"]}
     names = list(recs) if names is None else list(names)
     fields = lambda n: recs.get(n, {}).get("fields")  # noqa: E731
-    if not names or not all(isinstance(fields(n), dict) and all(map(_count, fields(n).values())) for n in names):
+    if not names or not all(isinstance(fields(n), dict) and all(map(_count, fields(n).values()))
+                             and _count(recs[n].get("samples")) for n in names):  # (a dSort output counts none)
         return None  # none, or written before 11-2026
     counts = {}
     for n in names:
