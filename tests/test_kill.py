@@ -21,7 +21,7 @@ def _train_cmd(shards: str, ck: Path, keys: Path) -> list[str]:
 
 def _shm_of(pids) -> list[str]:
     "The /dev/shm entries named after one of `pids` (PyTorch's torch_PID_..., Python's pym-PID-...)."
-    return [n for n in os.listdir("/dev/shm") if any(re.search(rf"(?<!\d){p}(?!\d)", n) for p in pids)]
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith((f"torch_{p}_", f"pym-{p}-")) for p in pids)]
 
 
 def _left_in(folder: Path) -> list[str]:

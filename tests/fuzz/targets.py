@@ -2,11 +2,13 @@
 which parses `data` as that parser meets it and checks the target's invariants (a `Broken` is a finding; an error
 outside the target's `allowed` is a finding too). tests/fuzz/make_corpus.py writes each target's seeds."""
 from __future__ import annotations
+import atexit
 import io
 import json
 import math
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 import time
@@ -14,6 +16,13 @@ from pathlib import Path
 from .core import Broken, target
 
 _SHM = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # scratch files of one input: in memory where it can
+
+
+def _scratch(prefix: str) -> Path:
+    "A new folder for a target's scratch files (in memory where it can be), removed when the process ends."
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=_SHM))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 def _json(data: bytes):
@@ -155,7 +164,7 @@ SEP = b"\n--8<--\n"
 def index():
     "The on-disk sample index (loading/index.py load_index): meta.json and .npy arrays, memory-mapped, then used."
     from shardkit.loading.index import load_index
-    root = Path(tempfile.mkdtemp(prefix="fuzz-index-", dir=_SHM))
+    root = _scratch("fuzz-index-")
 
     def one(data: bytes):
         folder = root / "idx"
@@ -181,7 +190,7 @@ def manifest():
     from shardkit.shards.manifest import incomplete_jobs, manifest_fields, read_manifest, resume_point, summarize
     from shardkit.shards.read import list_shards
     from shardkit.store import open_store
-    root = Path(tempfile.mkdtemp(prefix="fuzz-manifest-", dir=_SHM))
+    root = _scratch("fuzz-manifest-")
     (root / "shard-000000.tar").write_bytes(b"\0" * 1024)
     store = open_store(str(root))
 
@@ -199,7 +208,7 @@ def manifest():
 def _shards(n: int = 40):
     import contextlib
     from shardkit import write_shards
-    root = Path(tempfile.mkdtemp(prefix="fuzz-shards-", dir=_SHM))
+    root = _scratch("fuzz-shards-")
     with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), contextlib.redirect_stdout(null):
         write_shards(({"__key__": f"{i:05d}", "cls": i % 4, "txt": f"s{i}"} for i in range(n)), str(root),
                      maxcount=10, total=n)
@@ -302,7 +311,7 @@ def train_checkpoint():
     import torch
     from shardkit import create_dataloader, create_dataset
     from shardkit.train.loop import OPTIMIZERS, load_checkpoint
-    root = Path(tempfile.mkdtemp(prefix="fuzz-train-", dir=_SHM))
+    root = _scratch("fuzz-train-")
     model = torch.nn.Linear(3, 2)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     loader = create_dataloader(create_dataset(str(_shards()), fields=("cls", "txt"), seed=1, batch_size=4),
