@@ -4,6 +4,8 @@
 
 # %% ../../nbs/07_cluster.ipynb 3
 from __future__ import annotations
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -75,6 +77,20 @@ def _go_build(out: Path, cmd: str, tags: tuple = (), force: bool = False, quiet:
     if why := why_untrusted(private_dir(out.parent), shardkit_home()):
         raise ClusterError(f"refusing to build or run {cmd}: {why}")
     if out.exists() and not force: return _runnable(out)
+    with _build_lock(out):  # another process building the same binary (a second `ais up`, a test worker): wait for it
+        if out.exists() and not force: return _runnable(out)
+        return _go_build_locked(out, cmd, tags, quiet)
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    "Hold an exclusive lock on a file beside `out` (in shardkit's private folder) while `out` is built."
+    with open(out.with_name(f".{out.name}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
+def _go_build_locked(out: Path, cmd: str, tags: tuple, quiet: bool) -> Path:
+    "`_go_build`'s work, under its lock: `go build` into a temporary name beside `out`, then renamed to `out`."
     src = aistore_source()
     if not quiet: print(f"building {cmd} {AIS_VERSION}" + (f" (tags: {','.join(tags)})" if tags else "")
                         + "; first time only, about 3 minutes on 2 cores...", flush=True)
