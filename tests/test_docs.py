@@ -85,15 +85,43 @@ def test_build_processes_every_notebook(built):
 
 @pytest.fixture(scope="module")
 def visits(server, browser):
-    "Every notebook's page, opened once: {notebook: (page, h1 text, [(img src, naturalWidth)], [requested URLs])}."
+    """Every notebook's page, opened once: {notebook: (page, h1 text, [(img src, naturalWidth)], [requested URLs])}.
+    The search box's index is left out of these visits: the theme's search worker builds a lunr index of the whole
+    site (1.7 MB) on every page load, half a second of CPU a page here, so test_search_finds_pages tries it once."""
     _requests(browser)  # start the request log here
     res = {}
-    for rel in docs.find_notebooks(NBS):
-        page = docs.page_path(rel).as_posix()
-        _open(browser, server + page)
-        h1 = browser.execute_script("const h = document.querySelector('article h1'); return h ? h.textContent : null;")
-        res[rel] = (page, (h1 or "").strip().rstrip("¶").strip(), _images(browser), _requests(browser))
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": SEARCH_ASSETS})
+    try:
+        for rel in docs.find_notebooks(NBS):
+            page = docs.page_path(rel).as_posix()
+            _open(browser, server + page)
+            h1 = browser.execute_script("const h = document.querySelector('article h1'); return h ? h.textContent : null;")
+            res[rel] = (page, (h1 or "").strip().rstrip("¶").strip(), _images(browser), _requests(browser))
+    finally: browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
     return res
+
+
+SEARCH_ASSETS = ["*/search/search_index.json", "*/assets/javascripts/workers/search.*"]
+
+
+@pytest.mark.slow
+def test_search_finds_pages(server, browser):
+    "The search box, offline: a word finds the pages that use it, and the search fetches nothing from another host."
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    _requests(browser)  # the log from here: the page, its search worker and the index it fetches
+    _open(browser, server)
+    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")
+    browser.execute_script("arguments[0].focus()", box)
+    box.send_keys("dsort")
+    found = WebDriverWait(browser, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".md-search-result__item a"))
+    pages = {a.get_attribute("href")[len(server):].split("#")[0] for a in found}
+    assert "shuffle.html" in pages, pages
+    urls = _requests(browser)
+    assert any(u.endswith("search_index.json") for u in urls), urls  # the index came from the site itself
+    foreign = [u for u in urls if u.startswith(("http:", "https:", "ws:", "wss:", "//")) and not u.startswith(server)]
+    assert not foreign, f"the search fetched from other hosts: {foreign[:5]}"
 
 
 @pytest.mark.slow

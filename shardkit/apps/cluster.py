@@ -95,7 +95,9 @@ def _go_build_locked(out: Path, cmd: str, tags: tuple, quiet: bool) -> Path:
     if not quiet: print(f"building {cmd} {AIS_VERSION}" + (f" (tags: {','.join(tags)})" if tags else "")
                         + "; first time only, about 3 minutes on 2 cores...", flush=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-    ldflags = f"-X main.build=shardkit-{AIS_VERSION} -X main.buildtime={time.strftime('%Y-%m-%dT%H:%M:%S')}"
+    # -s -w: no symbol table or DWARF (a tenth less CPU to build, on a fresh machine's first `ais up`); a Go panic's
+    # trace still names its functions
+    ldflags = f"-s -w -X main.build=shardkit-{AIS_VERSION} -X main.buildtime={time.strftime('%Y-%m-%dT%H:%M:%S')}"
     t0 = time.time()
     try:
         _run([_go(), "build", *(["-tags", ",".join(tags)] if tags else []), "-ldflags", ldflags, "-o", str(tmp),
