@@ -20,7 +20,7 @@ from .s3 import parse_s3_url, s3_url
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
 from .shards.read import list_shards, read_samples
-from .store import open_store, shown_path
+from .stores import open_store, shown_path
 
 # %% auto 0
 __all__ = ['TRIMAP_COLORS', 'class_name', 'manifest_class_names', 'shard_listing', 'format_listing', 'trimap_overlay',

@@ -31,7 +31,7 @@ from ..loading.jpeg import DCT_MODES, decode_crop, why_no_crop_decode, why_no_wi
 from ..loading.sources import shard_urls
 from ..loading.transforms import crop_box
 from ..shards.fields import image_size
-from ..store import shown_path
+from ..stores import shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children, warm_page_cache
 
 # %% auto 0

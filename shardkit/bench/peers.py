@@ -25,7 +25,7 @@ from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.transforms import train_transform
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from ..shards.read import first_sample, url_samples
-from ..store import shown_path
+from ..stores import shown_path
 from .core import BenchError
 
 # %% auto 0

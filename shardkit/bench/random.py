@@ -17,7 +17,7 @@ from ..loading.random import RandomAccessLoader, create_random_loader
 from ..loading.readers import build_shard_index
 from ..loading.sources import shard_urls
 from ..loading.transforms import train_transform
-from ..store import open_store
+from ..stores import open_store
 from .core import cpu_seconds, format_bench
 from .peers import shard_fields
 

@@ -22,7 +22,7 @@ from ..remote import Retries, open_remote, remote_head
 from ..s3 import s3_head, s3_name, s3_open, s3_stat
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
-from ..store import SHARD_SUFFIXES, AISStore, S3Store, listed_settled, open_store, shown_path
+from ..stores import SHARD_SUFFIXES, AISStore, S3Store, listed_settled, open_store, shown_path
 from .sources import shard_urls
 
 # %% auto 0

@@ -25,7 +25,7 @@ from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_
 from ..s3 import s3_name, s3_open, s3_range
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, tar_entries
-from ..store import open_store, parse_size, shown_path
+from ..stores import open_store, parse_size, shown_path
 from .index import RandomAccessError, SampleIndex, file_lock, key_from_header
 
 # %% auto 0
@@ -283,7 +283,7 @@ class AISReader:
 
     def _bucket(self):
         if self.pid != os.getpid():  # one client per process: sessions are not shared with forked workers
-            from shardkit.store import ais_client
+            from shardkit.stores import ais_client
             self.client = ais_client(self.endpoint, sdk_retries=False)  # faults are retried (and counted) here
             self.bucket, self.pid = self.client.bucket(self.bucket_name), os.getpid()
         return self.bucket

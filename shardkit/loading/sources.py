@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import DataError, LoaderError
-from ..store import NOT_YET, did_you_mean, expand_names, not_yet, open_store, s3_shard_urls, shown_path
+from ..stores import NOT_YET, did_you_mean, expand_names, not_yet, open_store, s3_shard_urls, shown_path
 
 # %% auto 0
 __all__ = ['SOURCE_FORMS', 'IMAGE_SUFFIXES', 'MissingShards', 'image_folder', 'shard_urls', 'rank_and_world', 'seed_for',

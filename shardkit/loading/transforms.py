@@ -30,7 +30,7 @@ from ..errors import LoaderError, ShardkitError
 from ..remote import Retries, say_line
 from ..shards.manifest import manifest_fields
 from ..shards.read import first_sample
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .jpeg import CropBox, EncodedJpeg, JpegError, why_no_window_decode
 from .sources import EpochShards, seed_for
 

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ShardkitError
 from ..remote import RemoteError, Retries, open_remote
 from ..s3 import s3_name, s3_open
-from ..store import LocalStore, open_store, shown_path
+from ..stores import LocalStore, open_store, shown_path
 from .fields import ShardError, split_key
 
 # %% auto 0

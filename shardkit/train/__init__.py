@@ -56,7 +56,7 @@ from ..loading.stream import worker_tmpdir_problem
 from ..loading.transforms import eval_transform, train_transform
 from ..remote import retry_bound
 from ..shards.fields import ShardError
-from ..store import shown_path
+from ..stores import shown_path
 
 # %% auto 0
 __all__ = ['torch_threads', 'ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError',
