@@ -286,8 +286,8 @@ def bench_tenants(src: str,                 # An AIStore bucket of shards, ais:/
                  ) -> dict:                 # alone / together: each job's epochs; aisloader's totals; the verdicts
     "One loader job, then `jobs` at once, on one bucket beside aisloader: exact epochs, fair, as fast together."
     if mode not in MODES: raise UsageError(f"mode must be one of {MODES}, not {mode!r}")
-    if not str(src).startswith("ais://"): raise UsageError(f"give an AIStore bucket (ais://BUCKET), not {src!r}")
-    from shardkit.stores import open_store
+    from shardkit.stores import AISStore, backend_for, open_store
+    if backend_for(str(src)) is not AISStore: raise UsageError(f"give an AIStore bucket (ais://BUCKET), not {src!r}")
     store, runs = open_store(src), {}
     for name, n in (("alone", 1), ("together", jobs)):  # aisloader beside both: the number of jobs is what differs
         tenant = []  # started once the jobs are ready: it reads beside them from their first batch to their last

@@ -22,6 +22,7 @@ from shardkit.remote import (
 )
 from ..errors import StoreError
 from .base import Store, match_names, shown_path
+from .http import HTTPStore
 from .local import LocalStore
 
 # %% auto 0
@@ -132,14 +133,8 @@ class AISStore(Store):
         from aistore.sdk.etl.etl_config import ETLConfig
         return self._obj(name).get_url(etl=ETLConfig(etl))
 
-    @classmethod
-    def open_url(cls, url: str, retries: Retries | None = None, name: str | None = None, *, version: str = "",
-                 size: int | None = None) -> BinaryIO:
-        return open_remote(url, retries, name, version=version, size=size)
-    @classmethod
-    def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
-                       name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
-        return read_range(url, start, end, retries, name=name, version=version, size=size, locate=locate)
+    # its object URLs are HTTP URLs (a proxy's, redirected to a target): read as any web server's are
+    open_url, read_url_range, stat_url = HTTPStore.open_url, HTTPStore.read_url_range, HTTPStore.stat_url
 
     def put_file(self, src: str | Path, name: str | None = None) -> str:
         name = name or Path(src).name

@@ -36,7 +36,8 @@ def index_links(page: str) -> list[str]:
     for h in p.hrefs:
         u = urllib.parse.urlsplit(h)
         name = urllib.parse.unquote(u.path)
-        if u.scheme or u.netloc or u.query or not name or name.startswith(("/", ".")) or ".." in name.split("/"): continue
+        if u.scheme or u.netloc or u.query or not name or name.startswith(("/", ".")) or ".." in name.split("/"):
+            continue
         out.append(name)
     return list(dict.fromkeys(out))
 
@@ -81,3 +82,6 @@ class HTTPStore(Store):
     def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
                        name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
         return read_range(url, start, end, retries, name=name, version=version, size=size, locate=locate)
+    @classmethod
+    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
+        return remote_head(url, retries, name)

@@ -81,6 +81,10 @@ class LocalStore(Store):
     def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
                        name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
         with open(url, "rb") as f: f.seek(start); return f.read(end - start)
+    @classmethod
+    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
+        st = os.stat(url)
+        return st.st_size, f"{st.st_mtime_ns}"  # a rewrite changes its time
 
     def put_file(self, src: str | Path, name: str | None = None) -> str:
         "Copy local file `src` into the store as `name` (default: its file name), atomically."

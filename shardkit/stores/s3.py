@@ -79,6 +79,9 @@ class S3Store(Store):
                        name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
         return s3_range(url, start, end, retries, name=name, version=version, size=size)  # signed anew each time
     @classmethod
+    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
+        return s3_head(url, retries)
+    @classmethod
     def url_name(cls, url: str) -> str: return s3_name(url)
 
     def put_file(self, src: str | Path, name: str | None = None) -> str:
