@@ -12,6 +12,10 @@ from shardkit.remote import ObjectMissing
 from shardkit.stores import Store, backend_for, open_store, open_url, read_url_range
 
 BACKENDS = ["local", "http", "ais", "s3"]  # a new backend: one more entry here, one more branch in `seeded`
+# those on the session's AIStore get the marks conftest gives its tests (slow; its xdist group, one cluster a session):
+# `seeded` asks for the cluster at run time, which conftest cannot see when it marks tests by their fixtures
+ON_AIS = [pytest.mark.slow, pytest.mark.xdist_group("aistore")]
+PARAMS = [pytest.param(k, marks=ON_AIS) if k in ("ais", "s3") else k for k in BACKENDS]
 WRITES = {"local": True, "http": False, "ais": True, "s3": True}
 
 
@@ -68,7 +72,7 @@ def seeded(request, tmp_path, monkeypatch):
     for n in store.list(): store.delete(n)
 
 
-@pytest.mark.parametrize("seeded", BACKENDS, indirect=True)
+@pytest.mark.parametrize("seeded", PARAMS, indirect=True)
 def test_every_backend_does_what_store_says(seeded):
     store = open_store(seeded)
     kind = next(k for k in BACKENDS if seeded.startswith(f"{k}://")) if "://" in seeded else "local"
