@@ -13,7 +13,7 @@ __all__ = []
 __version__ = "0.1.0"
 
 # %% ../nbs/97_shardkit.ipynb
-_API = {"open_store": "store", "write_shards": "shards.write", "verify_shards": "shards.manifest",
+_API = {"open_store": "stores", "write_shards": "shards.write", "verify_shards": "shards.manifest",
         "synthesize_pets": "datasets.pets", "convert_pets": "datasets.pets", "synthesize_folder": "datasets.folder",
         "convert_folder": "datasets.folder", "shuffle_shards": "shuffle", "run_etl": "etl",
         "create_dataset": "loading.pipeline", "create_dataloader": "loading.pipeline",

@@ -20,7 +20,7 @@ from .s3 import parse_s3_url, s3_url
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
 from .shards.read import list_shards, read_samples
-from .store import open_store, shown_path
+from .stores import AISStore, S3Store, backend_for, open_store, shown_path
 
 # %% auto 0
 __all__ = ['TRIMAP_COLORS', 'class_name', 'manifest_class_names', 'shard_listing', 'format_listing', 'trimap_overlay',
@@ -237,13 +237,14 @@ def view_data(loader, objects: int = 4, class_names=None, denormalize: bool | No
 # %% ../nbs/12_display.ipynb
 def _split_shard_spec(shard: str) -> tuple[str, str]:
     "A shard given as a path, `ais://bucket/[prefix/]name` or `s3://...` -> (store spec, object name)."
-    if shard.startswith("s3://"):
+    backend = backend_for(shard)
+    if backend is S3Store:
         bucket, key, settings = parse_s3_url(shard)
         head, _, base = key.rpartition("/")
         if not base: raise StoreError(f"{shard!r} names no object; use s3://BUCKET/NAME.tar")
         return s3_url(bucket, head, settings), base
-    if shard.startswith("ais://"):
-        bucket, _, name = shard[len("ais://"):].partition("/")
+    if backend is AISStore:
+        bucket, _, name = shard.partition("://")[2].partition("/")
         if not bucket or not name: raise StoreError(f"{shard!r} names no object; use ais://BUCKET/NAME.tar")
         head, _, base = name.rpartition("/")
         return f"ais://{bucket}/{head}".rstrip("/"), base

@@ -22,7 +22,7 @@ from .shards.fields import ShardError, split_key
 from .shards.manifest import read_manifest, resume_point, save_manifest, sha256_file
 from .shards.read import tar_entries, unsafe_name
 from .shards.write import staging_dir
-from .store import AISStore, LocalStore, open_store, parse_size, shown_path
+from .stores import AISStore, LocalStore, open_store, parse_size, shown_path
 
 # %% auto 0
 __all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'wait_dsort', 'shuffle_shards', 'shuffle_cli']

@@ -69,7 +69,7 @@ def main():
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
     from shardkit.apps.cluster import ais_down, ais_up
-    from shardkit.store import upload_shards
+    from shardkit.stores import upload_shards
     with tempfile.TemporaryDirectory(prefix="sk-overhead-") as tmp:
         tmp = Path(tmp)
         _synth(tmp / "shards", a.samples, a.sample_bytes)

@@ -85,7 +85,7 @@ def _machine_paths() -> re.Pattern:
 
 
 MACHINE_PATHS = _machine_paths()
-PATH_FIX = ("show paths with `shardkit.store.shown_path` (relative to the working directory), write scratch data under "
+PATH_FIX = ("show paths with `shardkit.stores.shown_path` (relative to the working directory), write scratch data under "
             "the notebook's git-ignored data/ folder instead of a temp folder, fix or precisely silence warnings that print "
             "a library's path; then re-execute it with `shardkit docs execute NOTEBOOK.ipynb`")
 

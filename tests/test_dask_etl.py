@@ -15,7 +15,7 @@ from shardkit.etl import run_etl
 from shardkit.datasets.folder import convert_folder, synthesize_folder
 from shardkit.shards.read import list_shards
 from shardkit.errors import ShardkitError
-from shardkit.store import open_store
+from shardkit.stores import open_store
 
 FN = "shardkit.etl.transforms:imagenet_train_uint8"
 NAMES = [f"imagenet-train-00000{i}.tar" for i in range(3)]

@@ -24,7 +24,7 @@ from shardkit.shards.fields import ShardError
 from shardkit.shards.read import read_samples
 from shardkit.etl.sidecar import Sidecar, sidecar_server
 from shardkit.datasets.folder import convert_folder, synthesize_folder
-from shardkit.store import open_store
+from shardkit.stores import open_store
 from shardkit.apps.cli import main
 
 HERE = Path(__file__).parent

@@ -82,12 +82,12 @@ def cluster(changing_cluster, monkeypatch):
 @pytest.fixture
 def bucket(cluster, tmp_path):
     "A bucket holding the 8 shards (uploaded with upload_shards), and the local folder they came from."
-    from shardkit.store import upload_shards
+    from shardkit.stores import upload_shards
     src = write_shards(tmp_path / "shards")
     name = f"faults-{uuid.uuid4().hex[:8]}"
     upload_shards(src, f"ais://{name}", quiet=True)
     yield name, src
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     open_store(f"ais://{name}").bucket.delete(missing_ok=True)
 
 
@@ -98,8 +98,8 @@ def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatc
     import io, tarfile
     from shardkit import shuffle
     from shardkit.apps.cluster import start_rebalance
-    from shardkit.store import upload_shards
-    from shardkit.store import open_store
+    from shardkit.stores import upload_shards
+    from shardkit.stores import open_store
     rng, folder = np.random.default_rng(2), tmp_path / "big"
     folder.mkdir()
     for s in range(24):
@@ -160,7 +160,7 @@ def test_ais_put_through_a_target_restart(cluster, tmp_path):
     "`shardkit ais put` uploads while a target is down (killed as it starts, back 3 s later): every shard arrives intact."
     src = write_shards(tmp_path / "shards")
     name = f"faults-put-{uuid.uuid4().hex[:8]}"
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     store = open_store(f"ais://{name}", create=True)  # (creating a bucket needs every target: not during the outage)
     cmd = [sys.executable, "-m", "shardkit.apps.cli", "ais", "put", str(src), f"ais://{name}", "--retry-wait", "60"]
     put = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)

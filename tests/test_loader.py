@@ -131,7 +131,7 @@ def test_skip_counts_samples_missing_a_field(shards, capsys):
 
 
 def test_reads_from_aistore_exactly_once(shards, ais_endpoint):
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     store = open_store("ais://shardkit-test-loader", create=True)
     for p in shards: store.put_file(p)
     try:

@@ -12,7 +12,7 @@ from shardkit.datasets.pets import (CLASS_NAMES, PET_QUIRKS, PetsError, convert_
 from shardkit.shards.manifest import read_manifest
 from shardkit.shards.write import write_shards
 from shardkit.errors import StoreError
-from shardkit.store import open_store
+from shardkit.stores import open_store
 
 N = 50  # listed images: enough for every quirk and a few shards, small enough to draw in seconds
 
@@ -139,7 +139,7 @@ def test_resume_after_exception_is_exact(quirky, tmp_path, monkeypatch):
 KILLER = textwrap.dedent("""
     import os, signal, sys
     import shardkit.datasets.pets as p, shardkit.shards.write as sh
-    from shardkit.store import LocalStore
+    from shardkit.stores import LocalStore
     point, after = sys.argv[1], int(sys.argv[2])
     real_save, real_put = sh.save_manifest, LocalStore.put_file
     done = []

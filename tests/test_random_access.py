@@ -10,7 +10,7 @@ from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_in
 from shardkit.loading.order import epoch_batches
 from shardkit.loading.random import create_random_loader
 from shardkit.errors import LoaderError, UsageError
-from shardkit.store import open_store
+from shardkit.stores import open_store
 from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
 SIZES = (7, 3, 5, 9)  # uneven shards, 24 samples

@@ -9,7 +9,7 @@ from shardkit.loading.index import sample_index
 from shardkit.loading.order import epoch_order, order_quality
 from shardkit.loading.random import create_random_loader
 from shardkit.loading.readers import RangeReader, ShardCache, shard_cache_dir
-from shardkit.store import open_store
+from shardkit.stores import open_store
 
 SIZES = (7, 3, 5, 9, 4, 6)  # uneven shards, 34 samples
 ALL = sorted(f"s{s}_{i:02d}" for s, n in enumerate(SIZES) for i in range(n))

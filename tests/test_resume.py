@@ -148,7 +148,7 @@ def test_skipped_samples_are_not_decoded(shards):
 
 
 def test_resume_from_aistore(shards, ais_endpoint):
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     store = open_store("ais://shardkit-test-resume", create=True)
     for p in shards: store.put_file(p)
     try: _check_resume(store, 2, 1, ["middle"])
@@ -263,7 +263,7 @@ def test_streaming_resume_reshapes_twice_and_refuses_half_a_job(elastic_shards):
 
 def test_streaming_resume_on_another_shape_from_aistore(elastic_shards, ais_endpoint):
     import uuid
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     store = open_store(f"ais://shardkit-elastic-{uuid.uuid4().hex[:8]}", create=True)
     try:
         for p in sorted(elastic_shards.glob("*")): store.put_file(p)

@@ -162,7 +162,7 @@ def test_a_dead_shard_is_named_within_the_bound(s3):
 
 def test_refusals_are_said_at_once_with_what_to_check(s3, monkeypatch):
     "404 NoSuchKey and NoSuchBucket, 403 for a wrong secret, an unknown key and no keys: no retry, each its message."
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     retries = fast()
     cases = [("s3://data/nothere.tar", ObjectMissing, "it is not there \\(HTTP 404 NoSuchKey\\)"),
              ("s3://nobucket/f-000.tar", ObjectMissing, "bucket 'nobucket' does not exist at http://127.0.0.1")]
@@ -267,7 +267,7 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
     from shardkit import create_dataloader, create_dataset
     from shardkit.loading.random import create_random_loader
     from shardkit.s3 import s3_client
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     caplog.set_level(logging.DEBUG)
     seen = []
     store = open_store("s3://data")
@@ -300,7 +300,7 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
 def test_other_clouds_and_a_missing_botocore_say_what_to_do(tmp_path):
     "gs:// and az:// say they are not supported yet and how to read them today; without botocore, the extra is named."
     from shardkit import create_dataset
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     with pytest.raises(Exception, match="gs:// is not supported yet.*AIStore.*pipe:gcloud storage cat"):
         open_store("gs://bucket/train")
     with pytest.raises(Exception, match="az:// is not supported yet"): create_dataset("az://container/train")
@@ -323,7 +323,7 @@ def tree_shards(tmp_path_factory) -> Path:
 
 def _upload(local: Path, dest):
     "Every file of `local` (shards, manifest) put into store `dest`; the store."
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     store = open_store(dest, create=True)
     for p in sorted(local.iterdir()): store.put_file(p)
     return store
@@ -359,7 +359,7 @@ def test_minio_reads_and_writes_with_signatures_checked(tree_shards, tmp_path, m
     if why := why_no_minio():
         if os.environ.get("SHARDKIT_REQUIRE_MINIO") == "1": pytest.fail(why)
         pytest.skip(why)
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     (tmp_path / "minio").mkdir()
     with minio_server(tmp_path / "minio") as (endpoint, user, secret):
         for k, v in dict(AWS_ACCESS_KEY_ID=user, AWS_SECRET_ACCESS_KEY=secret, AWS_EC2_METADATA_DISABLED="true",

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import webdataset as wds
 from shardkit.shuffle import Shuffled, shuffle_cli, shuffle_shards
-from shardkit.store import parse_size
+from shardkit.stores import parse_size
 from shardkit.shards.read import read_samples, sample_digests
 from shardkit.errors import StoreError
-from shardkit.store import open_store
+from shardkit.stores import open_store
 from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 from conftest import main_cli
 

@@ -47,8 +47,8 @@ def test_soak_local(pets, tmp_path):
 
 
 def test_soak_on_aistore(pets, ais_endpoint, tmp_path):
-    from shardkit.store import upload_shards
-    from shardkit.store import open_store
+    from shardkit.stores import upload_shards
+    from shardkit.stores import open_store
     name = f"soak-{uuid.uuid4().hex[:8]}"
     upload_shards(pets, f"ais://{name}", quiet=True)
     try: _check(_soak(f"ais://{name}", tmp_path / "soak.json"))
@@ -58,9 +58,9 @@ def test_soak_on_aistore(pets, ais_endpoint, tmp_path):
 def test_tenants_on_aistore(pets, ais_endpoint):
     """`shardkit bench tenants` at a small size: one job, then four at once, on one bucket, aisloader reading it beside
     them: every epoch of every job exact, no error anywhere (speed is the benchmark's to report)."""
-    from shardkit.store import upload_shards
+    from shardkit.stores import upload_shards
     from shardkit.bench.soak import bench_tenants, tenants_table
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     name = f"tenants-{uuid.uuid4().hex[:8]}"
     upload_shards(pets, f"ais://{name}", quiet=True)
     try: res = bench_tenants(f"ais://{name}", jobs=4, epochs=2, batch_size=32)

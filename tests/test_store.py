@@ -2,7 +2,7 @@
 import io, time
 import pytest
 import webdataset as wds
-from shardkit.store import AISStore, LocalStore, open_store
+from shardkit.stores import AISStore, LocalStore, open_store
 from shardkit.errors import StoreError
 
 

@@ -167,7 +167,7 @@ def test_bad_input(tmp_path, capsys):
 
 
 def test_train_from_aistore(tmp_path, ais_endpoint):
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     from shardkit.train import train
     write_shards(tmp_path / "shards", [10, 10])
     store = open_store("ais://shardkit-test-train", create=True)

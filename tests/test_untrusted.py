@@ -16,7 +16,7 @@ from shardkit.shards.read import read_samples, sample_digests
 from shardkit.shards.write import write_shards
 from shardkit.shuffle import shuffle_shards
 from shardkit.errors import StoreError
-from shardkit.store import open_store
+from shardkit.stores import open_store
 from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
 

@@ -20,7 +20,7 @@ from ..command import command
 from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import ShardkitError
 from ..remote import Retries, as_retries, remote_request
-from ..store import upload_shards
+from ..stores import upload_shards
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',

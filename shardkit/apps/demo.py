@@ -28,7 +28,7 @@ from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.transforms import eval_transform, train_transform
 from ..remote import say_line
 from ..shuffle import shuffle_shards
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from ..train import evaluate, small_cnn, train_epochs
 
 # %% auto 0

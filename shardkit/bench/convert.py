@@ -13,7 +13,7 @@ import webdataset as wds
 from ..command import command
 from ..datasets.pets import CHECKS, convert_pets
 from ..errors import UsageError
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .core import BenchError, cpu_seconds, format_bench
 
 # %% auto 0

@@ -13,7 +13,7 @@ from ..command import command
 from ..errors import UsageError
 from ..etl.sidecar import Sidecar
 from ..etl.transforms import imagenet_pipeline, to_rgb, to_tensor
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .core import BenchError, cpu_seconds, format_bench
 
 # %% auto 0

@@ -31,7 +31,7 @@ from ..loading.jpeg import DCT_MODES, decode_crop, why_no_crop_decode, why_no_wi
 from ..loading.sources import shard_urls
 from ..loading.transforms import crop_box
 from ..shards.fields import image_size
-from ..store import shown_path
+from ..stores import is_local, shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children, warm_page_cache
 
 # %% auto 0
@@ -227,7 +227,7 @@ def _checked_urls(sources, num_workers: int, repeats: int, samples: int) -> list
     if repeats < 1: raise UsageError(f"repeats must be >= 1, got {repeats}")
     if samples < 1: raise UsageError(f"samples must be >= 1, got {samples}")
     urls = shard_urls(sources)
-    missing = [u for u in urls if "://" not in u and not Path(u).exists()]
+    missing = [u for u in urls if is_local(u) and not Path(u).exists()]
     if missing: raise BenchError(f"{len(missing)} shard(s) do not exist, e.g. {shown_path(missing[0])}; check the path")
     return urls
 
@@ -253,7 +253,7 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
                 workers=num_workers, seed=0, epochs=2)
     rows, specs = _plan(names, data, base, timeout)
-    warm_page_cache([Path(u) for u in data.urls if "://" not in u] + [data.root])
+    warm_page_cache([Path(u) for u in data.urls if is_local(u)] + [data.root])
     load_start = os.getloadavg()
     runs, yard, note = _rounds(specs, str(data.root), repeats, timeout, cold=cold, seconds=ceiling_seconds,
                                progress=progress)

@@ -25,7 +25,7 @@ from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.transforms import train_transform
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
 from ..shards.read import first_sample, url_samples
-from ..store import shown_path
+from ..stores import is_local, shown_path
 from .core import BenchError
 
 # %% auto 0
@@ -98,7 +98,7 @@ def _fingerprint(urls: Sequence[str], fields: dict) -> str:
     "A name for the data of `urls`: their paths, sizes and modification times (remote shards: their URLs)."
     parts = []
     for u in urls:
-        st = Path(u).stat() if "://" not in u and Path(u).exists() else None
+        st = Path(u).stat() if is_local(u) and Path(u).exists() else None
         parts.append([u, st.st_size if st else None, st.st_mtime_ns if st else None])
     return hashlib.sha1(json.dumps([parts, fields]).encode()).hexdigest()[:16]
 

@@ -17,7 +17,7 @@ from ..loading.random import RandomAccessLoader, create_random_loader
 from ..loading.readers import build_shard_index
 from ..loading.sources import shard_urls
 from ..loading.transforms import train_transform
-from ..store import open_store
+from ..stores import AISStore, backend_for, open_store
 from .core import cpu_seconds, format_bench
 from .peers import shard_fields
 
@@ -153,7 +153,7 @@ def bench_random_access(src,                       # Shards: a directory, a brac
                         fields: str | Sequence[str] | None = None,  # Fields, comma-separated; default: cls, JPEG
                        ) -> dict:                  # rows: name -> `bench_random`'s result; modes: `bench_read_modes`'
     "The random-access loader on `src`, reading only and decoding; on AIStore without and with its index, or each mode."
-    if (modes or shard_index) and not str(src).startswith("ais://"):
+    if (modes or shard_index) and backend_for(str(src)) is not AISStore:
         raise UsageError(f"{'modes' if modes else 'shard_index'} is for ais:// buckets, not {src}")
     if isinstance(fields, str): fields = tuple(k.strip() for k in fields.split(",") if k.strip())
     if not fields: f = shard_fields(shard_urls(src)[0]); fields = (f["label"], f["image"])  # cls + jpg or image.jpg

@@ -27,7 +27,7 @@ from ..loading.transforms import train_transform
 from ..s3 import S3Settings, s3_url
 from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children
 from .random import ais_cluster_cpu
 

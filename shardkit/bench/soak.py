@@ -23,7 +23,7 @@ from ..errors import UsageError
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.random import create_random_loader
 from ..loading.sources import shard_urls
-from ..store import shown_path
+from ..stores import shown_path
 from .core import BenchError, cpu_seconds, format_bench
 from .peers import shard_fields
 
@@ -286,8 +286,8 @@ def bench_tenants(src: str,                 # An AIStore bucket of shards, ais:/
                  ) -> dict:                 # alone / together: each job's epochs; aisloader's totals; the verdicts
     "One loader job, then `jobs` at once, on one bucket beside aisloader: exact epochs, fair, as fast together."
     if mode not in MODES: raise UsageError(f"mode must be one of {MODES}, not {mode!r}")
-    if not str(src).startswith("ais://"): raise UsageError(f"give an AIStore bucket (ais://BUCKET), not {src!r}")
-    from shardkit.store import open_store
+    from shardkit.stores import AISStore, backend_for, open_store
+    if backend_for(str(src)) is not AISStore: raise UsageError(f"give an AIStore bucket (ais://BUCKET), not {src!r}")
     store, runs = open_store(src), {}
     for name, n in (("alone", 1), ("together", jobs)):  # aisloader beside both: the number of jobs is what differs
         tenant = []  # started once the jobs are ready: it reads beside them from their first batch to their last

@@ -18,7 +18,7 @@ from ..command import command
 from ..errors import DataError, UsageError
 from ..shards.fields import SkipSample, check_image, image_size
 from ..shards.write import write_shards
-from ..store import parse_size, shown_path
+from ..stores import parse_size, shown_path
 from .synth import draw_animal, jpeg_bytes
 
 # %% auto 0

@@ -20,7 +20,7 @@ from ..errors import ShardkitError, UsageError
 from ..shards.fields import SkipSample, check_image, image_size, load_image_decoder
 from ..shards.read import unsafe_name
 from ..shards.write import ordered_map, write_shards
-from ..store import shown_path
+from ..stores import shown_path
 from .synth import draw_animal, jpeg_bytes, png_bytes
 
 # %% auto 0

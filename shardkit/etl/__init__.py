@@ -10,7 +10,7 @@ import time
 from typing import Callable
 from ..command import command
 from ..errors import UsageError
-from ..store import AISStore, open_store, shown_path
+from ..stores import AISStore, open_store, shown_path
 from .manifest import etl_shards
 from .server import etl_unavailable, run_in_cluster
 

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Callable
 from tqdm.auto import tqdm
 from ..errors import ShardkitError, UsageError
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .core import ShardTransform
 from .manifest import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Callable
 from tqdm.auto import tqdm
 from ..shards.fields import ShardError
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .core import ETLError, SampleError, ShardTransform, strict
 from .manifest import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from ..errors import StoreError
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .core import ETLError, resolve_fn
 
 # %% auto 0

@@ -12,7 +12,7 @@ from typing import Callable
 from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
 from ..errors import UsageError
 from ..shards.fields import ShardError
-from ..store import ais_client
+from ..stores import ais_client
 from .core import ETLError, ShardTransform, resolve_fn
 
 # %% auto 0

@@ -21,7 +21,7 @@ import requests
 from fastcore.basics import patch
 from ..command import command
 from ..errors import StoreError, UsageError
-from ..store import AISStore, LocalStore, open_store, shown_path
+from ..stores import AISStore, LocalStore, open_store, shown_path
 from .core import ETLError, resolve_fn
 from .local import one_torch_thread
 from .server import ShardETLServer, etl_server_class

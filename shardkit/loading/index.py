@@ -16,13 +16,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 import numpy as np
+from shardkit.stores import (
+    SHARD_SUFFIXES,
+    AISStore,
+    HTTPStore,
+    S3Store,
+    Store,
+    backend_for,
+    is_local,
+    listed_settled,
+    open_store,
+    open_url,
+    shown_path,
+    stat_url,
+    url_name,
+)
 from ..config import remove_stale_temp, shardkit_home
-from ..errors import ShardkitError, UsageError
-from ..remote import Retries, open_remote, remote_head
-from ..s3 import s3_head, s3_name, s3_open, s3_stat
+from ..errors import ShardkitError, StoreError, UsageError
+from ..remote import Retries
+from ..s3 import s3_stat
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, scan_tar, tar_entries
-from ..store import SHARD_SUFFIXES, AISStore, S3Store, listed_settled, open_store, shown_path
 from .sources import shard_urls
 
 # %% auto 0
@@ -248,15 +262,14 @@ def file_lock(path: str | Path):
 def index_url(url: str, index_cache: bool | str | Path = True, retries: Retries | None = None,
               head: tuple[int, str] | None = None) -> tuple[dict, int, str]:
     "The index of the tar at http(s) or s3 `url` (its headers read through faults; cached by URL, size, version)."
-    s3 = url.startswith("s3://")
-    name, opener = (f"shard {s3_name(url)}", s3_open) if s3 else (f"shard {url}", open_remote)
-    size, tag = head or (s3_head(url, retries) if s3 else remote_head(url, retries, name))  # (size, version)
+    name = f"shard {url_name(url)}"
+    size, tag = head or stat_url(url, retries, name)  # (size, version), through the URL's backend
     key = hashlib.blake2b(f"v2-url\0{url}\0{size}\0{tag}".encode(), digest_size=16).hexdigest()
     folder = index_cache and tag and (index_cache_dir() if index_cache is True else Path(index_cache))
     cfile = folder / f"{key}.npz" if folder else None
     if cfile is not None and cfile.exists():
         with np.load(cfile, allow_pickle=False) as z: return {k: z[k] for k in z.files}, size, tag
-    with opener(url, retries, name, version=tag,
+    with open_url(url, retries, name, version=tag,
                 size=size if size >= 0 else None) as f:  # a cut read resumes; members skipped
         ents = [e for e in tar_entries(f, name[len("shard "):], data=False) if e.is_file and not is_meta_member(e.name)]
     g = group_members([e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents], shard=url)
@@ -287,6 +300,13 @@ def cached_index(folder: Path, build) -> SampleIndex:
 # %% ../../nbs/26_loading.index.ipynb
 ARCHIVE_EXTS = (".tar", ".tgz", ".tar.gz", ".tar.lz4", ".zip")
 
+def _backend(source) -> type | None:
+    "The backend of `source` (a store, a path or URL); None for a list, a command, or a scheme with no backend."
+    if isinstance(source, Store): return type(source)
+    if not isinstance(source, (str, Path)): return None
+    try: return backend_for(source)
+    except StoreError: return None  # said by `shard_urls`, which names the source
+
 def sample_index(source,                                   # A directory, tar paths, a brace template, or `ais://bucket`
                  fields: Sequence[str] = ("cls", "image.jpg"), # The fields to index
                  index_cache: bool | str | Path = True,    # Keep indexes on disk (in this folder, if one); False: never
@@ -295,9 +315,10 @@ def sample_index(source,                                   # A directory, tar pa
                 ) -> SampleIndex:
     "The index of every sample in `source` (a directory, tar paths, a template, `ais://`, `s3://`) for `fields`."
     fields = _data_fields(fields)
-    if isinstance(source, AISStore) or str(source).startswith("ais://"):
+    backend = _backend(source)
+    if backend is AISStore:
         return _bucket_index(open_store(source), fields, index_cache)
-    if isinstance(source, S3Store) or (str(source).startswith("s3://") and "{" not in str(source)
+    if isinstance(source, S3Store) or (backend is S3Store and "{" not in str(source)
                                        and not str(source).endswith(SHARD_SUFFIXES)):  # a prefix: its one listing
         store = open_store(source)
         if not (rows := store.listing(pattern)):
@@ -306,7 +327,7 @@ def sample_index(source,                                   # A directory, tar pa
                           heads=[(n, t) for _, n, t in rows])
     paths = shard_urls(source, pattern)
     name = str(source) if isinstance(source, (str, Path)) else f"{len(paths)} tars"
-    if any("://" in p for p in paths): return _url_index(paths, fields, name, index_cache, retries=retries)
+    if not all(map(is_local, paths)): return _url_index(paths, fields, name, index_cache, retries=retries)
     joined = _joined_path(paths, fields, index_cache) if index_cache else None
     if joined is not None and (joined / "meta.json").exists(): return load_index(joined)
     idx = _select([index_tar(p, index_cache) for p in paths], paths, fields, source=name)
@@ -318,12 +339,13 @@ def sample_index(source,                                   # A directory, tar pa
 def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, *, retries: Retries | None,
                heads: list[tuple[int, str]] | None = None) -> SampleIndex:
     "The index of shards at http(s) or s3 URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
-    s3 = all(p.startswith("s3://") for p in paths)
-    if bad := [p for p in paths if not p.startswith(("s3://",) if s3 else ("http://", "https://"))]:
+    kinds = [_backend(p) for p in paths]
+    s3 = all(k is S3Store for k in kinds)
+    if bad := [p for p, k in zip(paths, kinds) if k is not (S3Store if s3 else HTTPStore)]:
         raise UsageError(f"random access reads local tars, http(s) or s3:// URLs (one kind in a source) or ais:// "
                          f"buckets, not {bad[0]}")
     if heads is None:  # s3: from the listings of their folders, not a HEAD each
-        heads = s3_stat(paths, retries) if s3 else [remote_head(p, retries, f"shard {p}") for p in paths]
+        heads = s3_stat(paths, retries) if s3 else [stat_url(p, retries, f"shard {p}") for p in paths]
     def build():
         got = [index_url(p, index_cache, retries, h) for p, h in zip(paths, heads)]
         if [(n, t) for _, n, t in got] != heads:

@@ -41,7 +41,7 @@ class RandomAccessDataset(Dataset):
         refuse_pickle(fields, allow_pickle)
         self.index, self.fields, self.transform, self.seed = index, tuple(fields), transform, seed
         self.allow_pickle = allow_pickle
-        self.reader = reader or (AISReader(index) if index.source.startswith("ais://") else LocalReader())
+        self.reader = reader or (AISReader(index) if index.kind == "ais" else LocalReader())
         self.retries = getattr(self.reader, "retries", None)  # its faults, counted by all workers (local: None)
         self._field = {k: index.fields.index(k.lower()) for k in self.fields if not k.startswith("__")}
         self.starts = shard_starts(index.shard, len(index.shards))  # per shard: all the epoch's order needs

@@ -21,11 +21,10 @@ import requests
 from fastcore.basics import patch
 from ..config import private_dir, remove_stale_temp, shardkit_home
 from ..errors import StoreError, UsageError
-from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, open_remote, read_range, retried
-from ..s3 import s3_name, s3_open, s3_range
+from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, retried
 from ..shards.fields import split_key
 from ..shards.read import is_meta_member, tar_entries
-from ..store import open_store, parse_size, shown_path
+from ..stores import HTTPStore, backend_for, open_store, open_url, parse_size, read_url_range, shown_path, url_name
 from .index import RandomAccessError, SampleIndex, file_lock, key_from_header
 
 # %% auto 0
@@ -143,13 +142,12 @@ class _HTTPFetch:
         if self.endpoint is None: return shard
         return f"{self.endpoint}/v1/objects/{self.bucket}/{quote(shard)}?provider=ais"
     def name(self, shard: str) -> str:
-        if self.endpoint is None: return s3_name(shard) if shard.startswith("s3://") else shard
+        if self.endpoint is None: return url_name(shard)
         return f"ais://{self.bucket}/{shard}"
     def __call__(self, shard: str, dest: Path, version: str = ""):
         "Stream `shard` to `dest` (a cut read resumes); if `version` is given, refuse other content (rewritten since)."
-        opener = s3_open if shard.startswith("s3://") else open_remote  # s3: the same reader, each request signed
-        try:
-            with opener(self.url(shard), self.retries, f"shard {self.name(shard)}", version=version) as src, \
+        try:  # through the shard's backend: s3:// signed, HTTP (AIStore) plain; each the same reader
+            with open_url(self.url(shard), self.retries, f"shard {self.name(shard)}", version=version) as src, \
                  open(dest, "wb") as f: shutil.copyfileobj(src, f, 1 << 20)
         except ObjectChanged as e: raise RandomAccessError(str(e)) from None  # the error of a shard changed since
 
@@ -283,7 +281,7 @@ class AISReader:
 
     def _bucket(self):
         if self.pid != os.getpid():  # one client per process: sessions are not shared with forked workers
-            from shardkit.store import ais_client
+            from shardkit.stores import ais_client
             self.client = ais_client(self.endpoint, sdk_retries=False)  # faults are retried (and counted) here
             self.bucket, self.pid = self.client.bucket(self.bucket_name), os.getpid()
         return self.bucket
@@ -385,12 +383,12 @@ class RangeReader:
         url, (a, b), name = self.fetch.url(idx.shards[s]), _rows(idx, s), f"shard {self.fetch.name(idx.shards[s])}"
         if idx.offset is not None: where = idx.offset[a:b], idx.size[a:b]
         else:
-            with (s3_open if url.startswith("s3://") else open_remote)(url, self.retries, name) as f:  # through faults
+            with open_url(url, self.retries, name) as f:  # through faults
                 ents = [e for e in tar_entries(f, idx.shards[s], data=False)
                         if e.is_file and not is_meta_member(e.name)]
             members = [e.name for e in ents], [e.data_offset for e in ents], [e.size for e in ents]
             where = member_offsets(idx, s, members)
-        target = url if url.startswith("s3://") else self._locate(idx, s)  # s3: signed anew for each read
+        target = self._locate(idx, s) if backend_for(url) is HTTPStore else url  # s3: signed anew for each read
         self.known[s] = (target, a, *where)  # AIStore: the URL of the target that holds the shard, kept
         return self.known[s]
 
@@ -411,9 +409,8 @@ class RangeReader:
             lo, hi = int(o.min()), int((o + n).max())  # one range over all fields, headers between them included
             shard = dict(name=f"shard {self.fetch.name(idx.shards[s])}", size=int(idx.shard_bytes[s]),
                          version=idx.versions[s] if idx.versions else "")  # as indexed: other content is refused
-            if url.startswith("s3://"): data = s3_range(url, lo, hi, self.retries, **shard)  # faults retried
-            else:  # faults retried; then asked where it is: its target may have left the cluster
-                data = read_range(url, lo, hi, self.retries, **shard, locate=lambda: self._locate(idx, s))
+            # faults retried; over HTTP then asked where it is: its target may have left the cluster
+            data = read_url_range(url, lo, hi, self.retries, **shard, locate=lambda: self._locate(idx, s))
             keys.append(idx.key(i)); out.append([data[p - lo:p - lo + k] for p, k in zip(o.tolist(), n.tolist())])
         return keys, out
 

@@ -12,8 +12,20 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from ..errors import DataError, LoaderError
-from ..store import NOT_YET, did_you_mean, expand_names, not_yet, open_store, s3_shard_urls, shown_path
+from shardkit.stores import (
+    AISStore,
+    LocalStore,
+    S3Store,
+    Store,
+    backend_for,
+    did_you_mean,
+    expand_names,
+    is_local,
+    open_store,
+    s3_shard_urls,
+    shown_path,
+)
+from ..errors import DataError, LoaderError, StoreError
 
 # %% auto 0
 __all__ = ['SOURCE_FORMS', 'IMAGE_SUFFIXES', 'MissingShards', 'image_folder', 'shard_urls', 'rank_and_world', 'seed_for',
@@ -31,7 +43,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 def image_folder(path, *, look: int = 64) -> bool:
     """Whether `path` is a local folder of images, in it or in its class folders (an ImageFolder tree), rather than of
     shards: the first `look` entries of it and of each of its first `look` folders are enough to tell."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in str(path) or not Path(path).is_dir(): return False
+    if not isinstance(path, (str, os.PathLike)) or not is_local(path) or not Path(path).is_dir(): return False
     def entries(folder: Path): return list(islice(os.scandir(folder), look))
     top = entries(Path(path))
     if any(e.name.endswith(".tar") for e in top): return False
@@ -52,7 +64,7 @@ def _no_shards(spec: str, pattern: str) -> str:
 
 def _missing(urls: list[str], given: str | None = None) -> str | None:
     "Why the local files among `urls` (from `given`, a path or template) are not all there; None when they are."
-    gone = [u for u in urls if "://" not in u and not u.startswith("pipe:") and not Path(u).is_file()]
+    gone = [u for u in urls if is_local(u) and not Path(u).is_file()]
     if not gone: return None
     if given is not None and "{" not in given:  # one path: not there, or one letter off
         return f"no file or directory {shown_path(given)}{did_you_mean(given)}: a source is {SOURCE_FORMS}"
@@ -68,7 +80,7 @@ def _missing(urls: list[str], given: str | None = None) -> str | None:
 # %% ../../nbs/21_sources.ipynb
 def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
     "URLs of the shards in `sources`: a store, a store spec (directory, `ais://`, `s3://`), a brace template, or URLs."
-    if hasattr(sources, "urls") and hasattr(sources, "list"):
+    if isinstance(sources, Store):
         names = sources.list(pattern)
         if not names: raise MissingShards(_no_shards(sources.spec, pattern))
         if "{" in pattern and len(names) < len(wanted := expand_names(pattern)):  # a template past the objects
@@ -79,13 +91,15 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
         return sources.urls(names)
     if isinstance(sources, (str, os.PathLike)):
         s = str(sources)
-        if s.startswith("s3://"): return s3_shard_urls(s, pattern)  # an object, a template or a prefix: one listing
-        if s.startswith(NOT_YET): raise LoaderError(not_yet(s))
-        if "{" in s and s.startswith("ais://"):  # a template of a bucket's shards: their URLs in it
+        try: backend = backend_for(s)  # None: a `pipe:` command
+        except StoreError as e: raise LoaderError(str(e)) from None  # a scheme with no backend: said before reading
+        if backend is S3Store: return s3_shard_urls(s, pattern)  # an object, a template or a prefix: one listing
+        if "{" in s and backend is AISStore:  # a template of a bucket's shards: their URLs in it
             spec, names = s.rsplit("/", 1)
             return shard_urls(open_store(spec), names)
         if "{" in s: urls = expand_names(s)
-        elif s.startswith("ais://") or Path(s).is_dir(): return shard_urls(open_store(s), pattern)
+        elif backend is AISStore or (backend is LocalStore and Path(s).is_dir()):
+            return shard_urls(open_store(s), pattern)
         else: urls = [s]
         if why := _missing(urls, s): raise MissingShards(why)  # here, not in a worker at the first batch
         return urls

@@ -30,7 +30,7 @@ from ..errors import LoaderError, ShardkitError
 from ..remote import Retries, say_line
 from ..shards.manifest import manifest_fields
 from ..shards.read import first_sample
-from ..store import open_store, shown_path
+from ..stores import AISStore, Store, backend_for, is_command, is_local, open_store, shown_path
 from .jpeg import CropBox, EncodedJpeg, JpegError, why_no_window_decode
 from .sources import EpochShards, seed_for
 
@@ -262,17 +262,18 @@ def sample_to_tuple(sample: dict, fields: Sequence[str], transform=None, shards:
 # %% ../../nbs/23_transforms.ipynb
 def _store_of(sources):
     "The store `sources` names (a store, a directory, `ais://...`), else None (a template, URLs)."
-    if hasattr(sources, "list") and hasattr(sources, "urls"): return sources
+    if isinstance(sources, Store): return sources
     s = str(sources) if isinstance(sources, (str, os.PathLike)) else None
-    return open_store(s) if s and "{" not in s and (s.startswith("ais://") or Path(s).is_dir()) else None
+    return open_store(s) if s and "{" not in s and (backend_for(s) is AISStore or Path(s).is_dir()) else None
 
-def _local(url: str) -> bool: return "://" not in url and not url.startswith("pipe:") and Path(url).is_file()
+def _local(url: str) -> bool: return is_local(url) and Path(url).is_file()
 
 def _url_name(url: str) -> str:
     "The file name a shard URL ends with; for a `pipe:` command, that of the first URL in it (else the command)."
-    if url.startswith("pipe:"):
-        try: words = shlex.split(url[5:])
-        except ValueError: words = url[5:].split()  # unbalanced quotes: the words as they stand
+    if is_command(url):
+        command = url.partition(":")[2]
+        try: words = shlex.split(command)
+        except ValueError: words = command.split()  # unbalanced quotes: the words as they stand
         url = next((w for w in words if "://" in w), url)
     return PurePosixPath(url.split("?")[0]).name or url
 

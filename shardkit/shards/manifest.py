@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 from tqdm.auto import tqdm
 from ..command import command
 from ..errors import StoreError
-from ..store import open_store, shown_path
+from ..stores import open_store, shown_path
 from .fields import ShardError
 from .read import count_samples
 

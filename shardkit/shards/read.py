@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 from ..errors import ShardkitError
-from ..remote import RemoteError, Retries, open_remote
-from ..s3 import s3_name, s3_open
-from ..store import LocalStore, open_store, shown_path
+from ..remote import RemoteError, Retries
+from ..stores import HTTPStore, LocalStore, S3Store, backend_for, open_store, open_url, shown_path, url_name
 from .fields import ShardError, split_key
 
 # %% auto 0
@@ -206,8 +205,8 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
 # %% ../../nbs/04_read.ipynb
 def open_shard(url: str, retries: Retries | None = None):
     "A stream of shard `url`: http(s), s3 through `shardkit.remote` (faults retried, cuts resumed); else `gopen`."
-    if url.startswith(("http://", "https://")): return open_remote(url, retries, name=f"shard {url}")
-    if url.startswith("s3://"): return s3_open(url, retries, name=f"shard {s3_name(url)}")  # signed, the same rules
+    if backend_for(url) in (HTTPStore, S3Store):  # through faults; s3:// signed, by the same rules
+        return open_url(url, retries, name=f"shard {url_name(url)}")
     from webdataset import gopen  # here, not at the top: webdataset imports torch
     return gopen(url)
 

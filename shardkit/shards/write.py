@@ -26,7 +26,7 @@ import numpy as np
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 from ..errors import StoreError, UsageError
-from ..store import LocalStore, open_store, parse_size, shown_path
+from ..stores import LocalStore, open_store, parse_size, shown_path
 from .manifest import manifest_name, read_manifest, resume_mismatch, resume_point, save_manifest, sha256_file, summarize
 from .read import unsafe_name
 

@@ -56,7 +56,7 @@ from ..loading.stream import worker_tmpdir_problem
 from ..loading.transforms import eval_transform, train_transform
 from ..remote import retry_bound
 from ..shards.fields import ShardError
-from ..store import shown_path
+from ..stores import is_command, is_local, shown_path
 
 # %% auto 0
 __all__ = ['torch_threads', 'ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError',
@@ -97,7 +97,7 @@ def _explain(e: Exception) -> str:
     url = e.args[-1] if len(e.args) == 3 and isinstance(e.args[-1], str) else None  # webdataset adds (..., stream, url)
     reason = getattr(e, "strerror", None) or (e.args[0] if e.args else type(e).__name__)
     what = f"cannot read shard {url}: {reason}" if url else str(e)
-    if url and "://" not in url and not url.startswith("pipe:"):  # a file here: no URL, no --base to check
+    if url and is_local(url):  # a file here: no URL, no --base to check
         return what + "; check that it is a tar of samples (`tar tf FILE` lists it)"
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
 
@@ -129,7 +129,7 @@ def _shard_loaders(shards, base, val_shards, batch_size, *, num_workers, samples
     "(epoch -> training loader, validation loader or None, classes, batches per epoch or None) for shards."
     dev = torch.device(dev or "cpu")
     urls, val_urls = expand_urls(shards, base), expand_urls(val_shards, base) if val_shards else []
-    random = pipeline == "shardkit" and decode_on == "cpu" and not any(u.startswith("pipe:") for u in urls)
+    random = pipeline == "shardkit" and decode_on == "cpu" and not any(map(is_command, urls))
     if pad and not random:
         raise TrainError("--pad fills the last step of the default loader (random access); with --pipeline example, "
                          "--decode-on gpu or pipe: URLs every rank reads its own shards: drop --pad")

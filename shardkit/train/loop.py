@@ -17,7 +17,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 from ..errors import LoaderError
 from ..remote import say_line
-from ..store import shown_path
+from ..stores import shown_path
 from .step import TrainError, count_correct, images_and_labels, training_step
 
 # %% auto 0

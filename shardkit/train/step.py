@@ -19,7 +19,7 @@ from ..loading.sources import rank_and_world, shard_urls
 from ..loading.transforms import normalize_batch
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
 from ..shards.read import url_samples
-from ..store import expand_names
+from ..stores import expand_names
 
 # %% auto 0
 __all__ = ['PRECISIONS', 'TrainError', 'expand_urls', 'count_samples_and_classes', 'setup_distributed', 'make_transform',

@@ -189,7 +189,7 @@ def manifest():
     "Conversion manifests (shards/manifest.py): read, resumed from, summarised, counted, listed (shards/read.py)."
     from shardkit.shards.manifest import incomplete_jobs, manifest_fields, read_manifest, resume_point, summarize
     from shardkit.shards.read import list_shards
-    from shardkit.store import open_store
+    from shardkit.stores import open_store
     root = _scratch("fuzz-manifest-")
     (root / "shard-000000.tar").write_bytes(b"\0" * 1024)
     store = open_store(str(root))
@@ -415,7 +415,7 @@ def sources():
     "Brace templates and `s3://` URLs with settings (store.py expand_names, s3.py parse_s3_url, loading/sources.py)."
     from shardkit.loading.sources import shard_urls
     from shardkit.s3 import parse_s3_url, s3_name, s3_url
-    from shardkit.store import expand_names, parse_size
+    from shardkit.stores import expand_names, parse_size
 
     def one(data: bytes):
         text = data.decode("utf-8", "replace")[:512]
