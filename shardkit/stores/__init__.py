@@ -54,6 +54,7 @@ def backend_for(url: str | Path) -> type[Store] | None:
     "The backend that opens `url`: by its scheme; `LocalStore` for a path or `file://`; None for a `pipe:` command."
     url = str(url)
     if url.startswith(COMMAND): return None
+    if url.startswith("{"): url = expand_names(url)[0]  # a brace list of whole URLs: the backend of its first
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme in ("", "file"): return LocalStore
     for cls in BACKENDS:
