@@ -178,7 +178,6 @@ def synth_folder_cli(res, args):
     print(f"wrote {args.classes} classes x ({args.per_class} train + {args.val_per_class} val) images "
           f"to {shown_path(args.root)}/train and {shown_path(args.root)}/val")
 
-# %% ../../nbs/10_folder.ipynb
 @command(convert_folder, hide=("progress",))
 def convert_folder_cli(s, args):
     "Convert an ImageFolder tree into WebDataset shards of NAME.jpg + NAME.cls, classes numbered like ImageFolder."

@@ -131,7 +131,7 @@ def manifest_fields(store, names: Sequence[str] | None = None) -> tuple[dict[str
     fields = lambda n: recs.get(n, {}).get("fields")  # noqa: E731
     if not names or not all(isinstance(fields(n), dict) and all(map(_count, fields(n).values()))
                              and _count(recs[n].get("samples")) for n in names):  # (a dSort output counts none)
-        return None  # none, or written before 11-2026
+        return None  # no shards, or one whose fields were not counted
     counts = {}
     for n in names:
         for k, c in recs[n]["fields"].items(): counts[k] = counts.get(k, 0) + c

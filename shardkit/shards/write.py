@@ -255,7 +255,7 @@ def write_shards(samples: Iterable[dict],  # Samples (dicts with __key__), in a 
         raise UsageError(f"maxsize must be >= 10240 bytes (one tar record), got {maxsize}")
     store = open_store(dest, create=True)
     settings = dict(prefix=prefix, maxcount=maxcount, maxsize=maxsize, info=info or {})
-    if digits != 5: settings["digits"] = digits  # older manifests, written with 5 digits, stay valid
+    if digits != 5: settings["digits"] = digits  # a manifest without `digits` means 5
     old = read_manifest(store, prefix)
     shards = resume_point(store, old, settings)
     if old and old.get("complete") and len(shards) == len(old["shards"]):
