@@ -7,7 +7,7 @@ import webdataset as wds
 from shardkit.errors import UsageError
 from shardkit.loading.index import sample_index
 from shardkit.loading.order import epoch_order, order_quality
-from shardkit.loading.random import create_random_loader
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.readers import RangeReader, ShardCache, shard_cache_dir
 from shardkit.store import open_store
 
@@ -41,7 +41,8 @@ def shards(tmp_path_factory):
 def _loader(src, **kw):
     kw.setdefault("fields", ("__key__", "cls", "bin"))
     kw.setdefault("transform", None)
-    return create_random_loader(src, **kw)
+    num_workers = kw.pop("num_workers", 2)
+    return create_dataloader(create_dataset(src, access="random", **kw), num_workers=num_workers)
 
 
 def _keys(loader):
