@@ -70,7 +70,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     ds = ShardDataset(*stages, shards=shards, fields=fields, batch_size=batch_size, epoch_samples=epoch_samples,
                       handler=handler, shuffle=shuffle, retries=retries)
     ds.mix = None if not mix else {n: [w, shards_digest(tuple(u))] for n, w, u in zip(mix[0], mix[1], [urls, *mix[2]])}
-    ds.settings = settings  # what create_dataloader builds its loader from
+    ds.settings, ds.collation_fn = settings, collation_fn  # what create_dataloader builds its loader from
     return ds
 
 # %% ../../nbs/27a_pipeline.ipynb
@@ -231,7 +231,7 @@ def create_dataloader(dataset: ShardDataset | RandomAccessDataset | MixedDataset
         return loader if device is None else DeviceLoader(loader, device, thread=thread)
     if not isinstance(dataset, ShardDataset):
         raise UsageError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
-    s = getattr(dataset, "settings", None)  # None: a ShardDataset made by shard_dataset itself
+    s = dataset.settings  # None: a ShardDataset made by shard_dataset alone
     if s is not None and s.decode_on == "gpu":
         from shardkit.loading.gpu import gpu_loader  # the device path imports this module
         return gpu_loader(_stream_loader(dataset, num_workers, batch_size, 0, kw), "cuda" if device is None else device,
