@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import webdataset as wds
 from fastcore.basics import patch
@@ -23,14 +23,12 @@ from ..remote import Retries, as_retries
 from ..shards.fields import is_image_key, refuse_pickle
 from ..shards.read import url_samples
 from .collate import collate
+from .gpu import GpuLoader, gpu_loader, jpeg_dataset
 from .mix import mix_samples, mixed_sources
 from .random import MixedDataset, RandomAccessDataset, RandomAccessLoader, random_dataset
 from .sources import EpochShards, drop_planned, rank_and_world, shard_urls, shuffle_samples, take_share
 from .stream import ShardDataset, ShardLoader, error_handler, shards_digest, skip_resumed
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
-
-if TYPE_CHECKING:
-    from shardkit.loading.gpu import GpuLoader
 
 # %% auto 0
 __all__ = ['shard_dataset', 'DatasetSettings', 'create_dataset', 'create_dataloader', 'ahead', 'DeviceLoader']
@@ -179,7 +177,6 @@ def create_dataset(source,                       # Shards: a store, a directory,
                         error_handler(handler), pad, drop_last, window, index_cache, read, shard_cache)
     if access == "random": return random_dataset(first, replace(s, seed=0 if seed is None else seed))
     if decode_on == "gpu":
-        from shardkit.loading.gpu import jpeg_dataset  # the device path imports this module
         return jpeg_dataset(urls, s)
     to_tuple = partial(sample_to_tuple, fields=s.fields, transform=transform, allow_pickle=allow_pickle)
     return _streamed(urls, to_tuple, s)
@@ -233,7 +230,6 @@ def create_dataloader(dataset: ShardDataset | RandomAccessDataset | MixedDataset
         raise UsageError(f"create_dataloader needs a dataset from create_dataset, got {type(dataset).__name__}")
     s = dataset.settings  # None: a ShardDataset made by shard_dataset alone
     if s is not None and s.decode_on == "gpu":
-        from shardkit.loading.gpu import gpu_loader  # the device path imports this module
         return gpu_loader(_stream_loader(dataset, num_workers, batch_size, 0, kw), "cuda" if device is None else device,
                           prefetch=prefetch, thread=thread)
     loader = _stream_loader(dataset, num_workers, batch_size, shuffle_across, kw)

@@ -210,7 +210,7 @@ def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank
 def _gpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev):
     "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP `nbatches` an epoch."
     ds = create_dataset(mine, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
-                        seed=seed, rank=0, world_size=1, decode_on="device")
+                        seed=seed, rank=0, world_size=1, decode_on="gpu")
     loader = create_dataloader(ds, num_workers=num_workers, device=dev)
     if nbatches:  # equal steps on every rank: a rank whose shards run out first starts them again
         stream = _passes(loader)
