@@ -17,7 +17,6 @@ _API = {"open_store": "stores", "write_shards": "shards.write", "verify_shards":
         "synthesize_pets": "datasets.pets", "convert_pets": "datasets.pets", "synthesize_folder": "datasets.folder",
         "convert_folder": "datasets.folder", "shuffle_shards": "shuffle", "run_etl": "etl",
         "create_dataset": "loading.pipeline", "create_dataloader": "loading.pipeline",
-        "create_random_loader": "loading.random", "create_gpu_loader": "loading.gpu",
         "train_transform": "loading.transforms", "train_epochs": "train.loop", "profile_pipeline": "profile.measure",
         "profile_report": "profile.verdicts", "ShardkitError": "errors"}  # each name and its home module
 

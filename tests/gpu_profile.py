@@ -20,7 +20,7 @@ import torch
 
 from shardkit.bench.gpu import make_step
 from shardkit import create_dataloader, create_dataset
-from shardkit.loading.gpu import create_gpu_loader
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 
 warnings.filterwarnings("ignore")
@@ -128,8 +128,9 @@ def main():
     out.write(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
               f"batch {a.batch_size}, {a.step}\n")
     step = make_step(a.step, dev)
-    gpu = lambda: create_gpu_loader(a.shards, fields=(a.image,), batch_size=a.batch_size, num_workers=a.workers, seed=0,
-                                    device=dev, size=a.size)
+    gpu = lambda: create_dataloader(create_dataset(a.shards, fields=(a.image,), batch_size=a.batch_size, seed=0,
+                                                   transform=train_transform(a.size), decode_on="gpu"),
+                                    num_workers=a.workers, device=dev)
     def cpu():
         ds = create_dataset(a.shards, fields=(a.image,), transform=train_transform(a.size), seed=0, batch_size=a.batch_size)
         return create_dataloader(ds, num_workers=a.cpu_workers, batch_size=a.batch_size, device=dev)

@@ -79,9 +79,9 @@ def test_streaming_epoch_is_exact_through_each_fault(server, clean_stream, capfd
 
 def random_loader(urls, read, workers=2, **kw):
     "A random-access loader (seed 0, batches of 16), its index built, its shard cache empty."
-    from shardkit.loading.random import create_random_loader
-    dl = create_random_loader(urls, fields=("__key__", "cls"), batch_size=16, num_workers=workers, seed=0, read=read,
-                              index_cache=False, **kw)
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
+    dl = create_dataloader(create_dataset(urls, fields=("__key__", "cls"), batch_size=16, seed=0, read=read,
+                                          index_cache=False, access="random", **kw), num_workers=workers)
     if read == "cache":
         for f in dl.dataset.reader.copies.files(): f.unlink()  # every shard is fetched in the epoch
     return dl

@@ -8,11 +8,12 @@ import torch
 import webdataset as wds
 from shardkit.apps.cli import main as cli_main
 from shardkit.errors import LoaderError
-from shardkit.loading.gpu import (GpuLoader, augment_batch, create_gpu_loader, crop_batch, decode_batch, draw_crop,
+from shardkit.loading.gpu import (GpuLoader, augment_batch, crop_batch, decode_batch, draw_crop,
                                   jpeg_sample, pack_jpegs, why_no_gpu)
 from shardkit.bench.gpu import bench_gpu_decode
 from shardkit.loading.sources import seed_for
 from shardkit.loading.stream import ShardLoader
+from shardkit import create_dataloader, create_dataset, train_transform
 from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
 
 N_SHARDS, PER_SHARD = 6, 5
@@ -38,7 +39,10 @@ def shards(tmp_path_factory):
 def _loader(shards, **kw):
     kw = {"fields": ("__key__", "cls", "image.jpg"), "batch_size": 7, "num_workers": 2, "seed": 1, "device": "cpu",
           "size": 32, **kw}
-    return create_gpu_loader(shards, **kw)
+    size, scale, normalize = kw.pop("size"), kw.pop("scale", (0.08, 1.0)), kw.pop("normalize", False)
+    on_loader = {k: kw.pop(k) for k in ("num_workers", "device", "prefetch", "thread") if k in kw}
+    ds = create_dataset(shards, transform=train_transform(size, scale=scale, normalize=normalize), decode_on="gpu", **kw)
+    return create_dataloader(ds, **on_loader)
 
 
 def _images(n, rng, noise=False, lo=40, hi=200):
@@ -189,7 +193,7 @@ def test_profiler_hooks(shards):
 
 
 def test_errors_say_what_to_do(shards, tmp_path):
-    with pytest.raises(LoaderError, match="create_dataloader"):
+    with pytest.raises(LoaderError, match="decode_on='cpu'"):
         _loader(shards, fields=("cls", "image.jpg", "trimap.png"))
     with pytest.raises(LoaderError, match="is not a JPEG"):
         with wds.TarWriter(str(tmp_path / "png.tar")) as w:
@@ -205,7 +209,7 @@ def test_errors_say_what_to_do(shards, tmp_path):
 @pytest.mark.skipif(NO_GPU is None, reason="this machine has GPU decoding; the no-GPU errors cannot be seen here")
 def test_without_a_gpu_cuda_is_refused_with_the_reason(shards, capsys):
     with pytest.raises(LoaderError, match="create_dataloader"):
-        create_gpu_loader(shards)
+        create_dataloader(create_dataset(shards, fields=("cls", "image.jpg"), decode_on="gpu"), num_workers=4)
     with pytest.raises(LoaderError, match="nothing to measure") as e: bench_gpu_decode(shards)
     assert NO_GPU in str(e.value)
     assert cli_main(["bench", "gpu", str(shards[0])]) == 2

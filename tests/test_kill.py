@@ -115,10 +115,11 @@ def test_a_training_process_killed_mid_epoch_leaves_nothing_and_resumes_exactly(
 
 _FETCH = """
 import sys
-from shardkit.loading.random import create_random_loader
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.remote import Retries
-dl = create_random_loader(sys.argv[1:], fields=("__key__", "cls"), batch_size=8, num_workers=2, seed=0, read="cache",
-                          shard_cache=2, retry_wait=Retries(wait=60, read_timeout=3))
+dl = create_dataloader(create_dataset(sys.argv[1:], fields=("__key__", "cls"), batch_size=8, seed=0, read="cache",
+                                      shard_cache=2, retry_wait=Retries(wait=60, read_timeout=3), access="random"),
+                       num_workers=2)
 print(sum(len(b[0]) for b in dl), flush=True)
 """
 

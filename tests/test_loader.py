@@ -244,3 +244,32 @@ def test_device_cuda_resume(shards):
     b = make()
     b.load_state_dict(a.state_dict())
     assert head + _keys(b) == ref
+
+
+def test_one_pair_of_factories_for_every_access_mode_and_device(shards):
+    "create_dataset returns a data set, create_dataloader its one loader, made once: stream, random, decode_on='gpu'."
+    import inspect
+    import shardkit
+    from shardkit.loading.gpu import GpuLoader
+    from shardkit.loading.pipeline import DeviceLoader
+    from shardkit.loading.random import RandomAccessDataset, RandomAccessLoader
+    from shardkit.loading.stream import ShardDataset, ShardLoader
+    assert [n for n in shardkit.__all__ if n.startswith("create_")] == ["create_dataset", "create_dataloader"]
+    assert [next(iter(inspect.signature(f).parameters)) for f in (create_dataset, create_dataloader)] == \
+        ["source", "dataset"]
+    kw = dict(fields=("__key__", "image.jpg"), transform=train_transform(32), batch_size=4, seed=2)
+    made = {(a, d): create_dataset(shards, access=a, decode_on=d, **kw) for a, d in (("stream", "cpu"),
+                                                                                    ("random", "cpu"),
+                                                                                    ("stream", "gpu"))}
+    assert [type(ds) for ds in made.values()] == [ShardDataset, RandomAccessDataset, ShardDataset]
+    loaders = {k: create_dataloader(ds, num_workers=0, batch_size=3, device="cpu" if k[1] == "gpu" else None)
+               for k, ds in made.items()}
+    assert [type(dl) for dl in loaders.values()] == [ShardLoader, RandomAccessLoader, GpuLoader]
+    for dl in loaders.values():
+        assert sorted(_keys(dl)) == ALL and len(next(iter(dl))[0]) == 3  # the loader's batch size, not the data set's
+        assert set(dl.state_dict()) and callable(dl.load_state_dict)
+    assert type(create_dataloader(made["random", "cpu"], num_workers=0, device="cpu")) is DeviceLoader
+    with pytest.raises(UsageError, match="decode_on='gpu' streams"):
+        create_dataset(shards, access="random", decode_on="gpu", **kw)
+    with pytest.raises(UsageError, match="decode_on must be 'cpu'"):
+        create_dataset(shards, decode_on="device", **kw)

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, Dataset
 from shardkit import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 from dataclasses import replace
-from shardkit.loading.gpu import create_gpu_loader, why_no_gpu
+from shardkit.loading.gpu import why_no_gpu
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.jpeg import why_no_window_decode
 from shardkit.profile import Profile, build_loader, profile_overhead, profile_pipeline, profile_report, suggested_change, verdicts
 from shardkit.profile.timing import SLOTS
@@ -30,7 +31,8 @@ def shards(tmp_path_factory):
 
 def _loader(urls, workers=2, seed=0, batch_size=8, **kw):
     kw.setdefault("fields", ("__key__", "cls", "image.jpg"))
-    return create_dataloader(create_dataset(urls, seed=seed, transform=train_transform(64), **kw), num_workers=workers, batch_size=batch_size)
+    return create_dataloader(create_dataset(urls, seed=seed, transform=train_transform(64), **kw),
+                             num_workers=workers, batch_size=batch_size)
 
 
 def test_the_stage_clocks_leave_little_of_the_loop_untimed(shards):
@@ -229,8 +231,8 @@ def test_report_says_whether_windows_were_used(shards):
 
 
 def _gpu_keys(urls, device, profiled: bool, **kw):
-    g = create_gpu_loader(urls, fields=("__key__", "cls", "image.jpg"), batch_size=8, num_workers=2, seed=3,
-                          device=device, **kw)
+    g = create_dataloader(create_dataset(urls, fields=("__key__", "cls", "image.jpg"), batch_size=8, seed=3,
+                                         decode_on="gpu"), num_workers=2, device=device, **kw)
     got = []
     if not profiled: return [k for b in g for k in b[0]], None
     return got, (profile_pipeline(g, step=lambda b: got.extend(b[0]), label=f"gpu loader on {device}"), g)
@@ -274,8 +276,8 @@ def test_the_gpu_loaders_device_stages_inside_next_are_accounted(shards):
     """No workers and no prefetching: the GPU loader's whole path runs inside `next()`, its worker stages and its device
     stages one after the other, so together with the step they leave little of the loop untimed (the same bound as
     the CPU pipeline's); device stages counted twice would make the rest negative, left out would make it large."""
-    g = create_gpu_loader(shards, fields=("cls", "image.jpg"), batch_size=8, num_workers=0, seed=0, device="cpu",
-                          prefetch=0)
+    g = create_dataloader(create_dataset(shards, fields=("cls", "image.jpg"), batch_size=8, seed=0, decode_on="gpu"),
+                          num_workers=0, device="cpu", prefetch=0)
     p = profile_pipeline(g, step=lambda b: time.sleep(0.003))
     assert p.workers == 0 and p.samples == 60, profile_report(p)
     assert p.device_stages["decode"] > 0 and p.device_stages["augment"] > 0, profile_report(p)

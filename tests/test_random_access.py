@@ -8,7 +8,7 @@ from shardkit import create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_index
 from shardkit.loading.order import epoch_batches
-from shardkit.loading.random import create_random_loader
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.errors import LoaderError, UsageError
 from shardkit.stores import open_store
 from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
@@ -50,7 +50,8 @@ def _keys(loader):
 def _loader(src, **kw):
     kw.setdefault("fields", ("__key__", "cls", "image.jpg"))
     kw.setdefault("transform", train_transform(16))
-    return create_random_loader(src, **kw)
+    num_workers = kw.pop("num_workers", 2)
+    return create_dataloader(create_dataset(src, access="random", **kw), num_workers=num_workers)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -114,9 +115,9 @@ def test_same_crop_as_the_streaming_loader(shards):
 RESUME = r'''
 import pickle, sys
 from shardkit.loading.transforms import train_transform
-from shardkit.loading.random import create_random_loader
 src, state, n = pickle.loads(sys.stdin.buffer.read())
-dl = create_random_loader(src, fields=("__key__", "image.jpg"), transform=train_transform(16), batch_size=5, num_workers=1, seed=7)
+dl = create_dataloader(create_dataset(src, fields=("__key__", "image.jpg"), transform=train_transform(16),
+                                      batch_size=5, seed=7, access="random"), num_workers=1)
 dl.load_state_dict(state)
 out = []
 while len(out) < n:
@@ -183,8 +184,8 @@ def elastic_shards(tmp_path_factory):
 def _job(src, shape, state=None, weights=None):
     "One loader per rank of `shape` (of a mix, given `weights`), each resumed from `state` if given."
     ranks, workers, bs = shape
-    dls = [create_random_loader(src, fields=("__key__",), transform=None, batch_size=bs, num_workers=workers, seed=11,
-                                rank=r, world_size=ranks, weights=weights) for r in range(ranks)]
+    dls = [create_dataloader(create_dataset(src, fields=("__key__",), transform=None, batch_size=bs, seed=11, rank=r,
+                                            world_size=ranks, weights=weights, access="random"), num_workers=workers) for r in range(ranks)]
     for dl in dls:
         if state is not None: dl.load_state_dict(state)
     return dls
@@ -263,8 +264,10 @@ def test_set_epoch(shards):
 def test_pickle_refused_by_default(tmp_path):
     paths = _write_shards(tmp_path / "p", sizes=(2,), extra={"meta.pyd": pickle.dumps({"x": 1})})
     with pytest.raises(UsageError, match=r"'meta.pyd'.*allow_pickle=True"):
-        create_random_loader(paths, fields=("cls", "meta.pyd"), batch_size=2, num_workers=0)
-    (cls, meta), = list(create_random_loader(paths, fields=("cls", "meta.pyd"), batch_size=2, num_workers=0, allow_pickle=True))
+        create_dataloader(create_dataset(paths, fields=("cls", "meta.pyd"), batch_size=2, access="random"),
+                          num_workers=0)
+    (cls, meta), = list(create_dataloader(create_dataset(paths, fields=("cls", "meta.pyd"), batch_size=2,
+                                                         allow_pickle=True, access="random"), num_workers=0))
     assert meta == [{"x": 1}, {"x": 1}]
 
 
@@ -285,7 +288,8 @@ def test_keys_from_tar_headers_or_memory(shards, tmp_path):
         for i in range(3): w.write({"__key__": f"{'k' * 120}_{i}", "cls": i})
     lidx = sample_index([long], ("cls",))
     assert lidx.keys is not None and lidx.key(2) == f"{'k' * 120}_2", "long names (pax headers): keys kept in memory"
-    (keys, cls), = list(create_random_loader([long], fields=("__key__", "cls"), batch_size=3, num_workers=0))
+    (keys, cls), = list(create_dataloader(create_dataset([long], fields=("__key__", "cls"), batch_size=3,
+                                                         access="random"), num_workers=0))
     assert sorted(zip(keys, cls.tolist())) == [(f"{'k' * 120}_{i}", i) for i in range(3)]
 
 

@@ -7,7 +7,7 @@ import webdataset as wds
 from shardkit.errors import UsageError
 from shardkit.loading.index import sample_index
 from shardkit.loading.order import epoch_order, order_quality
-from shardkit.loading.random import create_random_loader
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.readers import RangeReader, ShardCache, shard_cache_dir
 from shardkit.stores import open_store
 
@@ -41,7 +41,8 @@ def shards(tmp_path_factory):
 def _loader(src, **kw):
     kw.setdefault("fields", ("__key__", "cls", "bin"))
     kw.setdefault("transform", None)
-    return create_random_loader(src, **kw)
+    num_workers = kw.pop("num_workers", 2)
+    return create_dataloader(create_dataset(src, access="random", **kw), num_workers=num_workers)
 
 
 def _keys(loader):
@@ -236,11 +237,13 @@ def test_a_global_order_from_a_cache_that_holds_every_shard(shards):
     assert dl.window is None and sorted(_keys(dl)) == ALL
 
 
-def test_batches_follow_a_batch_size_set_later(shards):
-    "create_dataloader sets batch_size on a loader from create_dataset(access='random'): batches must follow it."
-    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4)
-    dl.batch_size = 5
-    assert [len(b) for b in dl.batches(0)][:-1] == [5] * (len(ALL) // 5)
+def test_the_loader_is_made_with_the_batch_size_create_dataloader_is_given(shards):
+    "A data set made with batches of 4, its loader asked for 5: the loader is made once, with 5, and its batches follow."
+    ds = create_dataset(os.path.dirname(shards[0]), fields=("__key__", "cls", "bin"), transform=None, read="cache",
+                        shard_cache=2, batch_size=4, access="random")
+    dl = create_dataloader(ds, num_workers=0, batch_size=5)
+    assert dl.batch_size == 5 and [len(b) for b in dl.batches(0)][:-1] == [5] * (len(ALL) // 5)
+    assert ds.settings.batch_size == 4  # the data set's own: what a loader gets when none is asked for
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 64, 1024, 4099, 65_537])

@@ -188,8 +188,9 @@ def test_a_state_that_is_not_a_dict_is_refused(shards):
     (dict(epoch=-1), "epoch is -1 in the saved state; it should be a whole number, 0 or more"), (dict(epoch=None), "epoch is None"),
 ])
 def test_the_random_loader_refuses_a_malformed_state(shards, change, says):
-    from shardkit.loading.random import create_random_loader
-    make = lambda: create_random_loader(shards, fields=("__key__", "cls"), batch_size=4, num_workers=0, seed=1)
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
+    make = lambda: create_dataloader(create_dataset(shards, fields=("__key__", "cls"), batch_size=4, seed=1,
+                                                    access="random"), num_workers=0)
     a = make()
     next(iter(a))
     with pytest.raises(LoaderError, match=re.escape(says)):

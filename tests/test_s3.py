@@ -76,9 +76,9 @@ def clean_stream(shard_dir) -> list[str]:
 
 def random_loader(source, read, workers=2, **kw):
     "A random-access loader (seed 0, batches of 16), its index built fresh, its shard cache empty."
-    from shardkit.loading.random import create_random_loader
-    dl = create_random_loader(source, fields=("__key__", "cls"), batch_size=16, num_workers=workers, seed=0, read=read,
-                              index_cache=False, **kw)
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
+    dl = create_dataloader(create_dataset(source, fields=("__key__", "cls"), batch_size=16, seed=0, read=read,
+                                          index_cache=False, access="random", **kw), num_workers=workers)
     if read == "cache":
         for f in dl.dataset.reader.copies.files(): f.unlink()
     return dl
@@ -265,7 +265,7 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
     from conftest import ROOT, main_cli
     from shardkit import write_shards
     from shardkit import create_dataloader, create_dataset
-    from shardkit.loading.random import create_random_loader
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
     from shardkit.s3 import s3_client
     from shardkit.stores import open_store
     caplog.set_level(logging.DEBUG)
@@ -276,7 +276,8 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
     dl = create_dataloader(ds, num_workers=0)
     it = iter(dl); next(it)
     seen += [repr(dl.state_dict()), repr(pickle.dumps(dl.state_dict()))]
-    rl = create_random_loader("s3://data", fields=("__key__", "cls"), batch_size=8, num_workers=0, index_cache=False)
+    rl = create_dataloader(create_dataset("s3://data", fields=("__key__", "cls"), batch_size=8, index_cache=False,
+                                          access="random"), num_workers=0)
     it = iter(rl); next(it)
     seen += [repr(rl.state_dict()), repr(pickle.dumps(rl.dataset)), repr(pickle.dumps(ds))]
     (s3.root / "out").mkdir()

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import torch
 from ..command import command
 from ..errors import LoaderError
-from ..loading.gpu import create_gpu_loader, decode_batch, why_no_gpu
+from ..loading.gpu import decode_batch, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import shard_urls
 from ..loading.transforms import train_transform
@@ -131,8 +131,9 @@ def _contenders(urls, image_field, batch_size, num_workers, *, size, dev, step: 
     "(row name, a function making its stream of image batches, the step to feed or None) for each contender."
     scale, on = (0.08, 1.0), f"decode on {dev.type}" + (" (nvJPEG)" if dev.type == "cuda" else "")
     gpu = lambda t: lambda: _images_forever(
-        create_gpu_loader(urls, fields=(image_field,), batch_size=batch_size, num_workers=num_workers, seed=0,
-                          device=dev, size=size, scale=scale, thread=t), 0, dev)
+        create_dataloader(create_dataset(urls, fields=(image_field,), batch_size=batch_size, seed=0,
+                                         transform=train_transform(size, scale=scale), decode_on="gpu"),
+                          num_workers=num_workers, device=dev, thread=t), 0, dev)
     cpu = lambda t: lambda: _cpu_loader(urls, image_field, batch_size, num_workers, size=size, scale=scale, device=dev,
                                         thread=t)
     how = lambda t: "" if len(threads) == 1 else ", thread" if t else ", in the loop"

@@ -10,7 +10,6 @@ import time
 from ..command import command
 from ..errors import UsageError
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.random import create_random_loader
 from ..loading.sources import shard_urls
 from ..loading.stream import restart_workers
 from ..loading.transforms import train_transform
@@ -36,8 +35,9 @@ def _contenders(src, fields, transform, batch_size: int, *, num_workers: int, se
     def stream(s, w): return create_dataloader(create_dataset(s, fields=fields, transform=transform,
                                                               batch_size=batch_size,
                                                               seed=seed, weights=w), num_workers=num_workers)
-    def random(s, w): return create_random_loader(s, fields, transform=transform, batch_size=batch_size,
-                                                  num_workers=num_workers, seed=seed, weights=w)
+    def random(s, w): return create_dataloader(create_dataset(s, fields=fields, transform=transform,
+                                                              batch_size=batch_size, seed=seed, weights=w,
+                                                              access="random"), num_workers=num_workers)
     return {(path, kind): (lambda f=make, s=s, w=w: f(s, w))
             for path, make in (("stream", stream), ("random access", random))
             for kind, s, w in (("one source", urls, None), ("mix of 2", halves, weights))}

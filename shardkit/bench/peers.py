@@ -216,10 +216,9 @@ def post_loader(urls: Sequence[str], num_workers: int = 4, image: str = "image.j
 class _RandomEpochs:
     "The random-access loader's dataset in seeded order: every sample `passes` times an epoch, the last batch partial."
     def __init__(self, spec: dict):
-        from shardkit.loading.random import create_random_loader
+        from shardkit.loading.pipeline import create_dataset
         fields = (spec["fields"]["image"], spec["fields"]["label"])
-        self.ds = create_random_loader(spec["urls"], fields=fields, batch_size=64, num_workers=0, seed=spec["seed"],
-                                       pad=True).dataset
+        self.ds = create_dataset(spec["urls"], fields=fields, batch_size=64, seed=spec["seed"], access="random")
         self.passes, self.workers, self.epoch = spec["passes"], spec["workers"], 0
     def __iter__(self):
         from shardkit.loading.order import epoch_batches

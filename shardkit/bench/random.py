@@ -13,7 +13,7 @@ from ..command import command
 from ..config import private_dir
 from ..errors import UsageError
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.random import RandomAccessLoader, create_random_loader
+from ..loading.random import RandomAccessLoader
 from ..loading.readers import build_shard_index
 from ..loading.sources import shard_urls
 from ..loading.transforms import train_transform
@@ -41,8 +41,9 @@ def bench_random(source, *, fields: Sequence[str] = ("cls", "image.jpg"), batch_
                  read: str = "auto") -> dict:
     "Samples/s, CPU ms/sample of the random-access loader on `source` (epochs, >= `samples`); `read_only`: bytes only."
     t0 = time.perf_counter()
-    loader = create_random_loader(source, fields, transform=train_transform(size), batch_size=batch_size,
-                                  num_workers=num_workers, seed=seed, read=read)
+    loader = create_dataloader(create_dataset(source, fields=fields, transform=train_transform(size),
+                                              batch_size=batch_size, seed=seed, read=read, access="random"),
+                               num_workers=num_workers)
     index_s, n, secs, cpu = time.perf_counter() - t0, 0, 0.0, 0.0
     while n < samples:
         k, s, c = _timed_pass(loader, read_only)
@@ -85,9 +86,10 @@ def ais_cluster_cpu(endpoint: str) -> float:
 
 # %% ../../nbs/36_bench.random.ipynb
 def _setup(store, mode: str, fields, batch_size: int, *, seed: int, shard_cache, num_workers: int) -> tuple:
-    "A loader reading with `mode` (a `read=` of create_random_loader), made ready for a timed epoch; setup seconds."
-    dl = create_random_loader(store, fields, transform=None, batch_size=batch_size, num_workers=num_workers, seed=seed,
-                              read=mode, shard_cache=shard_cache)
+    "A loader reading with `mode` (a `read=` of random access, `create_dataset`), made ready for a timed epoch; setup seconds."
+    dl = create_dataloader(create_dataset(store, fields=fields, transform=None, batch_size=batch_size, seed=seed,
+                                          read=mode, shard_cache=shard_cache, access="random"),
+                           num_workers=num_workers)
     ds, t0 = dl.dataset, time.perf_counter()
     if mode == "cache": shutil.rmtree(ds.reader.copies.folder, ignore_errors=True); private_dir(ds.reader.copies.folder)
     if mode == "range":

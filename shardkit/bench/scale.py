@@ -21,7 +21,6 @@ from ..datasets.synth import draw_animal, jpeg_bytes
 from ..errors import UsageError
 from ..loading.index import sample_index
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.random import create_random_loader
 from ..loading.readers import build_shard_index
 from ..loading.transforms import train_transform
 from ..s3 import S3Settings, s3_url
@@ -147,8 +146,9 @@ def _stream(spec, source, fields=KEYS_ONLY, transform=None, most=None):
 
 def _random(spec, fields=KEYS_ONLY, transform=None, most=None):
     w = _work(spec)
-    dl = create_random_loader(str(w / "shuffled"), fields=fields, transform=transform, batch_size=spec["batch_size"],
-                              num_workers=spec["workers"], index_cache=w / "index")
+    dl = create_dataloader(create_dataset(str(w / "shuffled"), fields=fields, transform=transform,
+                                          batch_size=spec["batch_size"], index_cache=w / "index", access="random"),
+                           num_workers=spec["workers"])
     return lambda: dict(samples=_count_epoch(dl, most))
 
 def _decoded(spec) -> dict:
@@ -187,8 +187,8 @@ def _ais_dsort(spec):
 def _ais_getbatch(spec):
     "Images and labels by GetBatch, 64 samples (128 members) a request; without the shard index, fewer (each a scan)."
     most = min(spec["n"], spec["ais_samples"] if spec["stage"].endswith("index") else spec["ais_scan_samples"])
-    dl = create_random_loader(_bucket(spec, True), fields=("jpg", "cls"), transform=lambda v: v, batch_size=64,
-                              num_workers=0, read="getbatch")
+    dl = create_dataloader(create_dataset(_bucket(spec, True), fields=("jpg", "cls"), transform=lambda v: v,
+                                          batch_size=64, read="getbatch", access="random"), num_workers=0)
     raw = torch.utils.data.DataLoader(_RawBatches(dl, most), batch_size=None, num_workers=spec["workers"], timeout=600)
     def run():
         sizes = [b for batch in raw for b in batch]
@@ -197,8 +197,8 @@ def _ais_getbatch(spec):
 
 def _ais_cache(spec):
     "One random-access epoch of the shuffled bucket through the shard cache, emptied first: every shard is fetched."
-    dl = create_random_loader(_bucket(spec, True), fields=KEYS_ONLY, batch_size=spec["batch_size"],
-                              num_workers=spec["workers"], read="cache")
+    dl = create_dataloader(create_dataset(_bucket(spec, True), fields=KEYS_ONLY, batch_size=spec["batch_size"],
+                                          read="cache", access="random"), num_workers=spec["workers"])
     for f in dl.dataset.reader.copies.files(): f.unlink()  # no copy left from an earlier run
     return lambda: dict(samples=_count_epoch(dl), window=dl.window)
 
@@ -212,8 +212,8 @@ def _s3(spec) -> str:
 
 def _ais_s3_cache(spec):
     "`ais cache`, the same bucket read as `s3://`: every shard fetched through the S3 API into the shard cache."
-    dl = create_random_loader(_s3(spec), fields=KEYS_ONLY, batch_size=spec["batch_size"], num_workers=spec["workers"],
-                              read="cache")
+    dl = create_dataloader(create_dataset(_s3(spec), fields=KEYS_ONLY, batch_size=spec["batch_size"], read="cache",
+                                          access="random"), num_workers=spec["workers"])
     for f in dl.dataset.reader.copies.files(): f.unlink()
     return lambda: dict(samples=_count_epoch(dl), window=dl.window)
 

@@ -21,7 +21,6 @@ from ..command import command
 from ..config import run_tempdir, shardkit_home
 from ..errors import UsageError
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.random import create_random_loader
 from ..loading.sources import shard_urls
 from ..stores import shown_path
 from .core import BenchError, cpu_seconds, format_bench
@@ -109,7 +108,8 @@ def _loader(mode: str, src, num_workers: int, batch_size: int):
     if mode == "stream":
         return lambda: create_dataloader(create_dataset(src, fields=fields, batch_size=batch_size),
                                          num_workers=num_workers)
-    return lambda: create_random_loader(src, fields=fields, batch_size=batch_size, num_workers=num_workers)
+    return lambda: create_dataloader(create_dataset(src, fields=fields, batch_size=batch_size, access="random"),
+                                     num_workers=num_workers)
 
 # %% ../../nbs/45_bench.soak.ipynb
 def soak_summary(rows: list[dict],  # `soak`'s records

@@ -7,26 +7,30 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 import numpy as np
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
 from ..errors import LoaderError, UsageError
-from ..remote import Retries, as_retries, say_line
-from ..shards.fields import IMAGE_EXTS, refuse_pickle
+from ..remote import say_line
+from ..shards.fields import refuse_pickle
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
 from .index import SampleIndex, sample_index
-from .mix import MixedOrder, mix_turns, mixed_sources
+from .mix import MixedOrder, mix_turns
 from .order import EpochBatches, EpochOrder, shard_starts
 from .readers import AISReader, LocalReader, shard_reader
 from .resume import check_resumable, saved_count
-from .sources import rank_and_world, shard_urls
+from .sources import rank_and_world
 from .stream import with_worker_init, worker_errors, worker_tmpdir_problem
-from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
+from .transforms import sample_to_tuple
+
+if TYPE_CHECKING:
+    from shardkit.loading.pipeline import DatasetSettings
 
 # %% auto 0
-__all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'left_out', 'create_random_loader', 'loader_memory']
+__all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'left_out', 'random_dataset', 'loader_memory']
 
 # %% ../../nbs/27_random.ipynb
 def _seed_context(seed: int, epoch: int):
@@ -36,6 +40,7 @@ def _seed_context(seed: int, epoch: int):
 class RandomAccessDataset(Dataset):
     "Batches by number: `ds[(epoch, ids)]` reads, decodes, augments samples `ids` as streaming would in `epoch`."
     mix = None  # one source: no mix of several (`MixedDataset`)
+    settings: DatasetSettings | None = None  # what create_dataset was asked for (None: made by hand)
     def __init__(self, index: SampleIndex, fields: Sequence[str], *, transform=None, seed: int = 0,
                  allow_pickle: bool = False, reader=None):
         refuse_pickle(fields, allow_pickle)
@@ -67,13 +72,14 @@ class RandomAccessDataset(Dataset):
 # %% ../../nbs/27_random.ipynb
 class MixedDataset(Dataset):
     "Sources' `RandomAccessDataset`s read as one by number, weighted in its epoch order; `__source__` names each's."
+    settings: DatasetSettings | None = None  # what create_dataset was asked for (None: made by hand)
     def __init__(self, parts: dict[str, RandomAccessDataset],  # {name: its data set}, the epoch source first
                  weights: Sequence[float]):                    # Each one's weight, in that order
         self.names, self.parts, self.weights = list(parts), list(parts.values()), [float(w) for w in weights]
         first = self.parts[0]
         self.fields, self.transform, self.seed, self.allow_pickle = first.fields, first.transform, first.seed, \
             first.allow_pickle
-        # the faults met, one count for all sources (create_random_loader gives their readers the same; local: None)
+        # the faults met, one count for all sources (random_dataset gives their readers the same; local: None)
         self.retries = next((p.retries for p in self.parts if p.retries is not None), None)
         self.turns = mix_turns(self.weights, len(first))
         self.offsets = np.cumsum([0, *(len(p) for p in self.parts)])
@@ -119,7 +125,7 @@ class RandomAccessLoader:
         start = self.start if epoch == self.epoch else 0
         key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window,
                start)
-        if self._cut[0] != key:  # kept while nothing changes (create_dataloader may set batch_size later)
+        if self._cut[0] != key:  # kept while the epoch and the start stay
             order = self.dataset.epoch_order(epoch, self.window)
             self._cut = (key,
                          EpochBatches(order, self.batch_size, rank=self.rank, world_size=self.world_size, pad=self.pad,
@@ -228,46 +234,21 @@ def _window(window, fits: int | None, shards: int) -> int | None:
     return window
 
 # %% ../../nbs/27_random.ipynb
-def create_random_loader(source,                 # Shards (as for create_dataset), or {name: source} to mix
-                         fields: Sequence[str] | None = None,  # Fields of each sample, in order; None: every sample's
-                         *,
-                         transform=None,         # Applied to each sample's tuple; None: train_transform() for images
-                         batch_size: int = 64,   # Samples per batch
-                         num_workers: int = 2,   # DataLoader worker processes that read and decode
-                         seed: int = 0,          # Seed of every epoch's order and of the crops
-                         rank: int | None = None,  # This process's rank; None: from torch.distributed (or 0)
-                         world_size: int | None = None,  # Ranks sharing every step; None: from torch.distributed
-                         pad: bool = False,      # With ranks: repeat samples to fill an epoch's last step
-                         drop_last: bool | None = None,  # Drop a last partial batch; None: only with several ranks
-                         allow_pickle: bool = False,  # Decode .pyd/.pickle fields (only for shards you trust)
-                         index_cache: bool | str | Path = True,  # Keep the sample index on disk (in this folder)
-                         read: str = "auto",     # How samples are read: one of READ_MODES, or 'auto' (the source's)
-                         shard_cache: int | str = 16,  # The shard cache's bound: shards (an int) or bytes ('2GB')
-                         window: int | None | str = "auto",  # Shards per window; None: one order; 'auto': the cache's
-                         retry_wait: float | Retries = 120,  # Seconds a read may retry faults, then a LoaderError
-                         weights: dict[str, float] | None = None,  # With a dict of sources: each one's share
-                         **kw,                   # More DataLoader arguments
-                        ) -> RandomAccessLoader:
-    "A resumable loader of `fields` of `source`'s samples (tars, URLs, `ais://`): each once an epoch, seeded order."
-    first, mix = mixed_sources(source, weights)  # a dict of sources: mixed by `weights`, the first makes the epoch
-    retries = as_retries(retry_wait)  # one count of the faults met: building the index and reading, in every worker
-    if fields is not None: refuse_pickle(fields, allow_pickle)  # before any shard is opened
-    fields = data_fields(first, shard_urls(first), fields, retries=retries, allow_pickle=allow_pickle)  # None: all
-    refuse_pickle(fields, allow_pickle)
-    if transform is None and any(k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for k in fields):
-        transform = train_transform()
-    # builds the window decoder here, not in every worker
-    if isinstance(transform, TrainTransform): transform.takes_encoded()
-    sources = dict(zip(mix["names"], [first, *mix["sources"]])) if mix else {"": first}
-    for other in list(sources.values())[1:]: data_fields(other, shard_urls(other), fields)  # each has the fields
-    made = {name: _source_dataset(src, fields, transform, seed, allow_pickle=allow_pickle, index_cache=index_cache,
-                                  read=read, shard_cache=shard_cache, retries=retries)
+def random_dataset(source,                    # The epoch source: a store, a directory, ais://, s3://, a template, URLs
+                   settings: DatasetSettings, # create_dataset's, checked: fields, transform, seed, caches, the mix
+                  ) -> RandomAccessDataset | MixedDataset:  # With `settings` kept, its window resolved
+    "The data set of `create_dataset(access='random')`: every source indexed, its reader (and shard cache) ready."
+    s = settings
+    refuse_pickle(s.fields, s.allow_pickle)  # before any shard is opened
+    sources = dict(zip(s.mix["names"], [source, *s.mix["sources"]])) if s.mix else {"": source}
+    made = {name: _source_dataset(src, s.fields, s.transform, s.seed, allow_pickle=s.allow_pickle,
+                                  index_cache=s.index_cache, read=s.read, shard_cache=s.shard_cache, retries=s.retries)
             for name, src in sources.items()}
-    windows = {_window(window, fits, len(ds.index.shards)) for ds, fits in made.values()}
+    windows = {_window(s.window, fits, len(ds.index.shards)) for ds, fits in made.values()}
     window = min(windows, key=lambda w: float("inf") if w is None else w)  # the smallest a cache allows
-    ds = MixedDataset({n: d for n, (d, _) in made.items()}, mix["weights"]) if mix else made[""][0]
-    return RandomAccessLoader(ds, batch_size=batch_size, num_workers=num_workers, rank=rank, world_size=world_size,
-                              pad=pad, drop_last=drop_last, window=window, **kw)
+    ds = MixedDataset({n: d for n, (d, _) in made.items()}, s.mix["weights"]) if s.mix else made[""][0]
+    ds.settings = replace(s, window=window)
+    return ds
 
 # %% ../../nbs/27_random.ipynb
 _MEASURE = '''

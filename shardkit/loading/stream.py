@@ -61,6 +61,8 @@ def error_handler(handler) -> Callable:
 # %% ../../nbs/25_stream.ipynb
 class ShardDataset(wds.DataPipeline):
     "A WebDataset pipeline over shards with exact, seeded epochs (made by `create_dataset`)."
+    collation_fn: Callable = collate  # makes the workers' batches (`rebatched` too); shard_dataset sets its own
+    settings = None  # the `DatasetSettings` create_dataset made it from; None: made by shard_dataset alone
     def __init__(self, *stages, shards: EpochShards, fields: Sequence[str], batch_size: int | None,
                  epoch_samples: int | None, handler: Callable = wds.reraise_exception, shuffle: int = 0,
                  retries: Retries | None = None):
@@ -90,7 +92,7 @@ class ShardDataset(wds.DataPipeline):
         "This pipeline with its workers making batches of `batch_size` (the same shards, epochs, seed and counters)."
         ds = copy.copy(self)
         ds.pipeline = (self.pipeline[:-1] if self.batch_size else list(self.pipeline)) + [
-            wds.batched(batch_size, collation_fn=collate, partial=True)]
+            wds.batched(batch_size, collation_fn=self.collation_fn, partial=True)]
         ds.batch_size = batch_size
         return ds
 

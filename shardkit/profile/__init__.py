@@ -73,7 +73,6 @@ def build_loader(src,                    # Shards: a directory, ais://, s3://, a
                  device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu (the same path)
     "A loader over shards `src` by name: shardkit's `default`, it decoding `whole` JPEGs, the AIStore `post`'s, `gpu`."
     from shardkit.bench.peers import post_loader, shard_fields
-    from shardkit.loading.gpu import create_gpu_loader
     from shardkit.loading.pipeline import create_dataloader, create_dataset
     from shardkit.loading.transforms import train_transform
     if pipeline not in PIPELINES: raise UsageError(f"pipeline must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
@@ -81,8 +80,8 @@ def build_loader(src,                    # Shards: a directory, ais://, s3://, a
     f = shard_fields(urls[0])
     if pipeline == "post": return post_loader(urls, num_workers=num_workers, image=f["image"], trimap=f["trimap"])
     if pipeline == "gpu":  # one JPEG per sample is what it decodes: the trimap stays out
-        return create_gpu_loader(urls, fields=(f["label"], f["image"]), batch_size=batch_size, num_workers=num_workers,
-                                 seed=seed, device=device)
+        return create_dataloader(create_dataset(urls, fields=(f["label"], f["image"]), batch_size=batch_size,
+                                                seed=seed, decode_on="gpu"), num_workers=num_workers, device=device)
     keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
     ds = create_dataset(urls, fields=keys, transform=train_transform(crop_decode=pipeline == "default"), seed=seed)
     return create_dataloader(ds, num_workers=num_workers, batch_size=batch_size)

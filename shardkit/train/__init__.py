@@ -49,7 +49,7 @@ from shardkit.train.step import (
 from ..command import command, write_json
 from ..config import run_tempdir
 from ..errors import DataError
-from ..loading.gpu import create_gpu_loader, why_no_gpu
+from ..loading.gpu import why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import image_folder
 from ..loading.stream import worker_tmpdir_problem
@@ -196,7 +196,8 @@ def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank
     "(epoch -> shardkit's random-access loader over every shard, this rank's share): exact epochs, equal steps."
     ds = create_dataset(urls, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
                         seed=seed, rank=rank, world_size=world_size, access="random", pad=pad, retry_wait=retry_wait)
-    n = len(ds)  # batches an epoch on this rank: each worker makes whole batches
+    world = world_size or 1  # batches an epoch on this rank (each worker makes whole batches): a short last one kept
+    n = -(-len(ds) // (batch_size * world)) if pad or world == 1 else len(ds) // (batch_size * world)
     num_workers = _busy_workers(num_workers, n, f"the {n} batch{'es' * (n != 1)} of an epoch can keep busy", rank=rank)
     loader = create_dataloader(ds, num_workers=num_workers, batch_size=batch_size,
                                device=dev if dev.type == "cuda" else None)
@@ -208,9 +209,9 @@ def _random_train_loader(urls, size, batch_size, num_workers, *, seed, dev, rank
 # %% ../../nbs/30b_train.ipynb
 def _gpu_train_loader(mine, size, batch_size, num_workers, *, nbatches, seed, dev):
     "(epoch -> the GPU loader over `mine`): JPEGs decoded and augmented on `dev`; under DDP `nbatches` an epoch."
-    loader = create_gpu_loader(mine, fields=_FIELDS, batch_size=batch_size, num_workers=num_workers, seed=seed,
-                               device=dev,
-                               size=size, scale=(0.5, 1.0), rank=0, world_size=1)
+    ds = create_dataset(mine, fields=_FIELDS, transform=train_transform(size, scale=(0.5, 1.0)), batch_size=batch_size,
+                        seed=seed, rank=0, world_size=1, decode_on="gpu")
+    loader = create_dataloader(ds, num_workers=num_workers, device=dev)
     if nbatches:  # equal steps on every rank: a rank whose shards run out first starts them again
         stream = _passes(loader)
         return lambda epoch: stream

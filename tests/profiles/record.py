@@ -15,7 +15,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 from shardkit.bench.peers import post_loader
 from shardkit.datasets.folder import synthesize_folder
 from shardkit import create_dataloader, create_dataset
-from shardkit.loading.gpu import create_gpu_loader
+from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 from shardkit.profile import profile_pipeline
 sys.path.insert(0, str(HERE.parent.parent / "tests"))
@@ -33,7 +33,8 @@ def real(tmp: Path) -> dict:
     tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
     folder = DataLoader(datasets.ImageFolder(tmp / "folder" / "train", transform=tf), batch_size=16, num_workers=2)
     opaque = [(torch.zeros(16, 3, 8, 8), torch.arange(16)) for _ in range(4)]
-    gpu = create_gpu_loader(urls, fields=("cls", "image.jpg"), batch_size=16, num_workers=2, seed=0, device="cpu")
+    gpu = create_dataloader(create_dataset(urls, fields=("cls", "image.jpg"), batch_size=16, seed=0, decode_on="gpu"),
+                            num_workers=2, device="cpu")
     return {"shardkit-0-workers": profile_pipeline(sk(0), step, label="shardkit, no workers"),
             "shardkit-2-workers": profile_pipeline(sk(2), label="shardkit, 2 workers, no step"),
             "post-2-workers": profile_pipeline(post_loader(urls, num_workers=2), step, label="the post's pipeline"),
