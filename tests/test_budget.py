@@ -103,10 +103,7 @@ def test_outputs_show_no_machine_paths(nb):
 # page shows what its examples print and draw.
 NEEDS_SERVER = {"07_cluster.ipynb": "its examples build aisnode with Go and start a local AIStore cluster (a server)"}
 SHOWS_NOTHING = {  # checked below: no cell of theirs prints, draws or ends in a value
-    "00_errors.ipynb": "the error types; its cells only check (test_eq, test_fail)",
-    "01_config.ipynb": "SHARDKIT_HOME and the trust rule; its cells only check",
-    "16_etl.manifest.ipynb": "the ETL engines' shared manifest; its cells only check",
-    "97b_docs.checks.ipynb": "the docs site's checks (other hosts, broken links, --out); its cells only check"}
+    "16_etl.manifest.ipynb": "the ETL engines' shared manifest; its cells only check"}
 TO_DO = {}  # notebooks still to execute (being edited elsewhere), with why: none today
 LIBRARY = [p for p in NBS if p.parent == ROOT / "nbs" and p.name != "index.ipynb"]
 _SHOW_CALLS = {"print", "display", "show_doc", "pprint", "imshow"}

@@ -86,7 +86,7 @@ def ais_cluster_cpu(endpoint: str) -> float:
 
 # %% ../../nbs/36_bench.random.ipynb
 def _setup(store, mode: str, fields, batch_size: int, *, seed: int, shard_cache, num_workers: int) -> tuple:
-    "A loader reading with `mode` (a `read=` of random access, `create_dataset`), made ready for a timed epoch; setup seconds."
+    "A loader reading with `mode` (a random-access `read=`), made ready for a timed epoch; setup seconds."
     dl = create_dataloader(create_dataset(store, fields=fields, transform=None, batch_size=batch_size, seed=seed,
                                           read=mode, shard_cache=shard_cache, access="random"),
                            num_workers=num_workers)

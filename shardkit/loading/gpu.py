@@ -10,20 +10,18 @@ import io
 import time
 import warnings
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 from fastcore.basics import patch
 from PIL import Image
 from ..errors import LoaderError, ShardkitError
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, MAX_PIXELS, image_size, is_image_key, is_jpeg_key
+from .dataset import DatasetSettings, ahead, shard_dataset
 from .jpeg import CropBox
 from .sources import EpochShards, seed_for, shard_urls
 from .stream import ShardDataset, ShardLoader
 from .transforms import TrainTransform, crop_box, decode_value
-
-if TYPE_CHECKING:  # the pipeline imports this module: its names are imported where used
-    from shardkit.loading.pipeline import DatasetSettings
 
 # %% auto 0
 __all__ = ['why_no_gpu', 'draw_crop', 'augment_batch', 'decode_batch', 'jpeg_sample', 'JpegBatch', 'pack_jpegs', 'resize_weights',
@@ -360,7 +358,6 @@ def __iter__(self: GpuLoader):
         self._stream = torch.cuda.Stream(self.device, priority=-1)
     stream, source = self._stream if self.prefetch > 0 else None, iter(self.loader)
     made = (_made(self, wb, stream) for wb in source)  # each queued on the GPU before those before it are handed out
-    from shardkit.loading.pipeline import ahead
     batches = ahead(made, self.prefetch, self.thread and self.prefetch > 0, getattr(source, "close", None))
     try:
         for batch, self._state, ready in batches: yield _hand_over(self, batch, ready)
@@ -382,7 +379,6 @@ def jpeg_dataset(urls: Sequence[str],          # The shards' URLs (`shard_urls`)
                  settings: DatasetSettings,    # create_dataset's, checked; decode_on="gpu"
                 ) -> ShardDataset:             # Batches of `JpegBatch`, for `gpu_loader`
     "The streaming data set of `create_dataset(decode_on='gpu')`: JPEGs left undecoded, crops and flips drawn."
-    from shardkit.loading.pipeline import shard_dataset
     s, images = settings, [k for k in settings.fields if is_image_key(k)]
     if len(images) != 1 or not is_jpeg_key(images[0]):
         raise LoaderError(f"fields={s.fields} must name exactly one JPEG field (such as 'image.jpg') "

@@ -9,7 +9,7 @@ import sys
 import types
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 import numpy as np
 from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset
@@ -17,6 +17,7 @@ from ..errors import LoaderError, UsageError
 from ..remote import say_line
 from ..shards.fields import refuse_pickle
 from .collate import MAPPED_BUFFERS, PooledBatch, collate, convert_batch
+from .dataset import DatasetSettings
 from .index import SampleIndex, sample_index
 from .mix import MixedOrder, mix_turns
 from .order import EpochBatches, EpochOrder, shard_starts
@@ -25,9 +26,6 @@ from .resume import check_resumable, saved_count
 from .sources import rank_and_world
 from .stream import with_worker_init, worker_errors, worker_tmpdir_problem
 from .transforms import sample_to_tuple
-
-if TYPE_CHECKING:
-    from shardkit.loading.pipeline import DatasetSettings
 
 # %% auto 0
 __all__ = ['RandomAccessDataset', 'MixedDataset', 'RandomAccessLoader', 'left_out', 'random_dataset', 'loader_memory']

@@ -44,7 +44,8 @@ def _stage_advice(p: Profile,  # The profile
                         "and only the crop's window of each JPEG.")
         small = p.image_px is not None and p.out_px is not None and p.image_px < 2 * p.out_px
         if p.gpu:
-            todo.append(f"Decode on the GPU (nvJPEG, create_dataset(decode_on='gpu'); `--try pipeline=gpu` measures it): "
+            todo.append("Decode on the GPU (nvJPEG, create_dataset(decode_on='gpu'); `--try pipeline=gpu` "
+                        "measures it): "
                         f"{v['wall']:.2f} ms/sample off the workers, up to {_without(p, v['wall']):,.0f} samples/s.")
         elif small:  # resizing would not shrink them: the crop is about as large as the image, or larger
             todo.append(f"The JPEGs are small already ({p.image_px:,.0f} px a side for {p.out_px}-px crops): a "
