@@ -5,6 +5,7 @@ suite, so CI, runs them: about 20 s on 2 cores); the bugs' tests are in the fast
 import io
 import json
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -157,6 +158,36 @@ def test_unsound_manifest_is_refused(tmp_path):
                  '{"shards": [], "source": {"skipped": {"a": "1"}}, %s}' % ok):
         (tmp_path / "shard-manifest.json").write_text(text)
         with pytest.raises(StoreError, match="not a shardkit manifest"): read_manifest(str(tmp_path))
+
+
+def test_unsound_etl_manifest_is_refused_naming_its_field(tmp_path):
+    from shardkit.errors import StoreError
+    from shardkit.etl.manifest import MANIFEST, done_shards, read_etl_manifest
+    from shardkit.store import open_store
+    from tests.fuzz.targets import ETL_SETTINGS
+    shard = dict(name="part-000.tar", samples=3, bytes=4, sha256="0" * 64)
+    m = dict(ETL_SETTINGS, engine="local", complete=True, missing={}, updated="2026-11-29T06:00:00Z", shards=[shard])
+    (tmp_path / "part-000.tar").write_bytes(b"tar!")
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    assert read_etl_manifest(str(tmp_path)) == m
+    assert done_shards(open_store(str(tmp_path)), m, ETL_SETTINGS) == {"part-000.tar": shard}  # sound: resumed
+    for said, bad in [("not JSON", "{"), ("not JSON", b"\xff{}"), ("a JSON list", []), ("kind", {**m, "kind": 1}),
+                      ("src is not a string", {**m, "src": None}), ("engine is not a string", {**m, "engine": 2}),
+                      ("decode is neither", {**m, "decode": 1}), ("seed is neither", {**m, "seed": 1.5}),
+                      ("seed is neither", {**m, "seed": True}), ("complete is not true or false", {**m, "complete": 1}),
+                      ("missing is not an object", {**m, "missing": ["a"]}),
+                      ("missing is not an object", {**m, "missing": {"a": 1}}),
+                      ("complete is true with shards missing", {**m, "missing": {"a": "not run"}}),
+                      ("shards is not a list", {**m, "shards": {}}), ("shards[0] is not an object", {**m, "shards": [1]}),
+                      ("shards[1].name", {**m, "shards": [shard, {**shard, "name": ""}]}),
+                      ("shards[0].samples is not a count", {**m, "shards": [{**shard, "samples": "3"}]}),
+                      ("shards[0].bytes is not a count", {**m, "shards": [{**shard, "bytes": -4}]}),
+                      ("shards[0].bytes is not a count", {**m, "shards": [{**shard, "bytes": 4.0}]}),
+                      ("shards[0].sha256", {**m, "shards": [{**shard, "sha256": "0" * 63}]})]:
+        text = bad if isinstance(bad, (str, bytes)) else json.dumps(bad)
+        (tmp_path / MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(StoreError, match=f"etl-manifest.json in .* is not an ETL manifest \\({re.escape(said)}"):
+            read_etl_manifest(str(tmp_path))
 
 
 def test_damaged_index_is_refused(tmp_path):
