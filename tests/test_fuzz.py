@@ -190,6 +190,22 @@ def test_unsound_etl_manifest_is_refused_naming_its_field(tmp_path):
             read_etl_manifest(str(tmp_path))
 
 
+def test_a_local_store_refuses_names_no_file_can_have(tmp_path):
+    from shardkit.errors import StoreError
+    from shardkit.etl.manifest import done_shards, read_etl_manifest
+    from shardkit.store import open_store
+    from tests.fuzz.core import CORPUS
+    from tests.fuzz.targets import ETL_SETTINGS
+    store = open_store(str(tmp_path))
+    for name in ("a" * 256, "a/" * 2100, "\ud800.tar"):  # OSError (name too long), UnicodeEncodeError
+        with pytest.raises(StoreError, match="longer than a file name can be|a lone surrogate"): store.exists(name)
+    assert not store.exists("a" * 255) and not store.exists("\udcff.tar")  # a name that fits; a byte not UTF-8
+    for kept in ("name-too-long", "name-lone-surrogate"):  # an ETL manifest's shard named so: resumed from
+        shutil.copy(CORPUS / "etl_manifest" / kept, tmp_path / "etl-manifest.json")
+        with pytest.raises(StoreError, match="object name"):
+            done_shards(store, read_etl_manifest(store), ETL_SETTINGS)
+
+
 def test_damaged_index_is_refused(tmp_path):
     from shardkit.loading.index import RandomAccessError, load_index
     (tmp_path / "meta.json").write_text(json.dumps(dict(shards=["a.tar"], fields=["cls"], source="x", kind="local")))
@@ -241,7 +257,7 @@ def test_sidecar_source_route_refuses_names_no_file_can_have(tmp_path):
     from shardkit.etl.sidecar import sidecar_server
     server = sidecar_server(lambda s: s, str(tmp_path), decode=None)
     client = TestClient(server.app, raise_server_exceptions=False)
-    assert client.get("/_source/" + "x" * 300).status_code == 404  # too long for the file system: OSError
+    assert client.get("/_source/" + "x" * 300).status_code == 400  # too long for the file system
     assert client.get("/_source/a%00b").status_code == 400  # a NUL byte: ValueError in the path's resolve()
 
 

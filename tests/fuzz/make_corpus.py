@@ -120,6 +120,8 @@ def etl_manifest_seeds():
     _write("etl_manifest", "other-run", json.dumps(dict(m, transform="m:g", seed=7)).encode())
     _write("etl_manifest", "outside", json.dumps(dict(m, shards=[dict(shard, name="../part-000.tar")])).encode())
     _write("etl_manifest", "not-json", b'{"kind": "shardkit-etl", "shards')
+    _write("etl_manifest", "name-too-long", json.dumps(dict(m, shards=[dict(shard, name="a" * 300)])).encode())
+    _write("etl_manifest", "name-lone-surrogate", json.dumps(dict(m, shards=[dict(shard, name="\ud800")])).encode())
 
 
 def state_seeds():
