@@ -105,7 +105,6 @@ NEEDS_SERVER = {"07_cluster.ipynb": "its examples build aisnode with Go and star
 SHOWS_NOTHING = {  # checked below: no cell of theirs prints, draws or ends in a value
     "00_errors.ipynb": "the error types; its cells only check (test_eq, test_fail)",
     "01_config.ipynb": "SHARDKIT_HOME and the trust rule; its cells only check",
-    "16_etl.manifest.ipynb": "the ETL engines' shared manifest; its cells only check",
     "97b_docs.checks.ipynb": "the docs site's checks (other hosts, broken links, --out); its cells only check"}
 TO_DO = {}  # notebooks still to execute (being edited elsewhere), with why: none today
 LIBRARY = [p for p in NBS if p.parent == ROOT / "nbs" and p.name != "index.ipynb"]
