@@ -61,7 +61,9 @@ def build_c(folder: Path) -> Path:
 
 
 def _libfuzzer_flags(seconds: float, runs: int | None, work: Path) -> list[str]:
-    flags = [f"-max_total_time={max(int(seconds), 1)}", "-timeout=10", "-rss_limit_mb=3072",
+    # -timeout is wall-clock: a fuzzing process at the lowest priority of a loaded machine can wait 10 s for a core
+    # (an input of 0.3 ms CPU replayed); inputs over 1 s of CPU are caught by the targets' own timing (slow-*)
+    flags = [f"-max_total_time={max(int(seconds), 1)}", "-timeout=60", "-rss_limit_mb=3072",
              f"-artifact_prefix={work}/", "-print_final_stats=1", "-max_len=65536"]
     return flags + ([f"-runs={runs}"] if runs else [])
 
