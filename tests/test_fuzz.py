@@ -230,6 +230,14 @@ def test_damaged_index_is_refused(tmp_path):
     with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)
 
 
+def test_an_index_array_whose_shape_overflows_is_refused():
+    "A .npy header whose shape multiplies past int64: numpy's memmap raised OverflowError."
+    from tests.fuzz.core import CORPUS
+    t = TARGETS["index"]
+    t.ready()
+    t.check((CORPUS / "index" / "crash-98bafc1380b1ba00").read_bytes())  # RandomAccessError only
+
+
 def test_saved_states_are_refused_naming_their_field():
     from shardkit.errors import LoaderError
     from shardkit.loading.elastic import merge_states
