@@ -5,6 +5,7 @@ suite, so CI, runs them: about 20 s on 2 cores); the bugs' tests are in the fast
 import io
 import json
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -43,7 +44,7 @@ def test_c_decoder_smoke(tmp_path):
     binary = build_c(tmp_path)  # a private temporary folder: nothing else can write the binary there
     (tmp_path / "new").mkdir()
     corpus = str(corpus_files(C_TARGET)[0].parent)
-    r = subprocess.run([str(binary), "-max_total_time=4", "-timeout=10", "-rss_limit_mb=3072",
+    r = subprocess.run([str(binary), "-max_total_time=4", "-timeout=60", "-rss_limit_mb=3072",
                         f"-artifact_prefix={tmp_path}/", str(tmp_path / "new"), corpus],
                        capture_output=True, text=True, timeout=300)
     tail = r.stderr[-3000:]
@@ -159,6 +160,61 @@ def test_unsound_manifest_is_refused(tmp_path):
         with pytest.raises(StoreError, match="not a shardkit manifest"): read_manifest(str(tmp_path))
 
 
+def test_unsound_etl_manifest_is_refused_naming_its_field(tmp_path):
+    from shardkit.errors import StoreError
+    from shardkit.etl.manifest import MANIFEST, done_shards, read_etl_manifest
+    from shardkit.stores import open_store
+    from tests.fuzz.targets import ETL_SETTINGS
+    shard = dict(name="part-000.tar", samples=3, bytes=4, sha256="0" * 64)
+    m = dict(ETL_SETTINGS, engine="local", complete=True, missing={}, updated="2026-11-29T06:00:00Z", shards=[shard])
+    (tmp_path / "part-000.tar").write_bytes(b"tar!")
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    assert read_etl_manifest(str(tmp_path)) == m
+    assert done_shards(open_store(str(tmp_path)), m, ETL_SETTINGS) == {"part-000.tar": shard}  # sound: resumed
+    for said, bad in [("not JSON", "{"), ("not JSON", b"\xff{}"), ("a JSON list", []), ("kind", {**m, "kind": 1}),
+                      ("src is not a string", {**m, "src": None}), ("engine is not a string", {**m, "engine": 2}),
+                      ("decode is neither", {**m, "decode": 1}), ("seed is neither", {**m, "seed": 1.5}),
+                      ("seed is neither", {**m, "seed": True}), ("complete is not true or false", {**m, "complete": 1}),
+                      ("missing is not an object", {**m, "missing": ["a"]}),
+                      ("missing is not an object", {**m, "missing": {"a": 1}}),
+                      ("complete is true with shards missing", {**m, "missing": {"a": "not run"}}),
+                      ("shards is not a list", {**m, "shards": {}}), ("shards[0] is not an object", {**m, "shards": [1]}),
+                      ("shards[1].name", {**m, "shards": [shard, {**shard, "name": ""}]}),
+                      ("shards[0].samples is not a count", {**m, "shards": [{**shard, "samples": "3"}]}),
+                      ("shards[0].bytes is not a count", {**m, "shards": [{**shard, "bytes": -4}]}),
+                      ("shards[0].bytes is not a count", {**m, "shards": [{**shard, "bytes": 4.0}]}),
+                      ("shards[0].sha256", {**m, "shards": [{**shard, "sha256": "0" * 63}]})]:
+        text = bad if isinstance(bad, (str, bytes)) else json.dumps(bad)
+        (tmp_path / MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(StoreError, match=f"etl-manifest.json in .* is not an ETL manifest \\({re.escape(said)}"):
+            read_etl_manifest(str(tmp_path))
+
+
+def test_a_local_store_refuses_names_no_file_can_have(tmp_path):
+    from shardkit.errors import StoreError
+    from shardkit.etl.manifest import done_shards, read_etl_manifest
+    from shardkit.stores import open_store
+    from tests.fuzz.core import CORPUS
+    from tests.fuzz.targets import ETL_SETTINGS
+    store = open_store(str(tmp_path))
+    for name in ("a" * 256, "a/" * 2100, "\ud800.tar"):  # OSError (name too long), UnicodeEncodeError
+        with pytest.raises(StoreError, match="longer than a file name can be|a lone surrogate"): store.exists(name)
+    assert not store.exists("a" * 255) and not store.exists("\udcff.tar")  # a name that fits; a byte not UTF-8
+    for kept in ("name-too-long", "name-lone-surrogate"):  # an ETL manifest's shard named so: resumed from
+        shutil.copy(CORPUS / "etl_manifest" / kept, tmp_path / "etl-manifest.json")
+        with pytest.raises(StoreError, match="object name"):
+            done_shards(store, read_etl_manifest(store), ETL_SETTINGS)
+
+
+def test_wall_clock_timeouts_of_a_loaded_machine_replay_in_milliseconds():
+    "libFuzzer stopped two inputs at 10 s of wall time while the machine's load was 13; each takes about 1 ms of CPU."
+    from tests.fuzz.core import CORPUS
+    t = TARGETS["etl_manifest"]
+    t.ready()
+    kept = sorted((CORPUS / "etl_manifest").glob("timeout-*"))
+    assert kept and all(t.check(p.read_bytes()) < 0.1 for p in kept)  # the C decoder's: its smoke run replays it
+
+
 def test_damaged_index_is_refused(tmp_path):
     from shardkit.loading.index import RandomAccessError, load_index
     (tmp_path / "meta.json").write_text(json.dumps(dict(shards=["a.tar"], fields=["cls"], source="x", kind="local")))
@@ -172,6 +228,14 @@ def test_damaged_index_is_refused(tmp_path):
     with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)  # TypeError in numpy's parser
     (tmp_path / "meta.json").unlink()
     with pytest.raises(RandomAccessError, match="damaged"): load_index(tmp_path)
+
+
+def test_an_index_array_whose_shape_overflows_is_refused():
+    "A .npy header whose shape multiplies past int64: numpy's memmap raised OverflowError."
+    from tests.fuzz.core import CORPUS
+    t = TARGETS["index"]
+    t.ready()
+    t.check((CORPUS / "index" / "crash-98bafc1380b1ba00").read_bytes())  # RandomAccessError only
 
 
 def test_saved_states_are_refused_naming_their_field():
@@ -210,7 +274,7 @@ def test_sidecar_source_route_refuses_names_no_file_can_have(tmp_path):
     from shardkit.etl.sidecar import sidecar_server
     server = sidecar_server(lambda s: s, str(tmp_path), decode=None)
     client = TestClient(server.app, raise_server_exceptions=False)
-    assert client.get("/_source/" + "x" * 300).status_code == 404  # too long for the file system: OSError
+    assert client.get("/_source/" + "x" * 300).status_code == 400  # too long for the file system
     assert client.get("/_source/a%00b").status_code == 400  # a NUL byte: ValueError in the path's resolve()
 
 

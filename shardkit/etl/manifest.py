@@ -5,21 +5,17 @@
 # %% ../../nbs/16_etl.manifest.ipynb 2
 from __future__ import annotations
 import json
+import re
 import time
 from ..errors import StoreError
 from ..stores import open_store, shown_path
 from .core import ETLError, resolve_fn
 
 # %% auto 0
-__all__ = ['MANIFEST', 'read_etl_manifest', 'etl_settings', 'done_shards', 'write_etl_manifest', 'etl_shards']
+__all__ = ['MANIFEST', 'etl_settings', 'write_etl_manifest', 'read_etl_manifest', 'done_shards', 'etl_shards']
 
 # %% ../../nbs/16_etl.manifest.ipynb
 MANIFEST = "etl-manifest.json"
-
-def read_etl_manifest(dest) -> dict | None:
-    "The manifest an ETL run (either engine) wrote in store `dest`, or None."
-    store = open_store(dest)
-    return json.loads(store.read_bytes(MANIFEST)) if store.exists(MANIFEST) else None
 
 def etl_settings(fn, src, decode, seed) -> dict:
     "What determines the output bytes, as recorded in the manifest."
@@ -27,6 +23,59 @@ def etl_settings(fn, src, decode, seed) -> dict:
     name = fn if isinstance(fn, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__name__', type(f).__name__)}"
     return dict(kind="shardkit-etl", src=src.spec, transform=name, decode=decode, seed=seed)
 
+# %% ../../nbs/16_etl.manifest.ipynb
+def write_etl_manifest(store, settings: dict, names: list[str], done: dict[str, dict], *, failed: dict[str, str],
+                    engine: str = "local") -> dict:
+    "Write the ETL manifest (done shards, missing ones and why, complete or not) into `store`; the manifest."
+    missing = {n: failed.get(n, "not run") for n in names if n not in done}
+    m = dict(settings, engine=engine, complete=not missing, missing=missing,
+             updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             shards=[{k: sh[k] for k in ("name", "samples", "bytes", "sha256")} for _, sh in sorted(done.items())])
+    store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), MANIFEST)
+    return m
+
+# %% ../../nbs/16_etl.manifest.ipynb
+def read_etl_manifest(dest) -> dict | None:
+    "The manifest an ETL run (either engine) wrote in store `dest`, or None; StoreError naming a field if unsound."
+    store = open_store(dest)
+    if not store.exists(MANIFEST): return None
+    try: m = json.loads(store.read_bytes(MANIFEST))
+    except (ValueError, RecursionError) as e: m = e  # UnicodeDecodeError is a ValueError
+    if why := _etl_problem(m):
+        raise StoreError(f"{MANIFEST} in {shown_path(store.spec)} is not an ETL manifest ({why}); "
+                         "delete it and its shards to start over, or write to another destination")
+    return m
+
+# %% ../../nbs/16_etl.manifest.ipynb
+def _count(x) -> bool: return type(x) is int and x >= 0
+
+def _etl_problem(m) -> str | None:
+    "The first field of manifest `m` that is not what `write_etl_manifest` writes, said in words; or None."
+    if isinstance(m, Exception): return f"not JSON: {str(m)[:80]}"
+    if not isinstance(m, dict): return f"a JSON {type(m).__name__}, not an object"
+    if m.get("kind") != "shardkit-etl": return f"kind {str(m.get('kind'))[:40]!r}, not 'shardkit-etl'"
+    for k in ("src", "transform", "engine", "updated"):
+        if not isinstance(m.get(k), str): return f"{k} is not a string"
+    if not (m.get("decode") is None or isinstance(m["decode"], str)): return "decode is neither a string nor null"
+    if not (m.get("seed") is None or type(m["seed"]) is int): return "seed is neither a whole number nor null"
+    if type(m.get("complete")) is not bool: return "complete is not true or false"
+    missing = m.get("missing")
+    if not (isinstance(missing, dict) and all(isinstance(v, str) for v in missing.values())):
+        return "missing is not an object of shard names and reasons"
+    if m["complete"] and missing: return "complete is true with shards missing"
+    if not isinstance(m.get("shards"), list): return "shards is not a list"
+    return next(filter(None, (_shard_problem(i, sh) for i, sh in enumerate(m["shards"]))), None)
+
+def _shard_problem(i: int, sh) -> str | None:
+    "What entry `i` of a manifest's shards lacks (a name, counts of samples and bytes, a SHA-256), or None."
+    if not isinstance(sh, dict): return f"shards[{i}] is not an object"
+    if not (isinstance(sh.get("name"), str) and sh["name"]): return f"shards[{i}].name is not a shard's name"
+    if bad := [k for k in ("samples", "bytes") if not _count(sh.get(k))]: return f"shards[{i}].{bad[0]} is not a count"
+    if not (isinstance(sh.get("sha256"), str) and re.fullmatch("[0-9a-f]{64}", sh["sha256"])):
+        return f"shards[{i}].sha256 is not a SHA-256 in hex"
+    return None
+
+# %% ../../nbs/16_etl.manifest.ipynb
 def done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
     "Manifest entries of shards a previous run with the same settings wrote, still present at their size."
     if old is None: return {}
@@ -37,16 +86,6 @@ def done_shards(store, old: dict | None, settings: dict) -> dict[str, dict]:
                          f"write to another destination, or delete {MANIFEST} and its shards to start over")
     return {sh["name"]: sh for sh in old.get("shards", [])
             if store.exists(sh["name"]) and store.size(sh["name"]) == sh["bytes"]}
-
-def write_etl_manifest(store, settings: dict, names: list[str], done: dict[str, dict], *, failed: dict[str, str],
-                    engine: str = "local") -> dict:
-    "Write the ETL manifest (done shards, missing ones and why, complete or not) into `store`; the manifest."
-    missing = {n: failed.get(n, "not run") for n in names if n not in done}
-    m = dict(settings, engine=engine, complete=not missing, missing=missing,
-             updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             shards=[{k: sh[k] for k in ("name", "samples", "bytes", "sha256")} for _, sh in sorted(done.items())])
-    store.put_bytes((json.dumps(m, indent=1, sort_keys=True) + "\n").encode(), MANIFEST)
-    return m
 
 # %% ../../nbs/16_etl.manifest.ipynb
 def etl_shards(src, dest, pattern: str = "*.tar") -> list[str]:

@@ -229,8 +229,9 @@ def load_index(folder: str | Path) -> SampleIndex:
         a = {n: np.load(folder / f"{n}.npy", mmap_mode="r") if (folder / f"{n}.npy").exists() else None
              for n in _ARRAYS}
         why = _unsound_index(meta, a)
-    except (OSError, ValueError, TypeError, EOFError, RecursionError, SyntaxError, tokenize.TokenError) as e:
-        # (numpy's header parser raises several of these for a header that is not its own)
+    except (OSError, ValueError, TypeError, EOFError, RecursionError, SyntaxError, OverflowError,
+            tokenize.TokenError) as e:
+        # (numpy's header parser raises several of these for a header that is not its own; a shape past int64 overflows)
         why = f"{type(e).__name__}: {e}"[:200]
     if why:
         raise RandomAccessError(f"the sample index in {shown_path(folder)} is damaged ({why}); delete that folder: "

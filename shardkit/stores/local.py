@@ -47,6 +47,11 @@ class LocalStore(Store):
     def path(self, name: str) -> Path:
         "The local file of object `name`."
         if "\0" in name: raise StoreError(f"object name {name!r} holds a NUL byte, which no file name can")
+        try: raw = os.fsencode(name)
+        except UnicodeEncodeError:
+            raise StoreError(f"object name {name[:80]!r} holds a lone surrogate, which no file name can") from None
+        if max(map(len, raw.split(b"/"))) > 255 or len(raw) + len(self.spec) >= 4095:  # NAME_MAX, PATH_MAX
+            raise StoreError(f"object name {name[:80]!r}... ({len(raw):,} bytes) is longer than a file name can be")
         p = (self.root / name).resolve()
         if self.root not in p.parents:
             raise StoreError(f"object name {name!r} points outside the store {shown_path(self.spec)}")

@@ -2,6 +2,7 @@
 Seeds are small: real files of each kind, plus the odd cases a parser should refuse. Inputs a fuzz run found
 (`crash-*`, `slow-*`) are kept beside them and never rewritten here."""
 from __future__ import annotations
+import hashlib
 import io
 import json
 import tarfile
@@ -106,6 +107,23 @@ def manifest_seeds():
     _write("manifest", "not-json", b"{shards")
 
 
+def etl_manifest_seeds():
+    from .targets import ETL_SETTINGS
+    shard = dict(name="part-000.tar", samples=3, bytes=1024, sha256=hashlib.sha256(b"\0" * 1024).hexdigest())
+    m = dict(ETL_SETTINGS, engine="local", complete=True, missing={}, updated="2026-11-29T06:00:00Z", shards=[shard])
+    _write("etl_manifest", "complete", json.dumps(m, indent=1, sort_keys=True).encode())
+    _write("etl_manifest", "incomplete", json.dumps(dict(m, complete=False, missing={"part-001.tar": "ValueError: x",
+                                                                                     "part-002.tar": "not run"},
+                                                         engine="dask")).encode())
+    _write("etl_manifest", "resized", json.dumps(dict(m, shards=[dict(shard, bytes=512)])).encode())
+    _write("etl_manifest", "no-decode-no-seed", json.dumps(dict(m, decode=None, seed=None, shards=[])).encode())
+    _write("etl_manifest", "other-run", json.dumps(dict(m, transform="m:g", seed=7)).encode())
+    _write("etl_manifest", "outside", json.dumps(dict(m, shards=[dict(shard, name="../part-000.tar")])).encode())
+    _write("etl_manifest", "not-json", b'{"kind": "shardkit-etl", "shards')
+    _write("etl_manifest", "name-too-long", json.dumps(dict(m, shards=[dict(shard, name="a" * 300)])).encode())
+    _write("etl_manifest", "name-lone-surrogate", json.dumps(dict(m, shards=[dict(shard, name="\ud800")])).encode())
+
+
 def state_seeds():
     s = {"epoch": 1, "batches": [2, 1], "next_worker": 1, "seed": 1, "shards": "", "num_workers": 2, "batch_size": 4,
          "rank": 0, "world_size": 1, "shuffle": 1000, "epoch_samples": None, "shard_shuffle": True, "plan": None,
@@ -178,7 +196,8 @@ def etl_seeds():
 
 def main():
     from . import jpeg_corpus
-    tar_seeds(); key_seeds(); index_seeds(); manifest_seeds(); state_seeds(); checkpoint_seeds()
+    tar_seeds(); key_seeds(); index_seeds(); manifest_seeds(); etl_manifest_seeds(); state_seeds()
+    checkpoint_seeds()
     listing_seeds(); source_seeds(); etl_seeds()
     jpeg_corpus.main()
     total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())

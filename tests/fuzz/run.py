@@ -61,7 +61,9 @@ def build_c(folder: Path) -> Path:
 
 
 def _libfuzzer_flags(seconds: float, runs: int | None, work: Path) -> list[str]:
-    flags = [f"-max_total_time={max(int(seconds), 1)}", "-timeout=10", "-rss_limit_mb=3072",
+    # -timeout is wall-clock: a fuzzing process at the lowest priority of a loaded machine can wait 10 s for a core
+    # (an input of 0.3 ms CPU replayed); inputs over 1 s of CPU are caught by the targets' own timing (slow-*)
+    flags = [f"-max_total_time={max(int(seconds), 1)}", "-timeout=60", "-rss_limit_mb=3072",
              f"-artifact_prefix={work}/", "-print_final_stats=1", "-max_len=65536"]
     return flags + ([f"-runs={runs}"] if runs else [])
 
@@ -134,9 +136,16 @@ def main(argv: list[str] | None = None):
             build = Path(tempfile.mkdtemp(prefix="shardkit-fuzz-build-"))  # 0700: nobody else can plant a binary
             binary = build_c(build)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    def one(n: str) -> dict:
+        r = fuzz_one(n, a.seconds, a.c_runs or a.runs if n == C_TARGET else a.runs, out,
+                     binary if n == C_TARGET else None, a.nice)
+        row = table([r]).splitlines()[-1]  # each row as its target ends: a run stopped early keeps what it measured
+        print(f"{time.strftime('%H:%M', time.gmtime())} {row}", file=sys.stderr, flush=True)
+        with open(out / "rows.md", "a") as f: f.write(row + "\n")
+        return r
+
     with ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(lambda n: fuzz_one(n, a.seconds, a.c_runs or a.runs if n == C_TARGET else a.runs, out,
-                                                binary if n == C_TARGET else None, a.nice), names))
+        rows = list(pool.map(one, names))
     print(f"fuzz run started {started}, at most {a.seconds:g} s per target"
           + (f", {a.runs:,} runs" if a.runs else "") + (f" ({a.c_runs:,} for {C_TARGET})" if a.c_runs else "")
           + f"; logs in {out}")

@@ -204,6 +204,35 @@ def manifest():
     return one
 
 
+ETL_SETTINGS = dict(kind="shardkit-etl", src="/data/src", transform="m:f", decode="pil", seed=0)
+
+
+@target("etl_manifest")
+def etl_manifest():
+    "The ETL manifest (etl/manifest.py): read back, resumed from (done_shards), written again; counted (list_shards)."
+    from shardkit.etl.manifest import MANIFEST, done_shards, read_etl_manifest, write_etl_manifest
+    from shardkit.shards.read import list_shards
+    from shardkit.stores import open_store
+    root = _scratch("fuzz-etl-manifest-")
+    (root / "part-000.tar").write_bytes(b"\0" * 1024)
+    store = open_store(str(root))
+    other = ETL_SETTINGS
+
+    def one(data: bytes):
+        (root / MANIFEST).write_bytes(data)
+        m = read_etl_manifest(store)
+        list_shards(store)
+        if not isinstance(m, dict): raise Broken(f"a manifest file read back as {m!r}")
+        own = {k: m.get(k) for k in other}  # the settings of the run that wrote it: the resume is reached
+        done = done_shards(store, m, own)
+        if any(store.size(n) != sh["bytes"] for n, sh in done.items()):
+            raise Broken("a shard resumed at another size than its manifest's")
+        again = write_etl_manifest(store, own, [*done, *m["missing"]], done, failed=m["missing"], engine=m["engine"])
+        if read_etl_manifest(store) != again: raise Broken("a manifest written back reads back otherwise")
+        done_shards(store, m, other)  # another run's settings: resumed where they are the same, else refused
+    return one
+
+
 # ---------------------------------------------------------------- saved loader states
 def _shards(n: int = 40):
     import contextlib
