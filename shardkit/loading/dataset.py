@@ -21,7 +21,36 @@ from .sources import EpochShards, drop_planned, rank_and_world, shuffle_samples,
 from .stream import ShardDataset, shards_digest, skip_resumed
 
 # %% auto 0
-__all__ = ['shard_dataset', 'DatasetSettings', 'ahead']
+__all__ = ['DatasetSettings', 'shard_dataset', 'ahead']
+
+# %% ../../nbs/26d_dataset.ipynb
+@dataclass(frozen=True)
+class DatasetSettings:
+    "What `create_dataset` was asked for, checked: handed to its `access` and `decode_on` path, kept by the data set."
+    fields: tuple[str, ...]                 # Fields of each sample, in this order
+    transform: Callable | None = None       # Applied to each sample's tuple; decode_on="gpu": its crop (TrainTransform)
+    batch_size: int | None = 64             # Samples per batch; None: single samples
+    seed: int | None = None                 # Seed of order, shuffles and crops; None: random (streaming without ranks)
+    rank: int | None = None                 # This process's rank; None: from torch.distributed (or 0)
+    world_size: int | None = None           # How many ranks share the data; None: from torch.distributed
+    access: str = "stream"                  # "stream": shards in order; "random": samples by number, a global shuffle
+    decode_on: str = "cpu"                  # "cpu": the DataLoader's workers decode; "gpu": the loader's device
+    normalize: bool = False                 # float32 ImageNet-normalised images instead of uint8
+    channels_last: bool = False             # decode_on="gpu": images in channels-last memory format
+    allow_pickle: bool = False              # Decode .pyd/.pickle fields (only for shards you trust)
+    retries: Retries | None = None          # How reads retry faults (and count them)
+    mix: dict | None = None                 # Several sources: `mixed_sources`' names, weights and other sources
+    shuffle: int = 1000                     # Streaming: each worker's sample shuffle buffer (samples); 0: shard order
+    shard_shuffle: bool = True              # Streaming: shuffle the shard order each epoch (False: as listed)
+    resampled: bool = False                 # Streaming: draw shards with replacement, `epoch_samples` per epoch
+    epoch_samples: int | None = None        # Streaming: samples per epoch of the whole job (with `resampled`)
+    handler: Callable = wds.reraise_exception  # Streaming: a bad sample (a webdataset handler)
+    pad: bool = False                       # Random access, ranks: repeat samples to fill an epoch's last step
+    drop_last: bool | None = None           # Random access: drop a last partial batch; None: only with several ranks
+    window: int | None | str = "auto"       # Random access: shards per window; None: one order; "auto": the cache's
+    index_cache: bool | str | Path = True   # Random access: keep the sample index on disk (in this folder)
+    read: str = "auto"                      # Random access: how samples are read (READ_MODES), "auto": the source's
+    shard_cache: int | str = 16             # Random access: the shard cache's bound, shards (int) or bytes ("2GB")
 
 # %% ../../nbs/26d_dataset.ipynb
 def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`shard_urls`)
@@ -60,35 +89,6 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     ds.mix = None if not mix else {n: [w, shards_digest(tuple(u))] for n, w, u in zip(mix[0], mix[1], [urls, *mix[2]])}
     ds.settings, ds.collation_fn = settings, collation_fn  # what create_dataloader builds its loader from
     return ds
-
-# %% ../../nbs/26d_dataset.ipynb
-@dataclass(frozen=True)
-class DatasetSettings:
-    "What `create_dataset` was asked for, checked: handed to its `access` and `decode_on` path, kept by the data set."
-    fields: tuple[str, ...]                 # Fields of each sample, in this order
-    transform: Callable | None = None       # Applied to each sample's tuple; decode_on="gpu": its crop (TrainTransform)
-    batch_size: int | None = 64             # Samples per batch; None: single samples
-    seed: int | None = None                 # Seed of order, shuffles and crops; None: random (streaming without ranks)
-    rank: int | None = None                 # This process's rank; None: from torch.distributed (or 0)
-    world_size: int | None = None           # How many ranks share the data; None: from torch.distributed
-    access: str = "stream"                  # "stream": shards in order; "random": samples by number, a global shuffle
-    decode_on: str = "cpu"                  # "cpu": the DataLoader's workers decode; "gpu": the loader's device
-    normalize: bool = False                 # float32 ImageNet-normalised images instead of uint8
-    channels_last: bool = False             # decode_on="gpu": images in channels-last memory format
-    allow_pickle: bool = False              # Decode .pyd/.pickle fields (only for shards you trust)
-    retries: Retries | None = None          # How reads retry faults (and count them)
-    mix: dict | None = None                 # Several sources: `mixed_sources`' names, weights and other sources
-    shuffle: int = 1000                     # Streaming: each worker's sample shuffle buffer (samples); 0: shard order
-    shard_shuffle: bool = True              # Streaming: shuffle the shard order each epoch (False: as listed)
-    resampled: bool = False                 # Streaming: draw shards with replacement, `epoch_samples` per epoch
-    epoch_samples: int | None = None        # Streaming: samples per epoch of the whole job (with `resampled`)
-    handler: Callable = wds.reraise_exception  # Streaming: a bad sample (a webdataset handler)
-    pad: bool = False                       # Random access, ranks: repeat samples to fill an epoch's last step
-    drop_last: bool | None = None           # Random access: drop a last partial batch; None: only with several ranks
-    window: int | None | str = "auto"       # Random access: shards per window; None: one order; "auto": the cache's
-    index_cache: bool | str | Path = True   # Random access: keep the sample index on disk (in this folder)
-    read: str = "auto"                      # Random access: how samples are read (READ_MODES), "auto": the source's
-    shard_cache: int | str = 16             # Random access: the shard cache's bound, shards (int) or bytes ("2GB")
 
 # %% ../../nbs/26d_dataset.ipynb
 _END = object()  # the thread's last item: (_END, the error that ended it or None)

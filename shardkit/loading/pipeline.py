@@ -26,7 +26,46 @@ from .stream import ShardDataset, ShardLoader, error_handler
 from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
-__all__ = ['create_dataset', 'create_dataloader', 'DeviceLoader']
+__all__ = ['DeviceLoader', 'create_dataset', 'create_dataloader']
+
+# %% ../../nbs/29a_pipeline.ipynb
+def _tensors(x) -> list[torch.Tensor]:
+    "The tensors in a batch: a tensor, or tuples, lists and dicts of them."
+    if isinstance(x, torch.Tensor): return [x]
+    if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
+    return [t for v in x.values() for t in _tensors(v)] if isinstance(x, dict) else []
+
+def _moved(x, device: torch.device, pin: bool):
+    "`x` with each tensor on `device` (from pinned memory, without waiting, when `pin`); anything else as it is."
+    if isinstance(x, torch.Tensor):
+        return (x.pin_memory() if pin and not x.is_pinned() else x).to(device, non_blocking=pin)
+    if isinstance(x, tuple): return tuple(_moved(v, device, pin) for v in x)
+    if isinstance(x, list): return [_moved(v, device, pin) for v in x]
+    return {k: _moved(v, device, pin) for k, v in x.items()} if isinstance(x, dict) else x
+
+# %% ../../nbs/29a_pipeline.ipynb
+class DeviceLoader:
+    "`loader`'s batches with their tensors on `device`, copied one batch ahead (on CUDA: pinned memory, a side stream)."
+    def __init__(self, loader, device,
+                 thread: bool | None = None):  # receive and copy in a thread beside the loop (None: on CUDA)
+        self.loader, self.device = loader, torch.device(device)
+        self.thread = self.device.type == "cuda" if thread is None else thread
+        self.copy_seconds, self.copied = 0.0, 0  # seconds spent issuing copies, batches copied
+        self._state = None  # the wrapped loader's state when the last batch was handed out
+
+    def __iter__(self):
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        where = self._where()
+        issued = ((*self._issue(batch, stream), where()) for batch in self.loader)
+        for batch, event, state in ahead(issued, 1, self.thread):  # batch i+1 is on its way when i is handed out
+            yield self._hand_out(batch, event, state)
+        self._state = None  # the epoch is over: the wrapped loader's own state is right again
+
+    def __len__(self) -> int: return len(self.loader)
+    def __getattr__(self, name: str):  # dataset, num_workers, batch_size, ...: the wrapped loader's
+        if name.startswith("__") or name == "loader": raise AttributeError(name)
+        return getattr(self.loader, name)
+    def __repr__(self) -> str: return f"DeviceLoader({self.loader!r}, device={str(self.device)!r})"
 
 # %% ../../nbs/29a_pipeline.ipynb
 def _checked(access: str, decode_on: str, *, batch_size, resampled, epoch_samples, pad):
@@ -165,45 +204,6 @@ def create_dataloader(dataset: ShardDataset | RandomAccessDataset | MixedDataset
         return gpu_loader(workers, "cuda" if device is None else device, prefetch=prefetch, thread=thread)
     loader = _stream_loader(dataset, num_workers, batch_size, shuffle_across=shuffle_across, kw=kw)
     return loader if device is None else DeviceLoader(loader, device, thread=thread)
-
-# %% ../../nbs/29a_pipeline.ipynb
-def _tensors(x) -> list[torch.Tensor]:
-    "The tensors in a batch: a tensor, or tuples, lists and dicts of them."
-    if isinstance(x, torch.Tensor): return [x]
-    if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
-    return [t for v in x.values() for t in _tensors(v)] if isinstance(x, dict) else []
-
-def _moved(x, device: torch.device, pin: bool):
-    "`x` with each tensor on `device` (from pinned memory, without waiting, when `pin`); anything else as it is."
-    if isinstance(x, torch.Tensor):
-        return (x.pin_memory() if pin and not x.is_pinned() else x).to(device, non_blocking=pin)
-    if isinstance(x, tuple): return tuple(_moved(v, device, pin) for v in x)
-    if isinstance(x, list): return [_moved(v, device, pin) for v in x]
-    return {k: _moved(v, device, pin) for k, v in x.items()} if isinstance(x, dict) else x
-
-# %% ../../nbs/29a_pipeline.ipynb
-class DeviceLoader:
-    "`loader`'s batches with their tensors on `device`, copied one batch ahead (on CUDA: pinned memory, a side stream)."
-    def __init__(self, loader, device,
-                 thread: bool | None = None):  # receive and copy in a thread beside the loop (None: on CUDA)
-        self.loader, self.device = loader, torch.device(device)
-        self.thread = self.device.type == "cuda" if thread is None else thread
-        self.copy_seconds, self.copied = 0.0, 0  # seconds spent issuing copies, batches copied
-        self._state = None  # the wrapped loader's state when the last batch was handed out
-
-    def __iter__(self):
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        where = self._where()
-        issued = ((*self._issue(batch, stream), where()) for batch in self.loader)
-        for batch, event, state in ahead(issued, 1, self.thread):  # batch i+1 is on its way when i is handed out
-            yield self._hand_out(batch, event, state)
-        self._state = None  # the epoch is over: the wrapped loader's own state is right again
-
-    def __len__(self) -> int: return len(self.loader)
-    def __getattr__(self, name: str):  # dataset, num_workers, batch_size, ...: the wrapped loader's
-        if name.startswith("__") or name == "loader": raise AttributeError(name)
-        return getattr(self.loader, name)
-    def __repr__(self) -> str: return f"DeviceLoader({self.loader!r}, device={str(self.device)!r})"
 
 # %% ../../nbs/29a_pipeline.ipynb
 @patch

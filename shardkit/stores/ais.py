@@ -26,7 +26,7 @@ from .http import HTTPStore
 from .local import LocalStore
 
 # %% auto 0
-__all__ = ['ais_endpoint', 'ais_client', 'listed_settled', 'AISStore', 'upload_shards']
+__all__ = ['ais_endpoint', 'ais_client', 'AISStore', 'listed_settled', 'upload_shards']
 
 # %% ../../nbs/02c_stores.ais.ipynb
 def ais_endpoint(endpoint: str | None = None) -> str:
@@ -71,19 +71,6 @@ def _bucket_exists(bucket) -> bool:
     except AISError as e:
         if _missing(e): return False
         raise
-
-# %% ../../nbs/02c_stores.ais.ipynb
-def listed_settled(store: AISStore,       # The bucket (its endpoint and retry bound)
-                   listing: Callable,     # Makes the listing (e.g. pages through `bucket.list_objects_iter`)
-                   what: str = "",        # For messages: what is listed (default: the store)
-                  ):                      # What `listing()` returns
-    "`listing()` when AIStore moves no objects: a rebalance is waited out (within the bound), one met midway redone."
-    def once():
-        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} is moving objects")
-        out = listing()
-        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} began moving objects")
-        return out
-    return retried(once, what or f"the listing of {store.spec}", store.retries, "listing", job=True)
 
 # %% ../../nbs/02c_stores.ais.ipynb
 class AISStore(Store):
@@ -142,6 +129,19 @@ class AISStore(Store):
     def put_bytes(self, data: bytes, name: str) -> str:
         remote_put(self.object_url(name), data, self.retries, self._name(name)); return name
     def delete(self, name: str) -> None: self._head(name); self._obj(name).delete()
+
+# %% ../../nbs/02c_stores.ais.ipynb
+def listed_settled(store: AISStore,       # The bucket (its endpoint and retry bound)
+                   listing: Callable,     # Makes the listing (e.g. pages through `bucket.list_objects_iter`)
+                   what: str = "",        # For messages: what is listed (default: the store)
+                  ):                      # What `listing()` returns
+    "`listing()` when AIStore moves no objects: a rebalance is waited out (within the bound), one met midway redone."
+    def once():
+        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} is moving objects")
+        out = listing()
+        if cluster_moving(store.endpoint): raise ClusterBusy(f"AIStore at {store.endpoint} began moving objects")
+        return out
+    return retried(once, what or f"the listing of {store.spec}", store.retries, "listing", job=True)
 
 # %% ../../nbs/02c_stores.ais.ipynb
 def upload_shards(src: str | Path,                    # A local folder of shards
