@@ -114,6 +114,7 @@ def test_same_crop_as_the_streaming_loader(shards):
 
 RESUME = r'''
 import pickle, sys
+from shardkit import create_dataloader, create_dataset
 from shardkit.loading.transforms import train_transform
 src, state, n = pickle.loads(sys.stdin.buffer.read())
 dl = create_dataloader(create_dataset(src, fields=("__key__", "image.jpg"), transform=train_transform(16),
