@@ -4,6 +4,7 @@
 
 # %% ../../nbs/45_bench.soak.ipynb 3
 from __future__ import annotations
+import gc
 import json
 import os
 import re
@@ -52,6 +53,7 @@ def held(tmp: str | Path | None = None,  # A temp folder whose files count too (
          others: set = frozenset(),       # Children that are not the loader's (their pids): left out
         ) -> dict:                        # RSS bytes, descriptors, threads (main, workers); shm and tmp: names
     "What this process and its children (a loader's workers) hold now: memory, descriptors, threads, files."
+    gc.collect()  # garbage first: a one-off listing's HTTP client closes its sockets whenever a collection runs
     def take(p):
         try:
             with p.oneshot(): return (p.memory_info().rss, *_fds(p.pid), p.num_threads())
