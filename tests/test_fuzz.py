@@ -124,6 +124,16 @@ def test_an_empty_long_name_is_an_empty_name():
     with pytest.raises(ShardError, match="empty name"): list(tar_members(io.BytesIO(tar)))
 
 
+def test_a_long_name_is_read_to_its_size_not_into_its_padding():
+    "A GNU long name of 5 bytes whose block goes on with letters: the name is the 5 bytes (tarfile reads on to a NUL)."
+    from shardkit.shards.read import tar_members
+    from tests.fuzz.targets import _padded_long_names
+    tar = tar_member(b"././@LongLink", b"a.cls", b"L") + tar_member(b"x", b"1") + b"\0" * 1024
+    tar = tar[:512 + 5] + b"txt" + tar[512 + 8:]  # the long name's padding holds "txt"
+    assert [m["fname"] for m in tar_members(io.BytesIO(tar))] == ["a.cls"]
+    assert _padded_long_names(tar) and not _padded_long_names(tar_member(b"a.txt", b"t") + b"\0" * 1024)
+
+
 def test_an_old_style_directory_is_no_member():
     "A member of type '\\0' (old tars' regular file) whose name ends in '/' is a directory, as tarfile reads it."
     from shardkit.shards.read import tar_members
