@@ -127,11 +127,11 @@ def test_an_empty_long_name_is_an_empty_name():
 def test_a_long_name_is_read_to_its_size_not_into_its_padding():
     "A GNU long name of 5 bytes whose block goes on with letters: the name is the 5 bytes (tarfile reads on to a NUL)."
     from shardkit.shards.read import tar_members
-    from tests.fuzz.targets import _padded_long_names
+    from tests.fuzz.targets import padded_long_names
     tar = tar_member(b"././@LongLink", b"a.cls", b"L") + tar_member(b"x", b"1") + b"\0" * 1024
     tar = tar[:512 + 5] + b"txt" + tar[512 + 8:]  # the long name's padding holds "txt"
     assert [m["fname"] for m in tar_members(io.BytesIO(tar))] == ["a.cls"]
-    assert _padded_long_names(tar) and not _padded_long_names(tar_member(b"a.txt", b"t") + b"\0" * 1024)
+    assert padded_long_names(tar) and not padded_long_names(tar_member(b"a.txt", b"t") + b"\0" * 1024)
 
 
 def test_an_old_style_directory_is_no_member():

@@ -73,7 +73,7 @@ def _posix_names(tar: bytes, ents) -> bool:
                for e in ents)
 
 
-def _padded_long_names(tar: bytes) -> bool:
+def padded_long_names(tar: bytes) -> bool:
     """Whether a GNU long-name record (type L or K) has bytes other than NUL past its size, in its block's padding:
     `tarfile` reads such a name to the first NUL of the whole block, GNU tar and shardkit to the record's size."""
     off = 0
@@ -118,7 +118,7 @@ def tar():
         if isinstance(ents, Exception) and not isinstance(members, Exception):
             raise Broken(f"the header scan refuses what the read accepts: {ents}")
         if isinstance(members, Exception): raise members
-        theirs = tarfile_files(tar) if _posix_names(tar, ents) and not _padded_long_names(tar) else None
+        theirs = tarfile_files(tar) if _posix_names(tar, ents) and not padded_long_names(tar) else None
         if theirs is not None and theirs != members:
             raise Broken(f"tarfile reads {[(n, len(d)) for n, d in theirs][:8]}, shardkit "
                          f"{[(n, len(d)) for n, d in members][:8]}")
