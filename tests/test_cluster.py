@@ -8,7 +8,9 @@ from conftest import free_base_port, main_cli, run_cli
 
 def test_up_status_down_leaves_nothing_running(tmp_path, ais_cluster):
     # ais_cluster first: it builds aisnode once for the session, so this test only starts nodes
-    root, port = tmp_path / "c", free_base_port(start=38080)
+    # ports below Linux's ephemeral range (32768-60999): there any program's outgoing connection may take one between
+    # the check and aisnode's bind (a target exited at start once, at 38081-40081); the session's clusters use 28080+
+    root, port = tmp_path / "c", free_base_port(start=20080)
     r = run_cli("ais", "up", "--targets", "1", "--root", root, "--port", port, check=True)
     assert f"export AIS_ENDPOINT=http://127.0.0.1:{port}" in r.stdout
     r = run_cli("ais", "status", "--root", root)
@@ -34,7 +36,7 @@ def test_busy_port_is_named(tmp_path, ais_cluster):
 
 def test_missing_go_is_one_line(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "SHARDKIT_HOME": str(tmp_path)}  # no Go on PATH, no cached build
-    r = run_cli("ais", "up", "--root", tmp_path / "c", "--port", free_base_port(start=48080), env=env)
+    r = run_cli("ais", "up", "--root", tmp_path / "c", "--port", free_base_port(start=24080), env=env)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "Go is not installed" in r.stderr, r.stderr
 
