@@ -166,6 +166,31 @@ def test_workers_batch_at_the_loader_batch_size_and_the_post_way_still_works(sha
     assert sorted(_keys(post)) == ALL
 
 
+@pytest.mark.parametrize("how", ["plain", "shuffle_across", "device"])
+def test_a_dropped_loader_stops_its_workers_at_once(shards, how):
+    """A loader let go of mid-epoch stops its persistent workers when its last reference goes, without the cycle
+    collector: in a reference cycle, torch's DataLoader is collected after its queues and each worker waits out a 5 s
+    join (10 s for two) before it is killed."""
+    import gc, psutil
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    kw = {"shuffle_across": {"shuffle_across": 100}, "device": {"device": "cpu"}}.get(how, {})
+    dl = create_dataloader(_dataset(shards, seed=3), num_workers=2, batch_size=7, **kw)
+    _keys(dl)
+    it = iter(dl)
+    next(it)
+    workers = [p for p in me.children() if p.pid not in before]
+    assert len(workers) == 2
+    gc.collect()
+    gc.disable()
+    try:
+        del it, dl
+        _, alive = psutil.wait_procs(workers, timeout=20)
+    finally:
+        gc.enable()
+    assert not alive, f"{len(alive)} workers still running after the loader's last reference went (a reference cycle)"
+
+
 def _batches(loader):
     "Every batch of one pass as (keys, labels, images, trimaps) on the CPU, kept (to see that no buffer is reused under them)."
     return [(list(k), c.cpu(), x.cpu(), t.cpu()) for k, c, x, t in loader]

@@ -1,9 +1,15 @@
 """Project-level promises: the installed set is consistent, and the README's two commands are what CI runs."""
-import ast, contextlib, json, re, subprocess, sys
+import ast, contextlib, functools, json, re, subprocess, sys
 from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    "A file's syntax tree, parsed once per process: the checks below walk the same files again and again."
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 @pytest.mark.slow
@@ -58,7 +64,7 @@ def _imports() -> dict[str, set[str]]:
     for m, p in mods.items():
         here = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
         deps = set()
-        for n in ast.walk(ast.parse(p.read_text())):
+        for n in ast.walk(_parse(p)):
             if isinstance(n, ast.ImportFrom) and n.level:
                 base = ".".join(here[: len(here) - n.level + 1] + ([n.module] if n.module else []))
             elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("shardkit."): base = n.module[len("shardkit."):]
@@ -78,6 +84,7 @@ def _notebook_of(module: str) -> str:
     return m.group(1) if m else ""
 
 
+@pytest.mark.xdist_group("source-trees")  # one worker parses the sources once for all of them
 def test_imports_only_point_down_the_reading_order():
     "No import circles, lazy imports included: every module imports only modules of notebooks before its own."
     deps = _imports()
@@ -128,7 +135,7 @@ def private_imports(path: Path, here: str) -> list[tuple[int, str]]:
     """The private names of other modules that the module at `path` (named `here`) uses: imported (`from x import _y`,
     `import x._y`) or reached as an attribute of an imported module (`x._y`), as (line, dotted name)."""
     import importlib.util
-    tree, mods, found = ast.parse(path.read_text()), {}, []
+    tree, mods, found = _parse(path), {}, []
     rebound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
               {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args + n.kwonlyargs}
     for n in ast.walk(tree):
@@ -152,6 +159,7 @@ def private_imports(path: Path, here: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+@pytest.mark.xdist_group("source-trees")  # one worker parses the sources once for all of them
 def test_no_module_takes_another_modules_private_names():
     """What two modules share has a public name in its home: neither the package's modules nor the tests use another
     module's private names, shardkit's or another library's, but those in PRIVATE_ALLOWED (no public way exists)."""
@@ -228,6 +236,7 @@ def test_undocumented_finds_what_lacks_a_docment(tmp_path):
     assert _undocumented(mod.f) == ["b"] and _undocumented(mod.g) == ["kw"]
 
 
+@pytest.mark.xdist_group("source-trees")  # one worker parses the sources once for all of them
 def test_no_module_only_re_exports():
     """A module has a job of its own: one that only imports and re-exports names would be a second path to them (the
     front is `from shardkit import ...`, the other path each name's home). Packages' `__init__.py` may re-export."""
@@ -237,7 +246,7 @@ def test_no_module_only_re_exports():
         targets = stmt.targets if isinstance(stmt, ast.Assign) else []
         return not (targets and all(isinstance(t, ast.Name) and t.id in ("__all__", "_all_") for t in targets))
     only = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "shardkit").rglob("*.py"))
-            if p.name not in ("__init__.py", "_modidx.py") and not any(map(own, ast.parse(p.read_text()).body))]
+            if p.name not in ("__init__.py", "_modidx.py") and not any(map(own, _parse(p).body))]
     assert not only, f"modules that only re-export (give the names one home; the package's __init__ re-exports): {only}"
 
 
@@ -350,18 +359,19 @@ _FOREIGN_CALLS = {"super().merge_environment_settings",  # requests.Session's, o
                   "native.window", "native.crop"}  # ctypes functions of the JPEG extension: C's arguments
 
 
-def _code_units() -> list[tuple[str, ast.AST]]:
+@functools.cache
+def _code_units() -> tuple[tuple[str, ast.AST], ...]:
     "(where, tree) of each module of the package, each test file and each notebook's code cell (magics left out)."
-    units = [(str(p.relative_to(ROOT)), ast.parse(p.read_text())) for p in sorted((ROOT / "shardkit").rglob("*.py"))
+    units = [(str(p.relative_to(ROOT)), _parse(p)) for p in sorted((ROOT / "shardkit").rglob("*.py"))
              if p.name != "_modidx.py"]
-    units += [(str(p.relative_to(ROOT)), ast.parse(p.read_text())) for p in sorted((ROOT / "tests").glob("*.py"))]
+    units += [(str(p.relative_to(ROOT)), _parse(p)) for p in sorted((ROOT / "tests").glob("*.py"))]
     for p in sorted([*ROOT.glob("nbs/*.ipynb"), *ROOT.glob("nbs/tutorials/*.ipynb")]):
         for i, c in enumerate(json.loads(p.read_text())["cells"]):
             src = "".join(c["source"])
             if c["cell_type"] != "code" or src.lstrip().startswith("%%"): continue
             src = "\n".join("#" + x if x.lstrip()[:1] in ("%", "!") else x for x in src.split("\n"))
             with contextlib.suppress(SyntaxError): units.append((f"{p.relative_to(ROOT)} cell {i}", ast.parse(src)))
-    return units
+    return tuple(units)
 
 
 def _positions(n: ast.AST) -> int:
@@ -389,6 +399,7 @@ def test_a_starred_argument_counts_as_the_positions_it_can_fill():
     assert [_positions(c) for c in tree.body] == [2, 2]
 
 
+@pytest.mark.xdist_group("source-trees")  # one worker parses the sources once for all of them
 def test_calls_name_their_arguments():
     """No call of shardkit's own functions fills more than 4 positions (a starred argument counted as every position
     the callee has left for it), and no function takes more than 5 by position (the rest keyword-only, after `*`): in
@@ -431,7 +442,7 @@ def _homes() -> tuple[dict[str, set[str]], set[str], set[str]]:
     for p in sorted((ROOT / "shardkit").rglob("*.py")):
         if p.name == "_modidx.py": continue
         if p.name == "__init__.py": packages.add(_module(p))
-        for n in ast.parse(p.read_text()).body:
+        for n in _parse(p).body:
             names = [n.name] if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else \
                 [t.id for t in n.targets if isinstance(t, ast.Name)] if isinstance(n, ast.Assign) else \
                 [n.target.id] if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) else []
@@ -442,11 +453,11 @@ def _homes() -> tuple[dict[str, set[str]], set[str], set[str]]:
     return homes, errors & set(bases), packages
 
 
-def imported_elsewhere(source: str, module: str | None, homes: dict, packages: set) -> list[tuple[int, str, str]]:
+def imported_elsewhere(source: str | ast.AST, module: str | None, homes: dict, packages: set) -> list[tuple[int, str, str]]:
     """(line, name, module imported from) of each shardkit name that `source` imports from a module that is not its
     home. A package's own __init__ re-exports; `shardkit` (the front) and a package above the home are its doors."""
     out = []
-    for n in ast.walk(ast.parse(source)):
+    for n in ast.walk(ast.parse(source) if isinstance(source, str) else source):
         if not isinstance(n, ast.ImportFrom): continue
         src = n.module or ""
         if n.level:  # relative, in a module of the package (or of tests/fuzz, which imports no shardkit name so)
@@ -470,15 +481,16 @@ def test_imported_elsewhere_finds_an_import_from_a_module_that_is_not_its_home()
         (1, "LoaderError", "shardkit.loading.sources"), (4, "LoaderError", "shardkit.loading.sources")]
 
 
+@pytest.mark.xdist_group("source-trees")  # one worker parses the sources once for all of them
 def test_every_error_class_and_name_is_imported_from_its_home():
     """Each error class (and every other name) of shardkit is imported from the module that defines it, in the package,
     the tests and the notebooks: a reader who follows an import finds the class, not a module that passes it on."""
     homes, errors, packages = _homes()
     found = {"error classes": [], "other names": []}
-    sources = [(str(p.relative_to(ROOT)), p.read_text(), _module(p), p.name == "__init__.py")
+    sources = [(str(p.relative_to(ROOT)), _parse(p), _module(p), p.name == "__init__.py")
                for p in sorted((ROOT / "shardkit").rglob("*.py")) if p.name != "_modidx.py"]
-    sources += [(str(p.relative_to(ROOT)), p.read_text(), None, False) for p in sorted((ROOT / "tests").rglob("*.py"))]
-    sources += [(where, ast.unparse(tree), None, False) for where, tree in _code_units() if " cell " in where]
+    sources += [(str(p.relative_to(ROOT)), _parse(p), None, False) for p in sorted((ROOT / "tests").rglob("*.py"))]
+    sources += [(where, tree, None, False) for where, tree in _code_units() if " cell " in where]
     for where, src, module, is_init in sources:
         if is_init: continue  # a package's __init__ is where it re-exports
         for line, name, frm in imported_elsewhere(src, module, homes, packages):

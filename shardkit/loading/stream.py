@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import traceback
+import weakref
 from itertools import chain, islice
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
@@ -28,8 +29,8 @@ from .sources import EpochShards, buffer_shuffle, rank_and_world, seeded_rng
 
 # %% auto 0
 __all__ = ['SOCKET_PATH_MAX', 'SkipAndCount', 'error_handler', 'ShardDataset', 'worker_tmpdir_problem', 'worker_init',
-           'with_worker_init', 'restart_workers', 'ShardLoader', 'worker_error', 'worker_errors', 'skip_resumed',
-           'check_position', 'shards_digest']
+           'with_worker_init', 'restart_workers', 'weak_stage', 'ShardLoader', 'worker_error', 'worker_errors',
+           'skip_resumed', 'check_position', 'shards_digest']
 
 # %% ../../nbs/25_stream.ipynb
 class SkipAndCount:
@@ -146,6 +147,13 @@ def restart_workers(dl):
         dl._iterator._shutdown_workers()
         dl._iterator = None
 
+def weak_stage(method):
+    """A pipeline stage that calls a loader's `method` through a weak reference. Bound methods in a loader's own
+    pipeline make a reference cycle, and torch's DataLoader collected by the cycle collector loses its queues before
+    it can tell its persistent workers to stop: each then waits out its 5 s join before it is killed."""
+    ref, func = weakref.ref(method.__self__), method.__func__
+    return lambda src: func(ref(), src)
+
 class ShardLoader(wds.WebLoader):
     "A WebLoader over a ShardDataset whose workers make the training batches; each pass is an epoch."
     def __init__(self, dataset, num_workers: int = 4, batch_size: int | None = 64, shuffle_across: int = 0, **kw):
@@ -161,7 +169,7 @@ class ShardLoader(wds.WebLoader):
         self._taken, self._running, self._resumed, self._next = [0] * max(num_workers, 1), False, None, 0
         if shuffle_across:  # the post's way: workers' batches unbatched, shuffled across workers, rebatched
             self.append(wds.unbatched())
-            self.append(self._shuffle)
+            self.append(weak_stage(self._shuffle))  # a bound method would tie the loader into a reference cycle
             if batch_size: self.append(wds.batched(batch_size, collation_fn=collate, partial=True))
 
     def set_epoch(self, epoch: int):
