@@ -180,8 +180,18 @@ def test_a_shardkit_error_in_a_worker_reaches_the_caller_as_itself(tmp_path):
     "A shard that cannot be read, in a DataLoader worker: the same error type, its own message first."
     from shardkit import create_dataloader, create_dataset
     from shardkit.remote import RetriesExhausted
+    import gc, psutil
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
     loader = create_dataloader(create_dataset(["http://127.0.0.1:9/a.tar", "http://127.0.0.1:9/b.tar"],
                                               fields=("jpg", "cls"), retry_wait=0.5), num_workers=2)
-    with pytest.raises(RetriesExhausted) as e: next(iter(loader))
+    gc.disable()  # the error stops the workers itself: not left to the cycle collector (5 s a worker)
+    try:
+        with pytest.raises(RetriesExhausted) as e: next(iter(loader))
+        workers = [p for p in me.children() if p.pid not in before]
+        _, alive = psutil.wait_procs(workers, timeout=20)
+    finally:
+        gc.enable()
     assert str(e.value).startswith("gave up reading shard http://127.0.0.1:9/"), str(e.value)
     assert "Caught RetriesExhausted in DataLoader worker process" in str(e.value.__cause__)
+    assert not alive, f"{len(alive)} DataLoader workers still running after the error"

@@ -225,13 +225,21 @@ def worker_errors(items):
 # %% ../../nbs/25_stream.ipynb
 @patch
 def _counted(self: ShardLoader, items):
-    "The workers' batches, each counted for the worker that made it; the epoch ends when they do."
-    for t in worker_errors(items):  # a shardkit error in a worker: its own message first
-        if isinstance(t, WorkerTagged):
-            self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
-        LENT.give_back()  # the buffers of earlier batches the loop has let go of
-        # lent as they are; copied out where shuffle_across keeps their samples for a while (buffers would run out)
-        yield (t.unpool() if self.shuffle_across else t.lend()) if isinstance(t, PooledBatch) else t
+    """The workers' batches, each counted for the worker that made it; the epoch ends when they do. An error stops
+    the workers before it reaches the caller (the next pass starts new ones): its traceback holds this loop's frames
+    in a reference cycle, and workers left to the cycle collector wait out 5 s each before they are killed."""
+    try:
+        for t in worker_errors(items):  # a shardkit error in a worker: its own message first
+            if isinstance(t, WorkerTagged):
+                self._taken[t.worker] += 1; self._next = (t.worker + 1) % len(self._taken); t = t.item
+            LENT.give_back()  # the buffers of earlier batches the loop has let go of
+            # lent as they are; copied out where shuffle_across keeps their samples for a while (buffers would run out)
+            yield (t.unpool() if self.shuffle_across else t.lend()) if isinstance(t, PooledBatch) else t
+    except Exception:
+        del items
+        restart_workers(self.pipeline[0])
+        self._workers_next = None
+        raise
     self._running = False
 
 @patch
