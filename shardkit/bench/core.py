@@ -93,10 +93,11 @@ def _result(out: str, err: str, rc: int, peak: int | None) -> dict:
     return dict(error=f"exit {rc}: " + " | ".join(tail))
 
 # %% ../../nbs/31_bench.core.ipynb
-def _child_env() -> dict:
-    "The children's environment: this checkout of shardkit first (also from a worktree or a notebook), quiet peers."
+def _child_env(checkout: str | None = None) -> dict:
+    """The children's environment: this checkout of shardkit first (also from a worktree or a notebook), or the
+    `checkout` asked for (another version's folder, which holds its `shardkit/`); quiet peers."""
     import shardkit
-    here = str(Path(shardkit.__file__).resolve().parent.parent)
+    here = checkout or str(Path(shardkit.__file__).resolve().parent.parent)
     return dict(os.environ, LITDATA_DISABLE_VERSION_CHECK="1", PYTHONWARNINGS="ignore",
                 PYTHONPATH=os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
                                                      else [])))
@@ -123,13 +124,15 @@ def run_child(task: str,             # The benchmark to run: 'module:function', 
               spec: dict,            # Its argument (JSON)
               timeout: float = 600,  # Seconds before the child and everything it started are killed
               memory: bool = False,  # Also sample the process tree's RSS every 0.1 s: `peak_rss_mb` in the result
+              checkout: str | None = None,  # Import shardkit from this folder (another version): never a warm fork
              ) -> dict:
     """Run `task` ('module:function', taking `spec`) in a fresh Python process: its JSON result, or dict(error=why).
     Inside `warm_children(...)` the process is forked from one that has imported the modules already."""
-    if _WARM: return _WARM.run(task, spec, timeout, memory)
+    if _WARM and checkout is None: return _WARM.run(task, spec, timeout, memory)
     cmd = [sys.executable, "-c", "from shardkit.bench.core import _child; _child()", task, json.dumps(spec)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True, env=_child_env())
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                             env=_child_env(checkout))
         def done(t):
             try: p.wait(t); return True
             except subprocess.TimeoutExpired: return False

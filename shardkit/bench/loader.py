@@ -4,6 +4,7 @@
 
 # %% ../../nbs/35_bench.loader.ipynb 2
 from __future__ import annotations
+import contextlib
 import gc
 import os
 import platform
@@ -35,8 +36,8 @@ from ..stores import is_local, shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children, warm_page_cache
 
 # %% auto 0
-__all__ = ['SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'machine_summary', 'run_record', 'bench_loader', 'fastest_peer',
-           'cheapest_peer', 'bench_ratios', 'loader_table', 'plot_bench', 'bench_loader_cli']
+__all__ = ['BASELINE', 'SHARDKIT_ROWS', 'BASE_ROWS', 'LOADER_GOALS', 'machine_summary', 'run_record', 'bench_loader',
+           'fastest_peer', 'cheapest_peer', 'bench_ratios', 'loader_table', 'plot_bench', 'bench_loader_cli']
 
 # %% ../../nbs/35_bench.loader.ipynb
 def _check_batch(images, labels, dtype: str) -> tuple[np.ndarray, str | None]:
@@ -118,8 +119,17 @@ _TASKS = {"measure": _measure_epochs, "ceiling": _ceiling, "floor": _floor, "con
 def _task(spec: dict) -> dict: return _TASKS[spec["task"]](spec)
 
 def _run_child(spec: dict, timeout: float = 600) -> dict:
-    "Run the loader benchmark's task `spec['task']` in a fresh process (`run_child`): its result, or dict(error=why)."
-    return run_child("shardkit.bench.loader:_task", spec, timeout)
+    """Run the loader benchmark's task `spec['task']` in a fresh process (`run_child`): its result, or dict(error=why).
+    A spec with a `checkout` runs that folder's shardkit (a baseline row)."""
+    spec = dict(spec)
+    return run_child("shardkit.bench.loader:_task", spec, timeout, checkout=spec.pop("checkout", None))
+
+BASELINE = "@baseline"  # the suffix of a row that runs the baseline checkout's shardkit
+
+def _label(name: str) -> str:
+    "A row's label in the tables and the picture: a baseline row is its own row's label, marked."
+    base = name.removesuffix(BASELINE)
+    return LOADER_ROWS[base] + (" (baseline)" if base != name else "")
 
 # %% ../../nbs/35_bench.loader.ipynb
 SHARDKIT_ROWS = ("default", "whole", "random")
@@ -173,7 +183,7 @@ def run_record(sources,                    # The shards, as given: a path, a tem
                 command=" ".join(["shardkit bench loader", src] + flags))
 
 # %% ../../nbs/35_bench.loader.ipynb
-def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dict]:
+def _plan(names: list[str], data, base: dict, timeout: float, baseline: Path | None = None) -> tuple[dict, dict]:
     "Each row's measuring spec (a peer's copy of the data converted once, then cached); the rows that cannot run, why."
     rows, specs = {}, {}
     for name in names:
@@ -191,7 +201,10 @@ def _plan(names: list[str], data, base: dict, timeout: float) -> tuple[dict, dic
                     rows[name] = dict(status="failed", why=[f"converting the data: {r['error']}"]); continue
                 part.rename(dest)
             specs[name] = dict(base, task="measure", name=name, dest=str(dest))
-        else: specs[name] = dict(base, task="measure", name=name, dtype="float32" if name == "post" else "uint8")
+        else:
+            own = name.removesuffix(BASELINE)
+            specs[name] = dict(base, task="measure", name=own, dtype="float32" if own == "post" else "uint8")
+            if own != name: specs[name]["checkout"] = str(baseline)
     return rows, specs
 
 # %% ../../nbs/35_bench.loader.ipynb
@@ -200,7 +213,9 @@ def _rounds(specs: dict, root: str, repeats: int, timeout: float, *, cold: bool,
     from tqdm.auto import tqdm
     runs, yard, note = {n: [] for n in specs}, {"ceiling": [], "floor": []}, None
     todo = [(r, n) for r in range(repeats) for n in [*yard, *specs]]
-    with warm_children(["shardkit.bench.loader"]):  # forks of one process with torch imported; clocks start later
+    # forks of one process with torch imported (clocks start later); fresh processes for all when a baseline runs
+    fresh = any("checkout" in s for s in specs.values())
+    with contextlib.nullcontext() if fresh else warm_children(["shardkit.bench.loader"]):
         for r, name in tqdm(todo, desc="loader runs", disable=None if progress else True):
             if cold: note = drop_page_cache() or note
             if name in yard:
@@ -245,14 +260,22 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
                  only: Sequence[str] | None = None, # Only these rows (names in BASE_ROWS and PEER_LOADERS)
                  timeout: float = 600,              # Seconds one run may take
                  ceiling_seconds: float = 3.0,      # CPU seconds that each run of the ceiling and the floor measures
+                 baseline: str | Path | None = None, # Another shardkit checkout (the folder of its shardkit/): its rows
+                                                     # run beside this one's, interleaved, marked (baseline)
                 ) -> dict:                          # Rows, rates, CPU per sample, yardsticks, load; `run`: `run_record`
     "shardkit's loaders against webdataset, ImageFolder, the post's pipeline, (`peers`) LitData, MDS, DALI, FFCV, wids."
     urls = _checked_urls(sources, num_workers, repeats, samples)[:max_shards]
     data = prepare_bench_data(urls, samples, cache)
     names = [n for n in BASE_ROWS + (tuple(PEER_LOADERS) if peers else ()) if only is None or n in only]
+    if baseline is not None:
+        baseline = Path(baseline).expanduser().resolve()
+        if not (baseline / "shardkit" / "__init__.py").is_file():
+            raise UsageError(f"baseline={shown_path(baseline)}: not a shardkit checkout (no shardkit/__init__.py in it); "
+                             "give the folder that holds another version's shardkit/, e.g. a `git worktree add`")
+        names = [m for n in names for m in ([n, n + BASELINE] if n in SHARDKIT_ROWS + ("post",) else [n])]
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
                 workers=num_workers, seed=0, epochs=2)
-    rows, specs = _plan(names, data, base, timeout)
+    rows, specs = _plan(names, data, base, timeout, baseline)
     warm_page_cache([Path(u) for u in data.urls if is_local(u)] + [data.root])
     load_start = os.getloadavg()
     runs, yard, note = _rounds(specs, str(data.root), repeats, timeout, cold=cold, seconds=ceiling_seconds,
@@ -264,12 +287,12 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
     ceiling_workers = max(1, min(num_workers, cores))
     per_core = statistics.median(c["per_core"] for c in yard["ceiling"]) if yard["ceiling"] else float("nan")
     floor = _median_floor(yard["floor"])
-    ok = {LOADER_ROWS[n]: r for n, r in rows.items() if r["status"] == "ok"}
+    ok = {_label(n): r for n, r in rows.items() if r["status"] == "ok"}
     rates, cpu_ms = {k: r["rate"] for k, r in ok.items()}, {k: r["cpu_ms"] for k, r in ok.items()}
     rates[LOADER_ROWS["ceiling"]], cpu_ms[LOADER_ROWS["ceiling"]] = per_core * ceiling_workers, 1000 / per_core
     if "ms" in floor:
         rates[LOADER_ROWS["floor"]], cpu_ms[LOADER_ROWS["floor"]] = ceiling_workers * 1000 / floor["ms"], floor["ms"]
-    return dict(rows={LOADER_ROWS[n]: r for n, r in rows.items()}, rates=rates, cpu_ms=cpu_ms, per_core=per_core,
+    return dict(rows={_label(n): r for n, r in rows.items()}, rates=rates, cpu_ms=cpu_ms, per_core=per_core,
                 ceiling_workers=ceiling_workers, floor=floor, samples=data.n, passes=data.passes, shards=len(data.urls),
                 fields=data.fields,
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
@@ -282,7 +305,7 @@ LOADER_GOALS = {"peer": 1.3, "ceiling": 0.85, "cpu": 0.75, "floor": 1.25, "first
 
 def _exact_peers(result: dict) -> dict:
     "The rows of every non-shardkit loader that ran and delivered every sample exactly once."
-    mine = {LOADER_ROWS[n] for n in SHARDKIT_ROWS}
+    mine = {_label(n) for n in SHARDKIT_ROWS} | {_label(n + BASELINE) for n in (*SHARDKIT_ROWS, "post")}
     return {k: r for k, r in result["rows"].items() if k not in mine and r["status"] == "ok" and r["exact"]}
 
 def fastest_peer(result: dict) -> str | None:
@@ -391,7 +414,8 @@ def plot_bench(result: dict, path: str | Path | None = None):
     "Bar charts of the benchmark: samples/s, and CPU ms per sample; saved as PNG when `path` is given."
     import matplotlib.pyplot as plt
     names = list(result["rates"])
-    mine, yardsticks = {LOADER_ROWS[n] for n in SHARDKIT_ROWS}, {LOADER_ROWS["ceiling"], LOADER_ROWS["floor"]}
+    mine = {_label(n) for n in SHARDKIT_ROWS} | {_label(n + BASELINE) for n in SHARDKIT_ROWS}
+    yardsticks = {LOADER_ROWS["ceiling"], LOADER_ROWS["floor"]}
     colors = ["#2a7ab9" if k in mine else "#999999" if k in yardsticks else "#c9822b" for k in names][::-1]
     panels = [("samples / s (higher is better)", [result["rates"][k] for k in names], "{:.0f}"),
               ("CPU ms per sample (lower is better)", [result["cpu_ms"][k] for k in names], "{:.2f}")]
