@@ -183,7 +183,7 @@ def run_record(sources,                    # The shards, as given: a path, a tem
                 command=" ".join(["shardkit bench loader", src] + flags))
 
 # %% ../../nbs/35_bench.loader.ipynb
-def _plan(names: list[str], data, base: dict, timeout: float, baseline: Path | None = None) -> tuple[dict, dict]:
+def _plan(names: list[str], data, base: dict, timeout: float, *, baseline: Path | None = None) -> tuple[dict, dict]:
     "Each row's measuring spec (a peer's copy of the data converted once, then cached); the rows that cannot run, why."
     rows, specs = {}, {}
     for name in names:
@@ -270,12 +270,12 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
     if baseline is not None:
         baseline = Path(baseline).expanduser().resolve()
         if not (baseline / "shardkit" / "__init__.py").is_file():
-            raise UsageError(f"baseline={shown_path(baseline)}: not a shardkit checkout (no shardkit/__init__.py in it); "
-                             "give the folder that holds another version's shardkit/, e.g. a `git worktree add`")
+            raise UsageError(f"baseline={shown_path(baseline)}: not a shardkit checkout (no shardkit/__init__.py "
+                             "in it); give the folder that holds another version's shardkit/, e.g. a `git worktree add`")
         names = [m for n in names for m in ([n, n + BASELINE] if n in SHARDKIT_ROWS + ("post",) else [n])]
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
                 workers=num_workers, seed=0, epochs=2)
-    rows, specs = _plan(names, data, base, timeout, baseline)
+    rows, specs = _plan(names, data, base, timeout, baseline=baseline)
     warm_page_cache([Path(u) for u in data.urls if is_local(u)] + [data.root])
     load_start = os.getloadavg()
     runs, yard, note = _rounds(specs, str(data.root), repeats, timeout, cold=cold, seconds=ceiling_seconds,
