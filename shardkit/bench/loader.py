@@ -271,7 +271,8 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
         baseline = Path(baseline).expanduser().resolve()
         if not (baseline / "shardkit" / "__init__.py").is_file():
             raise UsageError(f"baseline={shown_path(baseline)}: not a shardkit checkout (no shardkit/__init__.py "
-                             "in it); give the folder that holds another version's shardkit/, e.g. a `git worktree add`")
+                             "in it); give the folder that holds another version's shardkit/ "
+                             "(a `git worktree add` of it)")
         names = [m for n in names for m in ([n, n + BASELINE] if n in SHARDKIT_ROWS + ("post",) else [n])]
     base = dict(urls=data.urls, passes=data.passes, fields=data.fields, hist=data.hist, root=str(data.root),
                 workers=num_workers, seed=0, epochs=2)
