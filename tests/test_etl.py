@@ -17,7 +17,8 @@ import pytest
 import requests
 import webdataset as wds
 from shardkit.etl.core import ShardTransform, SampleError, etl_stage
-from shardkit.etl.server import etl_unavailable, init_etl
+from shardkit.etl.server import init_etl
+from shardkit.stores.ais import etl_unavailable
 from shardkit.etl.transforms import imagenet_val_npy, imagenet_train_npy
 from shardkit.etl import run_etl
 from shardkit.shards.fields import ShardError

@@ -193,7 +193,7 @@ def _index_while_rebalancing(endpoint: str, name: str, src: Path, capfd, loaders
     waited, err = time.monotonic() - t0, capfd.readouterr().err
     said = [line for line in err.splitlines() if "AIStore is rebalancing; waiting (up to 3 min)" in line]
     assert len(said) == 1 and "index-shard" in said[0], err
-    assert "5.0" not in err and retries.counts().get("cluster rebalancing"), (err, retries.counts())
+    assert "5.0" not in err and retries.counts().get("store busy"), (err, retries.counts())
     assert keys_of(random_loader(f"ais://{name}", "getbatch")) == local
     return f"GetBatch and cache epochs exact during {during}; index-shard waited {waited:.0f} s, said once"
 

@@ -11,8 +11,9 @@ from typing import Callable
 from ..command import command
 from ..errors import UsageError
 from ..stores import AISStore, open_store, shown_path
+from ..stores.ais import etl_unavailable
 from .manifest import etl_shards
-from .server import etl_unavailable, run_in_cluster
+from .server import run_in_cluster
 
 # %% auto 0
 __all__ = ['ENGINES', 'etl_engine', 'run_etl', 'etl_summary', 'etl_run_cli']
