@@ -85,7 +85,7 @@ def test_imports_only_point_down_the_reading_order():
              if _notebook_of(m) and _notebook_of(d) and _notebook_of(d) >= _notebook_of(m)]
     assert not wrong, "imports pointing up (move the shared part down, or dispatch from above): " + \
         ", ".join(f"{m} ({_notebook_of(m)}) -> {d} ({_notebook_of(d)})" for m, d in wrong)
-    assert "loading.random" not in deps["loading.stream"] and "loading.pipeline" not in deps["loading.random"]
+    assert "loading.random_access" not in deps["loading.stream"] and "loading.pipeline" not in deps["loading.random_access"]
     assert not any(d.startswith("bench") for m in deps if not m.startswith(("bench", "apps.", "profile")) for d in deps[m]), \
         "only the benchmarks, the profiler (their clock and table) and the applications (apps/) use the benchmarks"
 
@@ -266,7 +266,7 @@ def test_notebook_name_rule():
 
 def test_notebooks_are_named_after_their_modules():
     """Every library notebook's `default_exp` matches its name (`notebook_name_problem`), and no two notebooks make the
-    same page (nbdev drops the number: `13_transforms` and `23_transforms` would both be transforms.html)."""
+    same page (nbdev drops the number: `13_transforms` and `23_decode` would both be transforms.html)."""
     wrong, pages = [], {}
     for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
         pages.setdefault(re.sub(r"^\d+[a-zA-Z0-9]*_", "", nb.name.lower()), []).append(nb.name)

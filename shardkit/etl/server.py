@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..shards.fields import ShardError
 from ..stores import ais_client
 from ..stores.ais import etl_unavailable
-from .core import ETLError, ShardTransform, resolve_fn
+from .shard_transform import ETLError, ShardTransform, resolve_fn
 
 # %% auto 0
 __all__ = ['ShardETLServer', 'etl_server_class', 'ETLUnavailable', 'init_etl', 'run_in_cluster']

@@ -36,7 +36,7 @@ from ..errors import ShardkitError, StoreError, UsageError
 from ..remote import Retries
 from ..s3 import s3_stat
 from ..shards.fields import split_key
-from ..shards.read import is_meta_member, scan_tar, tar_entries
+from ..shards.tar import is_meta_member, scan_tar, tar_entries
 from ..stores.ais import listed_version
 from .sources import shard_urls
 

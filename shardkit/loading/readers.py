@@ -22,7 +22,7 @@ from ..config import private_dir, remove_stale_temp, shardkit_home
 from ..errors import StoreError, UsageError
 from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, retried
 from ..shards.fields import split_key
-from ..shards.read import is_meta_member, tar_entries
+from ..shards.tar import is_meta_member, tar_entries
 from ..stores import HTTPStore, backend_for, open_store, open_url, parse_size, read_url_range, shown_path, url_name
 from ..stores.ais import ClusterBusy, cluster_moving, version_blame
 from .index import RandomAccessError, SampleIndex, file_lock, key_from_header
@@ -408,7 +408,7 @@ class RangeReader:
 
 # %% ../../nbs/26b_readers.ipynb
 READ_MODES = ("local", "cache", "range", "getbatch")
-DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench.random: the only mode near streaming's rate
+DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench.access: the only mode near streaming's rate
 
 def shard_cache_dir(index: SampleIndex) -> Path:
     "The shard cache folder of `index`'s source: `$SHARDKIT_HOME/cache/shards/<hash of source and endpoint>`."

@@ -49,11 +49,11 @@ from shardkit.train.step import (
 from ..command import command, write_json
 from ..config import run_tempdir
 from ..errors import DataError
-from ..loading.gpu import why_no_gpu
+from ..loading.decode import eval_transform, train_transform
+from ..loading.gpu_decode import why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import image_folder
 from ..loading.stream import worker_tmpdir_problem
-from ..loading.transforms import eval_transform, train_transform
 from ..remote import retry_bound
 from ..shards.fields import ShardError
 from ..stores import is_command, is_local, shown_path

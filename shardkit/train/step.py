@@ -15,10 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import webdataset as wds
 from ..errors import ShardkitError
+from ..loading.decode import normalize_batch
 from ..loading.sources import rank_and_world, shard_urls
-from ..loading.transforms import normalize_batch
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD, field_decoder
-from ..shards.read import url_samples
+from ..shards.tar import url_samples
 from ..stores import expand_names
 
 # %% auto 0
