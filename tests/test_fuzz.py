@@ -266,7 +266,7 @@ def test_saved_states_are_refused_naming_their_field():
 def test_train_checkpoint_without_a_field_is_refused(tmp_path):
     import torch
     from shardkit.train.loop import load_checkpoint
-    from shardkit.train.step import TrainError
+    from shardkit.train.data import TrainError
     model = torch.nn.Linear(3, 2)
     ck = dict(format=2, epoch=0, done=1, steps=1, history=[], stats=torch.zeros(3), model=model.state_dict(),
               opt=dict(state={}, param_groups=[dict(lr=0.1, params=[0, 1])]), loader=None)

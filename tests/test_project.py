@@ -243,7 +243,7 @@ def test_no_module_only_re_exports():
 
 def notebook_name_problem(notebook: str, module: str) -> str | None:
     """Why `notebook` (a file name) is not named after `module` (its `default_exp`), or None. After its number (`NN_`,
-    `NNa_`) a notebook is named by its module's dotted path (`30_train.step` for `train.step`) or last part
+    `NNa_`) a notebook is named by its module's dotted path (`30_train.data` for `train.data`) or last part
     (`03_fields` for `shards.fields`); a package's `__init__` by the package (`19_etl`), the top one's `shardkit`;
     `__main__` is `main`."""
     m = re.match(r"^\d\d[a-z]?_(.+)\.ipynb$", notebook)
@@ -258,7 +258,7 @@ def notebook_name_problem(notebook: str, module: str) -> str | None:
 def test_notebook_name_rule():
     "The rule itself, on names that keep it and names that break it."
     assert [notebook_name_problem(n, m) is None for n, m in [
-        ("30_train.step.ipynb", "train.step"), ("03_fields.ipynb", "shards.fields"), ("19_etl.ipynb", "etl.__init__"),
+        ("30_train.data.ipynb", "train.data"), ("03_fields.ipynb", "shards.fields"), ("19_etl.ipynb", "etl.__init__"),
         ("97_shardkit.ipynb", "__init__"), ("99a_main.ipynb", "__main__"), ("26_loading.index.ipynb", "loading.index"),
         ("30_train.ipynb", "train_step"), ("42_profile.ipynb", "profile.measure"), ("97_api.ipynb", "__init__"),
         ("31_bench_core.ipynb", "bench.core"), ("train.ipynb", "train.__init__")]] == [True] * 6 + [False] * 5
