@@ -14,10 +14,10 @@ __version__ = "0.1.0"
 
 # %% ../nbs/97_shardkit.ipynb
 _API = {"open_store": "stores", "write_shards": "shards.write", "verify_shards": "shards.manifest",
-        "synthesize_pets": "datasets.pets", "convert_pets": "datasets.pets", "synthesize_folder": "datasets.folder",
-        "convert_folder": "datasets.folder", "shuffle_shards": "shuffle", "run_etl": "etl",
+        "synthesize_pets": "ingest.pets", "convert_pets": "ingest.pets", "synthesize_folder": "ingest.folder",
+        "convert_folder": "ingest.folder", "shuffle_shards": "shuffle", "run_etl": "etl",
         "create_dataset": "loading.pipeline", "create_dataloader": "loading.pipeline",
-        "train_transform": "loading.transforms", "train_epochs": "train.loop", "profile_pipeline": "profile.measure",
+        "train_transform": "loading.decode", "train_epochs": "train.loop", "profile_pipeline": "profile.measure",
         "profile_report": "profile.verdicts", "ShardkitError": "errors"}  # each name and its home module
 
 def __getattr__(name: str):

@@ -19,7 +19,7 @@ from .errors import StoreError, UsageError
 from .s3 import parse_s3_url, s3_url
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
-from .shards.read import list_shards, read_samples
+from .shards.tar import list_shards, read_samples
 from .stores import AISStore, S3Store, backend_for, open_store, shown_path
 
 # %% auto 0

@@ -13,7 +13,6 @@ import math
 import multiprocessing as mp
 import os
 import random
-import re
 import socket
 import ssl
 import sys
@@ -27,12 +26,12 @@ from fastcore.basics import patch
 from .errors import LoaderError, StoreError, UsageError, command_running
 
 # %% auto 0
-__all__ = ['RETRIED_STATUS', 'REBALANCING', 'CAUSES', 'HOPELESS', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError',
-           'ObjectMissing', 'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'ClusterBusy', 'HTTPAnswer',
-           'rebalance_conflict', 'fault_cause', 'Retries', 'as_retries', 'retry_bound', 'say_line',
+__all__ = ['RETRIED_STATUS', 'BUSY', 'CAUSES', 'HOPELESS', 'SERVER_RULES', 'DEFAULT_RETRIES', 'READ_THROUGH', 'RemoteError',
+           'ObjectMissing', 'AccessDenied', 'ObjectChanged', 'RetriesExhausted', 'StoreBusy', 'ServerRules',
+           'busy_kind', 'HTTPAnswer', 'fault_cause', 'Retries', 'as_retries', 'retry_bound', 'say_line',
            'retry_after_seconds', 'fault_host', 'retried', 'http_session', 'content_version', 'answer_size',
-           'objects_moving', 'cluster_moving', 'refusal', 'refused', 'RemoteStream', 'open_remote', 'answer_ok',
-           'remote_request', 'read_range', 'remote_head', 'remote_put']
+           'not_found_busy', 'refusal', 'refused', 'RemoteStream', 'open_remote', 'answer_ok', 'remote_request',
+           'read_range', 'remote_head', 'remote_put']
 
 # %% ../nbs/01a_remote.ipynb
 class RemoteError(StoreError):
@@ -50,14 +49,47 @@ class ObjectChanged(RemoteError):
 class RetriesExhausted(RemoteError, LoaderError):
     "A read or upload kept meeting faults for longer than its bound; nothing read so far is lost."
 
-class ClusterBusy(RemoteError):
-    "AIStore refused or stopped an action because a rebalance or resilver runs: a fault, waited out like the others."
+class StoreBusy(RemoteError):
+    "The store is busy with its own work (moving objects, a node joining): a fault, waited out like the others."
+    waiting = "the store is busy"  # what the line on stderr says while a read waits it out
+    hint = ""                      # said when a read gives up: how long such a state may last
 
 RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
-REBALANCING = "cluster rebalancing"
+BUSY = "store busy"
 CAUSES = ("connection refused", "cannot connect", "connection cut", "timed out", "HTTP 404 mid-read",
-          *(f"HTTP {c}" for c in RETRIED_STATUS), REBALANCING, "name not known", "no route")
+          *(f"HTTP {c}" for c in RETRIED_STATUS), BUSY, "name not known", "no route")
 HOPELESS = {"name not known": 5.0, "no route": 5.0}  # causes that a wait rarely mends: retried this long at most (s)
+
+# %% ../nbs/01a_remote.ipynb
+class ServerRules:
+    "What one kind of server means beyond its status codes; a backend adds an instance to `SERVER_RULES`."
+    name = "the store"      # how messages name such a server
+    busy = StoreBusy        # the fault its busy states are (its words say what a read waits for)
+    def answer_cause(self, status: int, text: str) -> str | None:
+        "The cause (one of `CAUSES`) under which an answer of `status` with body `text` is a fault; None: an answer."
+    def moving(self, url: str, answered: str | None) -> bool:
+        "After a 404 for `url` (answered by `answered`, after redirects): whether the object is on its way (a fault)."
+        return False
+    def version(self, headers) -> str:
+        "The content version the server's own headers name; '' when they name none (ETag is read without it)."
+        return ""
+
+SERVER_RULES: list[ServerRules] = []  # the rules of every backend imported so far
+
+def _server_says(status: int, chain: list[BaseException]) -> tuple[str | None, ServerRules | None]:
+    "The cause a backend's rules give an answer of `status` in `chain`, and whose rules they are; (None, None)."
+    for rules in SERVER_RULES:
+        for x in chain:
+            if said := rules.answer_cause(status, _text(x)): return said, rules
+    return None, None
+
+def busy_kind(e: BaseException | None) -> type[StoreBusy]:
+    "The busy state fault `e` met (its `StoreBusy` class, whose words a waiting read says); `StoreBusy` if unknown."
+    chain = _chain(e) if e is not None else []
+    if got := next((x for x in chain if isinstance(x, StoreBusy)), None): return type(got)
+    codes = [x.status_code for x in chain if isinstance(getattr(x, "status_code", None), int)]
+    rules = _server_says(codes[0], chain)[1] if codes else None
+    return rules.busy if rules is not None else StoreBusy
 
 # %% ../nbs/01a_remote.ipynb
 class HTTPAnswer(Exception):
@@ -84,16 +116,8 @@ def _chain(e: BaseException) -> list[BaseException]:
         todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
     return [x for x in out if isinstance(x, BaseException)]
 
-_REBALANCE = re.compile(r"ErrLimitedCoexistence|\b(?:x-)?(?:rebalance|resilver)\[|"
-                        r"cannot handle bucket request: Smap v0")  # (the last: a target joining, not ready yet)
-_NODE_DOWN = re.compile(r"ErrFailedTo.*failed to call [pt]\[.*connect: connection refused", re.S)
-
-def rebalance_conflict(text: str) -> bool:
-    "Whether AIStore's answer or job error `text` says a rebalance or resilver refused or stopped the action."
-    return bool(_REBALANCE.search(text or ""))
-
 def _text(x: BaseException) -> str:
-    "The body an answer carried: ours (`text`), the AIStore SDK's (`message`), or a `requests` response's."
+    "The body an answer carried: ours (`text`), an SDK error's (`message`), or a `requests` response's."
     for t in (getattr(x, "text", None), getattr(x, "message", None)):
         if isinstance(t, str): return t
     resp = getattr(x, "response", None)
@@ -103,11 +127,10 @@ def fault_cause(e: BaseException) -> str | None:
     "The cause under which exception `e` is retried (one of `CAUSES`), or None: an answer or a bug, not a fault."
     chain = _chain(e)
     if any(isinstance(x, (ssl.SSLError, requests.exceptions.SSLError)) for x in chain): return None
-    if any(isinstance(x, ClusterBusy) for x in chain): return REBALANCING
+    if any(isinstance(x, StoreBusy) for x in chain): return BUSY
     codes = [x.status_code for x in chain if isinstance(getattr(x, "status_code", None), int)]
     if codes:
-        if codes[0] in (400, 409) and any(rebalance_conflict(_text(x)) for x in chain): return REBALANCING
-        if codes[0] == 400 and any(_NODE_DOWN.search(_text(x)) for x in chain): return "connection refused"
+        if said := _server_says(codes[0], chain)[0]: return said
         return f"HTTP {codes[0]}" if codes[0] in RETRIED_STATUS else None
     if any(isinstance(x, ConnectionRefusedError) for x in chain): return "connection refused"
     if any(isinstance(x, socket.gaierror) and x.errno in _NO_NAME for x in chain): return "name not known"
@@ -135,7 +158,7 @@ class Retries:
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         # + seconds waited, reads given up; the lock is the default context's until a spawned worker needs it
         self._table, self._lock = mp.RawArray("d", len(CAUSES) + 2), mp.Lock()
-        # [0]: until when (time.time()) a rebalance's wait needs no new line; [1]: 1 once the first fault was said
+        # [0]: until when (time.time()) a busy store's wait needs no new line; [1]: 1 once the first fault was said
         self._said = mp.RawArray("d", 2)
         self._owner = os.getpid()  # a forked worker whose parent is not this process any more reads for nobody
         self._mine = [0.0] * (len(CAUSES) + 2)  # this process's own counts (a forked worker starts from a copy)
@@ -195,12 +218,12 @@ def record(self: Retries, cause: str, seconds: float):
 def gave_up(self: Retries): self._add(len(CAUSES) + 1, 1)
 
 @patch
-def say_waiting(self: Retries, what: str, left: float) -> bool:
-    "Say on stderr that AIStore is rebalancing and `what` waits (up to `left` s): once per wait, for all workers."
+def say_waiting(self: Retries, what: str, left: float, why: str = StoreBusy.waiting) -> bool:
+    "Say on stderr that the store is busy (`why`) and `what` waits (up to `left` s): once per wait, for all workers."
     with self._lock:
         if self._said[0] > time.time(): return False
         self._said[0] = time.time() + self.wait  # the workers of one loader share it: one line, not one each
-    say_line(f"shardkit: AIStore is rebalancing; waiting (up to {_duration(left)}) to go on {what}")
+    say_line(f"shardkit: {why}; waiting (up to {_duration(left)}) to go on {what}")
     return True
 
 @patch
@@ -313,19 +336,20 @@ class _Tries:
             raise RetriesExhausted(f"gave up {self.verb} {self.name}: the process it read for (pid {self.r._owner}) "
                                    "has ended")
         said = _SAID.get(cause, "{host} answered " + cause).format(host=fault_host(error, self.url) or "the store")
+        busy = busy_kind(error) if cause == BUSY else StoreBusy
         hint = getattr(self.auth, "fault_hint", lambda: "")()
         if left <= 0:
             self.r.gave_up()
             err = RetriesExhausted(
                 f"gave up {self.verb} {self.name}: {self.attempts} attempt(s) in {now - self.since:.0f} s met faults, "
                 f"the last {cause} ({said})"
-                + (" (a rebalance can run for hours on a large cluster)" * (cause == REBALANCING))
+                + (f" ({busy.hint})" if busy.hint else "")
                 + (f"; {hint}" if hint else "")
                 + ("; check the URL and the network: a wait rarely mends this" if cause in HOPELESS else
                    ". Nothing read so far is lost: when the store answers again, " + _go_on(self.r.wait)))
             err.wait = self.r.wait  # how long it tried: a shared cache tells its other readers not to try again as long
             raise err from None
-        if cause == REBALANCING: self.r.say_waiting(f"{self.verb} {self.name}", left)
+        if cause == BUSY: self.r.say_waiting(f"{self.verb} {self.name}", left, busy.waiting)
         else: self.r.say_first(f"shardkit: {said}, {self.verb} {self.name}: retrying for up to {_duration(left)}"
                                + (f"; {hint}" if hint else ""))
         pause = min(self.r.delay(self.attempts, retry_after), left)
@@ -372,9 +396,9 @@ def http_session() -> requests.Session:
     return s
 
 def content_version(headers) -> str:
-    "The content version an HTTP answer names: AIStore's `checksum/version`, else its `ETag`, else `Last-Modified`."
-    cs, v = headers.get("Ais-Checksum-Value", ""), headers.get("Ais-Version", "")
-    if cs or v: return f"{cs}/{v}"
+    "The content version an HTTP answer names: its server's own (`ServerRules.version`), else `ETag`, `Last-Modified`."
+    for rules in SERVER_RULES:
+        if v := rules.version(headers): return v
     return headers.get("ETag") or headers.get("Last-Modified") or ""
 
 def answer_size(r) -> int | None:
@@ -385,32 +409,14 @@ def answer_size(r) -> int | None:
     n = r.headers.get("Content-Length", "")
     return int(n) if n.isascii() and n.isdigit() and r.status_code == 200 else None
 
-def objects_moving(url: str,                   # The object's URL on an AIStore proxy (`.../v1/objects/...`)
-                   answered: str | None = None,  # The URL that answered 404 (a target's, after the redirect)
-                  ) -> bool:
-    """Whether the AIStore cluster behind object `url` moves objects now: a rebalance or resilver runs, it cannot ask
-    all its nodes, or the target that answered knows an older cluster map than the proxy (it has just joined, and
-    does not know yet where objects are). Asked after a 404: such a 404 is a fault."""
-    u = urllib.parse.urlsplit(url)
-    if not u.path.startswith("/v1/objects/"): return False
-    proxy = f"{u.scheme}://{u.netloc}"
-    if cluster_moving(proxy): return True
-    if not answered or (a := urllib.parse.urlsplit(answered)).netloc == u.netloc: return False
-    behind, ahead = _map_version(f"{a.scheme}://{a.netloc}"), _map_version(proxy)
-    return None not in (behind, ahead) and behind < ahead
-
-def cluster_moving(endpoint: str) -> bool:
-    "Whether AIStore at `endpoint` moves objects now: a rebalance or resilver runs, or it cannot ask all its nodes."
-    try: r = http_session().get(f"{endpoint}/v1/cluster", params={"what": "running_all"}, json={"active": True},
-                                timeout=5)
-    except requests.RequestException: return False  # no cluster there now: nothing says objects are on their way
-    if r.status_code == 200: return rebalance_conflict(r.text)
-    return r.status_code >= 500 or "failed to call" in r.text  # a node that does not answer (yet): one joins or leaves
-
-def _map_version(node: str) -> int | None:
-    "The version of the cluster map AIStore node `node` (its base URL) knows, or None if it does not say."
-    try: return int(http_session().get(f"{node}/v1/daemon", params={"what": "smap"}, timeout=5).json()["version"])
-    except (requests.RequestException, ValueError, KeyError, TypeError): return None
+def not_found_busy(url: str,                 # The URL asked for
+                   answered: str | None = None, # The URL that answered 404 (after redirects)
+                   name: str | None = None,     # For the message (default: `url`)
+                  ) -> StoreBusy | None:
+    "After a 404: the fault to wait out when a server's rules say the object is on its way (`ServerRules.moving`)."
+    for rules in SERVER_RULES:
+        if rules.moving(url, answered): return rules.busy(f"{name or url}: HTTP 404 while {rules.name} moves objects")
+    return None
 
 def refusal(name: str, code: int, text: str = "", verb: str = "read") -> RemoteError:
     "The error for an answer that is not retried: 404 a missing object, 401/403 no permission, any other as it is."
@@ -430,10 +436,10 @@ def refused(auth, name: str, code: int, text: str = "", verb: str = "read") -> R
 # %% ../nbs/01a_remote.ipynb
 class RemoteStream(io.RawIOBase):
     "The body of a GET of `url`, read through faults: a cut or stalled read resumes from the byte reached."
-    def __init__(self, url: str,                    # An http(s) URL (a redirect, as AIStore's, is followed)
+    def __init__(self, url: str,                    # An http(s) URL (a redirect is followed)
                  *,
                  retries: Retries | None = None,    # Settings and counts (None: DEFAULT_RETRIES)
-                 name: str | None = None,           # For messages, e.g. "shard ais://b/x.tar"; default the URL
+                 name: str | None = None,           # For messages, e.g. "shard s3://b/x.tar"; default the URL
                  version: str = "",                 # The content version it must have (from an index), if known
                  size: int | None = None,           # Its size in bytes, if known
                  auth=None,                         # Signs each request (a `requests` auth: an S3 store's), if needed
@@ -470,7 +476,7 @@ def _request(self: RemoteStream):
         text, after = r.text[:300] if r.status_code >= 400 else "", retry_after_seconds(r.headers.get("Retry-After"))
         r.close()
         answer = HTTPAnswer(r.status_code, after, text)
-        answer.url = r.url  # who answered (AIStore: the target the proxy sent it to)
+        answer.url = r.url  # who answered (after a redirect: the node the first server sent it to)
         raise answer
     version, size = content_version(r.headers), answer_size(r)
     changed = [(what, a, b) for what, a, b in (("version", self.version, version), ("size", self.size, size))
@@ -501,9 +507,10 @@ def _open(self: RemoteStream):
         except Exception as e:
             cause = fault_cause(e)
             if isinstance(e, HTTPAnswer) and e.status_code == 404 and self.pos:
-                cause = "HTTP 404 mid-read"  # it was there a moment ago: an AIStore target holding it may be down
-            elif isinstance(e, HTTPAnswer) and e.status_code == 404:  # a target that just joined answers 404 until
-                if objects_moving(self.url, getattr(e, "url", None)): cause = REBALANCING  # it knows where objects are
+                cause = "HTTP 404 mid-read"  # it was there a moment ago: a node holding it may be down
+            elif isinstance(e, HTTPAnswer) and e.status_code == 404:  # a node that just joined may answer 404 until
+                if busy := not_found_busy(self.url, getattr(e, "url", None), self.name):  # it knows where objects are
+                    cause, e = BUSY, busy
             if cause is None:
                 if isinstance(e, HTTPAnswer): raise refused(self.auth, self.name, e.status_code, e.text) from None
                 if isinstance(e, RemoteError): raise
@@ -563,23 +570,23 @@ def _catch_up(self: RemoteStream):
 # %% ../nbs/01a_remote.ipynb
 def answer_ok(r: requests.Response, name: str, verb: str = "read", ok: tuple = (200,), auth=None
              ) -> requests.Response:
-    "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx or a rebalance; else refused."
+    "`r` if its status is in `ok`; a fault (`HTTPAnswer`, retried) for HTTP 408/429/5xx or a busy store; else refused."
     if r.status_code in ok: return r
     answer = HTTPAnswer(r.status_code, retry_after_seconds(r.headers.get("Retry-After")), r.text[:500])
     answer.url = r.url  # who answered
     if fault_cause(answer): raise answer
-    if r.status_code == 404 and objects_moving((r.history[0] if r.history else r).url, r.url):
-        raise ClusterBusy(f"{name}: HTTP 404 while AIStore moves objects")
+    if r.status_code == 404 and (busy := not_found_busy((r.history[0] if r.history else r).url, r.url, name)):
+        raise busy
     raise refused(auth, name, r.status_code, r.text[:300], verb=verb)
 
 def remote_request(method: str,                     # "GET", "POST", "PUT", ...
                    url: str,                        # The whole URL
-                   name: str | None = None,         # What it asks for, for messages ("index-shard on ais://b")
+                   name: str | None = None,         # What it asks for, for messages ("an action on bucket b")
                    retries: Retries | None = None,  # Settings and counts (None: DEFAULT_RETRIES)
                    ok: tuple = (200,),              # The statuses that are the answer asked for
                    **kw,                            # For `requests`: params=, json=, data=, headers=
                   ) -> requests.Response:
-    "One request (an AIStore action or query) sent again, whole, after each fault or rebalance; the answer, or raises."
+    "One request (a server's action or query) sent again, whole, after each fault or busy state; the answer, or raises."
     name, retries = name or f"{method} {url}", as_retries(retries)
     call = lambda: answer_ok(http_session().request(method, url, timeout=retries.timeout, **kw), name, "call", ok)
     return retried(call, name, retries, "calling", url=url)

@@ -17,12 +17,13 @@ import numpy as np
 from tqdm.auto import tqdm
 from .command import command
 from .errors import StoreError, UsageError
-from .remote import ClusterBusy, rebalance_conflict, retried
+from .remote import retried
 from .shards.fields import ShardError, split_key
 from .shards.manifest import read_manifest, resume_point, save_manifest, sha256_file
-from .shards.read import tar_entries, unsafe_name
+from .shards.tar import tar_entries, unsafe_name
 from .shards.write import staging_dir
 from .stores import AISStore, LocalStore, open_store, parse_size, shown_path
+from .stores.ais import ClusterBusy, rebalance_conflict
 
 # %% auto 0
 __all__ = ['Shuffled', 'brace_template', 'dsort_framework', 'wait_dsort', 'shuffle_shards', 'shuffle_cli']

@@ -19,7 +19,7 @@ OUT = ROOT / "tests" / "_out"  # screenshots and figures the tests write (git-ig
 
 def free_base_port(start=28080, step=10, nodes=4):
     "A base port P such that P+i, P+1000+i and P+2000+i are free for `nodes` nodes."
-    from shardkit.apps.cluster import free_base_port
+    from shardkit.stores.ais_cluster import free_base_port
     return free_base_port(start, start + 2000, nodes, step)
 
 
@@ -74,9 +74,9 @@ def pytest_collection_finish(session):
     instead of holding up the first AIStore test. Serial runs only (under xdist each worker would build)."""
     needs_cluster = any({"ais_cluster", "changing_cluster"} & set(getattr(i, "fixturenames", ())) for i in session.items)
     if hasattr(session.config, "workerinput") or not needs_cluster: return
-    from shardkit.apps.cluster import aisnode_path
+    from shardkit.stores.ais_cluster import aisnode_path
     if aisnode_path().exists(): return
-    code = "from shardkit.apps.cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds
+    code = "from shardkit.stores.ais_cluster import build_aisnode; build_aisnode(quiet=True)"  # a failure shows when ais_up builds
     _BUILD["proc"] = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: os.nice(19))
 
@@ -112,7 +112,7 @@ def _start_cluster(tmp_path_factory, name: str) -> dict:
     random (two sessions on one machine rarely race for the same ports). Skips with a how-to when it cannot start,
     unless SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure."""
     import random
-    from shardkit.apps.cluster import ais_up, ais_down
+    from shardkit.stores.ais_cluster import ais_up, ais_down
     _wait_for_aisnode_build()
     root, port = tmp_path_factory.mktemp(name), free_base_port(start=28080 + 10 * random.randrange(60))
     try:
@@ -132,7 +132,7 @@ def _start_cluster(tmp_path_factory, name: str) -> dict:
 def _stop_cluster(cluster: dict, request, timeout: float = 30):
     """Stop it (nodes still running after `timeout` s are killed); when a test of the session failed, keep the
     nodes' logs in tests/_out/ais-logs-PID first."""
-    from shardkit.apps.cluster import ais_down
+    from shardkit.stores.ais_cluster import ais_down
     if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(cluster['root'])}")
     ais_down(cluster["root"], timeout=timeout, wipe=True, quiet=True)
 
@@ -241,7 +241,7 @@ def write_pet_shards(folder: Path, n_shards: int = 6, per_shard: int = 5, *, siz
     "Pet-like shards `pets-00000.tar`, ...: `per_shard` samples of a synthetic image (`size`), a class and (with `trimap`) a trimap."
     import numpy as np
     import webdataset as wds
-    from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+    from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []

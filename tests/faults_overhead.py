@@ -68,7 +68,7 @@ def main():
     p.add_argument("--epochs", type=int, default=2, help="timed epochs per run (the best one counts)")
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
-    from shardkit.apps.cluster import ais_down, ais_up
+    from shardkit.stores.ais_cluster import ais_down, ais_up
     from shardkit.stores import upload_shards
     with tempfile.TemporaryDirectory(prefix="sk-overhead-") as tmp:
         tmp = Path(tmp)

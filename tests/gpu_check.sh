@@ -3,7 +3,7 @@
 # network). From the checkout's root, with webdataset, braceexpand, fastcore and wids as wheels in .whl/:
 #     bash tests/gpu_check.sh                      # on the GPU machine: under 8 minutes
 #     GPU_CHECK_DEVICE=cpu bash tests/gpu_check.sh # a dry run of the same steps with tiny sizes on a CPU
-# It writes 4,000 photo-like 500 x 375 JPEGs into shards (shardkit.datasets.synth), runs every CUDA test, then
+# It writes 4,000 photo-like 500 x 375 JPEGs into shards (shardkit.ingest.synth), runs every CUDA test, then
 # `shardkit bench gpu --step resnet50` with 4 and with 15 workers, and prints a summary. $OUT (if set) receives
 # pytest.txt, bench-w4.json, bench-w15.json and summary.txt. A shorter run: GPU_CHECK_N (images), GPU_CHECK_SAMPLES
 # (per timed row), GPU_CHECK_WORKERS ("4 15"), GPU_CHECK_TESTS (pytest's arguments).
@@ -44,7 +44,7 @@ from multiprocessing import Pool
 from pathlib import Path
 import numpy as np
 from shardkit.shards.write import write_shards
-from shardkit.datasets.synth import draw_animal, jpeg_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes
 dest, n, w, h = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def sample(i):
     cls = i % 37

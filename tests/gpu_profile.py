@@ -21,7 +21,7 @@ import torch
 from shardkit.bench.gpu import make_step
 from shardkit import create_dataloader, create_dataset
 from shardkit.loading.pipeline import create_dataloader, create_dataset
-from shardkit.loading.transforms import train_transform
+from shardkit.loading.decode import train_transform
 
 warnings.filterwarnings("ignore")
 

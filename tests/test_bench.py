@@ -4,7 +4,7 @@ import importlib.util
 import numpy as np
 import pytest
 import webdataset as wds
-from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
 from conftest import main_cli
 
 

@@ -51,7 +51,7 @@ def test_help_reads_well():
 
 
 def test_a_planted_aisnode_in_a_folder_others_can_write_is_refused_not_run(tmp_path, monkeypatch):
-    from shardkit.apps.cluster import ClusterError, aisnode_path, build_aisnode
+    from shardkit.stores.ais_cluster import ClusterError, aisnode_path, build_aisnode
     home, marker = tmp_path / "home", tmp_path / "ran"
     monkeypatch.setenv("SHARDKIT_HOME", str(home))
     planted = aisnode_path()

@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("distributed")
-pytestmark = pytest.mark.slow  # each test starts Dask workers that import torch: the fast tier has 18_etl.dask's light run
-from shardkit.etl.dask import SchedulerUnreachable, local_cluster, run_etl_dask
-from shardkit.etl.manifest import MANIFEST, read_etl_manifest
-from shardkit.etl.transforms import imagenet_train_uint8
+pytestmark = pytest.mark.slow  # each test starts Dask workers that import torch: the fast tier has 18_etl.dask_engine's light run
+from shardkit.etl.dask_engine import SchedulerUnreachable, local_cluster, run_etl_dask
+from shardkit.etl.receipt import MANIFEST, read_etl_manifest
+from shardkit.etl.recipes import imagenet_train_uint8
 from shardkit.etl import run_etl
-from shardkit.datasets.folder import convert_folder, synthesize_folder
-from shardkit.shards.read import list_shards
+from shardkit.ingest.folder import convert_folder, synthesize_folder
+from shardkit.shards.tar import list_shards
 from shardkit.errors import ShardkitError
 from shardkit.stores import open_store
 
-FN = "shardkit.etl.transforms:imagenet_train_uint8"
+FN = "shardkit.etl.recipes:imagenet_train_uint8"
 NAMES = [f"imagenet-train-00000{i}.tar" for i in range(3)]
 
 

@@ -11,15 +11,15 @@ import webdataset as wds
 from PIL import Image
 from shardkit.display import (class_name, display_loader_images, display_shard_images, shard_listing, show_image_tensor,
                               to_hwc, trimap_overlay, view_data)
-from shardkit.datasets.pets import CLASS_NAMES
+from shardkit.ingest.pets import CLASS_NAMES
 from shardkit.stores import shown_path
 from shardkit.shards.fields import IMAGENET_MEAN, IMAGENET_STD
-from shardkit.shards.read import count_samples, list_shards, read_samples
+from shardkit.shards.tar import count_samples, list_shards, read_samples
 from shardkit.shards.write import write_shards
 from shardkit.errors import StoreError, UsageError
 from shardkit.stores import open_store
 from conftest import main_cli
-from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
 
 
 def iter_samples(f):

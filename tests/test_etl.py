@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import requests
 import webdataset as wds
-from shardkit.etl.core import ShardTransform, SampleError, etl_stage
-from shardkit.etl.server import etl_unavailable, init_etl
-from shardkit.etl.transforms import imagenet_val_npy, imagenet_train_npy
+from shardkit.etl.shard_transform import ShardTransform, SampleError, etl_stage
+from shardkit.etl.server import init_etl
+from shardkit.stores.ais import etl_unavailable
+from shardkit.etl.recipes import imagenet_val_npy, imagenet_train_npy
 from shardkit.etl import run_etl
 from shardkit.shards.fields import ShardError
-from shardkit.shards.read import read_samples
+from shardkit.shards.tar import read_samples
 from shardkit.etl.sidecar import Sidecar, sidecar_server
-from shardkit.datasets.folder import convert_folder, synthesize_folder
+from shardkit.ingest.folder import convert_folder, synthesize_folder
 from shardkit.stores import open_store
 from shardkit.apps.cli import main
 
@@ -43,7 +44,7 @@ def transforms_module(tmp_path_factory):
     "A user's module of sample functions, importable as MODULE:FUNC by the CLI (cwd on sys.path)."
     d = tmp_path_factory.mktemp("userfns")
     (d / "userfns.py").write_text(
-        "from shardkit.etl.transforms import imagenet_val_npy\n"
+        "from shardkit.etl.recipes import imagenet_val_npy\n"
         "def picky(sample):\n"
         "    if sample['__key__'].endswith(('1', '5')): raise ValueError('unlucky key')\n"
         "    return imagenet_val_npy(sample)\n")
@@ -87,7 +88,7 @@ def test_four_ways_identical_for_val_transform(src, tmp_path, capsys):
     same_samples(one, two)
     # way 4: `shardkit etl serve` in another process, read by plain WebDataset over HTTP
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shardkit.apps.cli", "etl", "serve", "shardkit.etl.transforms:imagenet_val_npy",
+    proc = subprocess.Popen([sys.executable, "-m", "shardkit.apps.cli", "etl", "serve", "shardkit.etl.recipes:imagenet_val_npy",
                              "--source", str(src.root), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
@@ -97,7 +98,7 @@ def test_four_ways_identical_for_val_transform(src, tmp_path, capsys):
         proc.terminate(); proc.wait(10)
     same_samples(one, four)
     # way 5: `shardkit etl run` with two worker processes
-    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, tmp_path / "out", "--processes", 2)
+    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.recipes:imagenet_val_npy", src.root, tmp_path / "out", "--processes", 2)
     assert rc == 0 and "3 of 3 shards written" in out and "12 in, 12 out, 0 skipped" in out, out
     five = {}
     for n in src.list("*.tar"): five.update(decoded((tmp_path / "out" / n).read_bytes()))
@@ -145,7 +146,7 @@ def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
     bad = open_store(tmp_path / "bad", create=True)
     for n in src.list("*.tar"): bad.put_file(src.path(n), n)
     bad.put_bytes(data[:5000], "imagenet-train-000001.tar")
-    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", bad.root, tmp_path / "out", "--processes", 1)
+    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.recipes:imagenet_val_npy", bad.root, tmp_path / "out", "--processes", 1)
     assert rc == 1 and "FAILED imagenet-train-000001.tar: shard imagenet-train-000001.tar is not a readable tar" in out, out
     assert sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["imagenet-train-000000.tar", "imagenet-train-000002.tar"]
     # through the sidecar: HTTP 422 (not a 500 that curl would retry for a minute) with the reason
@@ -160,7 +161,7 @@ def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
 
 @pytest.mark.timed
 def test_sidecar_stopped_mid_epoch_fails_fast(src):
-    sc = Sidecar("shardkit.etl.transforms:imagenet_val_npy", src).start()
+    sc = Sidecar("shardkit.etl.recipes:imagenet_val_npy", src).start()
     urls = src.urls(src.list("*.tar"), etl=sc)
     seen, t0 = 0, None
     with pytest.raises(Exception) as err:
@@ -177,7 +178,7 @@ def test_sidecar_stopped_mid_epoch_fails_fast(src):
 def test_stalled_sidecar_times_out_instead_of_hanging(src):
     "A sidecar that stops answering (SIGSTOP: connections still open) fails the loader after stall_timeout seconds."
     import signal
-    sc = Sidecar("shardkit.etl.transforms:imagenet_val_npy", src, stall_timeout=3).start()
+    sc = Sidecar("shardkit.etl.recipes:imagenet_val_npy", src, stall_timeout=3).start()
     try:
         # warm up: the first transform imports torchvision (~3 s on a busy machine), as long as the stall timeout
         requests.get(sc.http_url(src, src.list("*.tar")[0]), timeout=60).raise_for_status()
@@ -325,7 +326,7 @@ def test_offline_between_buckets_falls_back_to_local_workers(src, ais_endpoint, 
     a, b = open_store("ais://shardkit-test-etl-src", create=True), open_store("ais://shardkit-test-etl-dest", create=True)
     try:
         a.put_file(src.path("imagenet-train-000000.tar"), "imagenet-train-000000.tar")
-        rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", "ais://shardkit-test-etl-src",
+        rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.recipes:imagenet_val_npy", "ais://shardkit-test-etl-src",
                            "ais://shardkit-test-etl-dest", "--processes", 1)
         assert rc == 0, out
         assert out.splitlines()[0] == etl_unavailable(ais_endpoint)  # says why the cluster did not run it
@@ -340,13 +341,13 @@ def test_offline_between_buckets_falls_back_to_local_workers(src, ais_endpoint, 
 def test_cli_bad_input(src, capsys, tmp_path):
     rc, out = shardkit(capsys, "etl", "serve", "nomodule_xyz:fn", "--source", src.root)
     assert rc == 2 and "cannot import 'nomodule_xyz'" in out, out
-    rc, out = shardkit(capsys, "etl", "serve", "shardkit.etl.transforms:imagenet_val_npy", "--source", tmp_path / "missing")
+    rc, out = shardkit(capsys, "etl", "serve", "shardkit.etl.recipes:imagenet_val_npy", "--source", tmp_path / "missing")
     assert rc == 1 and "does not exist" in out, out  # a data error: 1
-    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, src.root)
+    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.recipes:imagenet_val_npy", src.root, src.root)
     assert rc == 2 and "same store" in out, out
     rc, out = shardkit(capsys, "etl", "run", "not-a-function-spec", src.root, tmp_path / "o")
     assert rc == 2 and "expected MODULE:FUNCTION" in out, out
-    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.transforms:imagenet_val_npy", src.root, tmp_path / "o", "--pattern", "nothing-*.tar")
+    rc, out = shardkit(capsys, "etl", "run", "shardkit.etl.recipes:imagenet_val_npy", src.root, tmp_path / "o", "--pattern", "nothing-*.tar")
     assert rc == 2 and "no shards matching 'nothing-*.tar'" in out, out
 
 

@@ -47,7 +47,7 @@ def late_target(endpoint: str, bucket: str, keys: list[str]) -> str:
 
 def kill_and_restart(root: Path, name: str, after: float = 3.0) -> threading.Thread:
     "SIGKILL node `name` of the cluster under `root` now, start it again (same command) `after` s later, in a thread."
-    from shardkit.apps.cluster import cluster_ready
+    from shardkit.stores.ais_cluster import cluster_ready
     st = _nodes(root)
     node = next(n for n in st["nodes"] if n["name"] == name)
     os.kill(node["pid"], signal.SIGKILL)
@@ -97,7 +97,7 @@ def test_dsort_through_a_starting_rebalance(cluster, tmp_path, capfd, monkeypatc
     the one it starts begins at once.)"""
     import io, tarfile
     from shardkit import shuffle
-    from shardkit.apps.cluster import start_rebalance
+    from shardkit.stores.ais_cluster import start_rebalance
     from shardkit.stores import upload_shards
     from shardkit.stores import open_store
     rng, folder = np.random.default_rng(2), tmp_path / "big"
@@ -179,7 +179,7 @@ def _index_while_rebalancing(endpoint: str, name: str, src: Path, capfd, loaders
     """While a rebalance runs: epochs by GetBatch and through the shard cache are exact (`loaders`, made before it
     began: a listing waits for it); the shard index is built (AIStore refuses `index-shard` with HTTP 409 until the
     rebalance ends: asked again, the wait said once, no version blamed); then GetBatch reads with it."""
-    from shardkit.apps.cluster import rebalancing
+    from shardkit.stores.ais_cluster import rebalancing
     from shardkit.loading.readers import build_shard_index
     local = keys_of(random_loader(str(src), "local", workers=0))  # the global order; the cache's windows of 2 shards:
     windows = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))
@@ -193,7 +193,7 @@ def _index_while_rebalancing(endpoint: str, name: str, src: Path, capfd, loaders
     waited, err = time.monotonic() - t0, capfd.readouterr().err
     said = [line for line in err.splitlines() if "AIStore is rebalancing; waiting (up to 3 min)" in line]
     assert len(said) == 1 and "index-shard" in said[0], err
-    assert "5.0" not in err and retries.counts().get("cluster rebalancing"), (err, retries.counts())
+    assert "5.0" not in err and retries.counts().get("store busy"), (err, retries.counts())
     assert keys_of(random_loader(f"ais://{name}", "getbatch")) == local
     return f"GetBatch and cache epochs exact during {during}; index-shard waited {waited:.0f} s, said once"
 
@@ -212,7 +212,7 @@ def _epochs_through(change, loaders: dict, endpoint: str, meanwhile) -> tuple[di
     `change()` after each has yielded its first batch; after 4 more, `meanwhile()` runs (another job on the cluster
     while it rebalances), both wait until the rebalance is over, then end. The keys of each epoch, the seconds the
     rebalance ran, and what `meanwhile` said."""
-    from shardkit.apps.cluster import await_rebalance
+    from shardkit.stores.ais_cluster import await_rebalance
     its, keys, t_reb, said = {k: iter(v) for k, v in loaders.items()}, {k: [] for k in loaders}, 0.0, ""
     for step in range(10_000):
         for k in list(its):
@@ -229,7 +229,7 @@ def _epochs_through(change, loaders: dict, endpoint: str, meanwhile) -> tuple[di
 
 def _await_rebalance_start(endpoint: str, timeout: float = 30) -> list[str]:
     "Wait until a rebalance runs on the cluster (at most `timeout` s); the jobs running, [] if none started."
-    from shardkit.apps.cluster import rebalancing
+    from shardkit.stores.ais_cluster import rebalancing
     deadline = time.monotonic() + timeout
     while not (running := rebalancing(endpoint)) and time.monotonic() < deadline: time.sleep(0.2)
     return running or []
@@ -237,7 +237,7 @@ def _await_rebalance_start(endpoint: str, timeout: float = 30) -> list[str]:
 
 def _notebook_while_rebalancing(nb: str, endpoint: str):
     "Run notebook `nb` (every cell, test-sized) on the cluster while it rebalances; a line on how it went."
-    from shardkit.apps.cluster import rebalancing
+    from shardkit.stores.ais_cluster import rebalancing
     from test_notebooks import NBS_DIR, run_notebook
     during, t0 = rebalancing(endpoint), time.monotonic()
     assert during, f"the rebalance was over before {nb} started"
@@ -251,10 +251,10 @@ def test_targets_leave_and_join_mid_epoch(cluster, bucket, capfd):
     for `ais://`: the shard cache) read side by side. Each change starts a rebalance (about 40 s here); both epochs
     wait half-way until it is over (the target has left, or holds its objects), so each reads before, during and
     after the change. Both epochs are exactly a clean epoch's samples, in its order, with no error. While each
-    rebalance runs, a random-access job runs beside them: the 27_random notebook, the 36_bench_random notebook (their
+    rebalance runs, a random-access job runs beside them: the 27_random_access notebook, the 36_bench_random notebook (their
     full runs: the session's cluster never rebalances), the shard index. The test runs last on this cluster: it
     leaves it with other targets."""
-    from shardkit.apps.cluster import ais_decommission, ais_join, ais_maintenance, ais_status
+    from shardkit.stores.ais_cluster import ais_decommission, ais_join, ais_maintenance, ais_status
     name, src = bucket
     root, endpoint, joined = cluster["root"], cluster["endpoint"], []
     clean = dict(streaming=stream_keys([str(src / n) for n in NAMES]),
@@ -262,9 +262,9 @@ def test_targets_leave_and_join_mid_epoch(cluster, bucket, capfd):
     later = dict(getbatch=random_loader(f"ais://{name}", "getbatch"),  # read during the last change's rebalance
                  cache=random_loader(f"ais://{name}", "cache", shard_cache=2))
     changes = [("target2 into maintenance", lambda: ais_maintenance("target2", root),
-                lambda: _notebook_while_rebalancing("27_random.ipynb", endpoint)),
+                lambda: _notebook_while_rebalancing("27_random_access.ipynb", endpoint)),
                ("a target joins", lambda: joined.append(ais_join(root)),
-                lambda: _notebook_while_rebalancing("36_bench.random.ipynb", endpoint)),
+                lambda: _notebook_while_rebalancing("36_bench.access.ipynb", endpoint)),
                ("target1 decommissioned", lambda: ais_decommission("target1", root),
                 lambda: _index_while_rebalancing(endpoint, name, src, capfd, loaders=later))]
     rows = []

@@ -63,7 +63,7 @@ def tar_member(name: bytes, body: bytes, kind: bytes = b"0", size: int | None = 
 
 def test_pax_record_of_length_zero_is_refused_not_looped():
     from shardkit.shards.fields import ShardError
-    from shardkit.shards.read import tar_members
+    from shardkit.shards.tar import tar_members
     tar = tar_member(b"PaxHeader", b"0 path=a.txt\n", b"x") + tar_member(b"x.txt", b"hello") + b"\0" * 1024
     t0 = time.monotonic()
     with pytest.raises(ShardError, match="broken pax header"): list(tar_members(io.BytesIO(tar)))
@@ -85,7 +85,7 @@ def test_split_key_is_webdatasets_rule_in_linear_time():
 def test_a_header_claiming_gigabytes_is_not_allocated():
     import tracemalloc
     from shardkit.shards.fields import ShardError
-    from shardkit.shards.read import tar_members
+    from shardkit.shards.tar import tar_members
     tar = tar_member(b"a.jpg", b"x" * 100, size=8 << 30)  # 8 GB claimed, 100 bytes there
     tracemalloc.start()
     with pytest.raises(ShardError, match="ends inside a member"): list(tar_members(io.BytesIO(tar)))
@@ -97,7 +97,7 @@ def test_a_header_claiming_gigabytes_is_not_allocated():
 def test_a_negative_size_is_refused_not_sought_back():
     "int(text, 8) takes a sign: a size of -512 sent the header scan back to the same header, for ever."
     from shardkit.shards.fields import ShardError
-    from shardkit.shards.read import tar_entries
+    from shardkit.shards.tar import tar_entries
     h = bytearray(tar_member(b"a.jpg", b"")); h[124:136] = b"-0001000\0   "
     h[148:156] = b" " * 8; h[148:156] = b"%06o\0 " % sum(h[:512])
     for data in (True, False):
@@ -109,7 +109,7 @@ def test_a_negative_size_is_refused_not_sought_back():
 def test_etl_skips_a_sample_with_a_field_of_no_name():
     "A member named `000.` is a field with no name: the writer cannot write it (IndexError, HTTP 500 before)."
     import warnings
-    from shardkit.etl.core import ShardTransform
+    from shardkit.etl.shard_transform import ShardTransform
     tar = tar_member(b"000.", b"x") + tar_member(b"001.cls", b"1") + b"\0" * 1024
     t = ShardTransform(lambda s: s, None, "skip", None)
     with warnings.catch_warnings(): warnings.simplefilter("ignore"); out = t(tar, "s.tar")
@@ -119,14 +119,14 @@ def test_etl_skips_a_sample_with_a_field_of_no_name():
 def test_an_empty_long_name_is_an_empty_name():
     "An empty GNU long name names the next member '' (as tarfile reads it), refused; not the header's own name."
     from shardkit.shards.fields import ShardError
-    from shardkit.shards.read import tar_members
+    from shardkit.shards.tar import tar_members
     tar = tar_member(b"././@LongLink", b"\0", b"L") + tar_member(b"a.txt", b"t") + b"\0" * 1024
     with pytest.raises(ShardError, match="empty name"): list(tar_members(io.BytesIO(tar)))
 
 
 def test_a_long_name_is_read_to_its_size_not_into_its_padding():
     "A GNU long name of 5 bytes whose block goes on with letters: the name is the 5 bytes (tarfile reads on to a NUL)."
-    from shardkit.shards.read import tar_members
+    from shardkit.shards.tar import tar_members
     from tests.fuzz.targets import padded_long_names
     tar = tar_member(b"././@LongLink", b"a.cls", b"L") + tar_member(b"x", b"1") + b"\0" * 1024
     tar = tar[:512 + 5] + b"txt" + tar[512 + 8:]  # the long name's padding holds "txt"
@@ -136,7 +136,7 @@ def test_a_long_name_is_read_to_its_size_not_into_its_padding():
 
 def test_an_old_style_directory_is_no_member():
     "A member of type '\\0' (old tars' regular file) whose name ends in '/' is a directory, as tarfile reads it."
-    from shardkit.shards.read import tar_members
+    from shardkit.shards.tar import tar_members
     tar = tar_member(b"dir/", b"", kind=b"\0") + tar_member(b"dir/k.txt", b"t") + b"\0" * 1024
     assert [m["fname"] for m in tar_members(io.BytesIO(tar))] == ["dir/k.txt"]
 
@@ -172,7 +172,7 @@ def test_unsound_manifest_is_refused(tmp_path):
 
 def test_unsound_etl_manifest_is_refused_naming_its_field(tmp_path):
     from shardkit.errors import StoreError
-    from shardkit.etl.manifest import MANIFEST, done_shards, read_etl_manifest
+    from shardkit.etl.receipt import MANIFEST, done_shards, read_etl_manifest
     from shardkit.stores import open_store
     from tests.fuzz.targets import ETL_SETTINGS
     shard = dict(name="part-000.tar", samples=3, bytes=4, sha256="0" * 64)
@@ -202,7 +202,7 @@ def test_unsound_etl_manifest_is_refused_naming_its_field(tmp_path):
 
 def test_a_local_store_refuses_names_no_file_can_have(tmp_path):
     from shardkit.errors import StoreError
-    from shardkit.etl.manifest import done_shards, read_etl_manifest
+    from shardkit.etl.receipt import done_shards, read_etl_manifest
     from shardkit.stores import open_store
     from tests.fuzz.core import CORPUS
     from tests.fuzz.targets import ETL_SETTINGS
@@ -266,7 +266,7 @@ def test_saved_states_are_refused_naming_their_field():
 def test_train_checkpoint_without_a_field_is_refused(tmp_path):
     import torch
     from shardkit.train.loop import load_checkpoint
-    from shardkit.train.step import TrainError
+    from shardkit.train.data import TrainError
     model = torch.nn.Linear(3, 2)
     ck = dict(format=2, epoch=0, done=1, steps=1, history=[], stats=torch.zeros(3), model=model.state_dict(),
               opt=dict(state={}, param_groups=[dict(lr=0.1, params=[0, 1])]), loader=None)
@@ -290,7 +290,7 @@ def test_sidecar_source_route_refuses_names_no_file_can_have(tmp_path):
 
 def test_tarfile_agrees_on_the_corpus():
     "The differential check holds on every seed both readers accept (tar seeds carry a mode byte first)."
-    from shardkit.shards.read import tar_members
+    from shardkit.shards.tar import tar_members
     from tests.fuzz.targets import tarfile_files
     agreed = 0
     for p in corpus_files("tar"):

@@ -8,13 +8,13 @@ import torch
 import webdataset as wds
 from shardkit.apps.cli import main as cli_main
 from shardkit.errors import LoaderError
-from shardkit.loading.gpu import (GpuLoader, augment_batch, crop_batch, decode_batch, draw_crop,
+from shardkit.loading.gpu_decode import (GpuLoader, augment_batch, crop_batch, decode_batch, draw_crop,
                                   jpeg_sample, pack_jpegs, why_no_gpu)
 from shardkit.bench.gpu import bench_gpu_decode
 from shardkit.loading.sources import seed_for
 from shardkit.loading.stream import ShardLoader
 from shardkit import create_dataloader, create_dataset, train_transform
-from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
 
 N_SHARDS, PER_SHARD = 6, 5
 ALL = sorted(f"s{s}_{i}" for s in range(N_SHARDS) for i in range(PER_SHARD))

@@ -18,7 +18,7 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from shardkit.loading.jpeg import CropBox, EncodedJpeg, JpegError, decode_window, why_no_window_decode
-from shardkit.loading.transforms import TrainTransform, crop_box
+from shardkit.loading.decode import TrainTransform, crop_box
 from shardkit.errors import ShardkitError
 
 
@@ -234,7 +234,7 @@ ELSEWHERE = textwrap.dedent(r'''
     from pathlib import Path
     from shardkit.loading import jpeg
     from shardkit.loading.jpeg import CropBox, EncodedJpeg, decode_window, why_no_window_decode
-    from shardkit.loading.transforms import TrainTransform
+    from shardkit.loading.decode import TrainTransform
     with open(sys.argv[1], "rb") as f: cases, bad = pickle.load(f)
     native = Path(os.environ["SHARDKIT_HOME"]) / "native"
     out = {"why": why_no_window_decode(), "takes_encoded": TrainTransform(crop_decode=True).takes_encoded(), "errors": {}}

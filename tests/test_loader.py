@@ -5,7 +5,7 @@ import torch
 import webdataset as wds
 from shardkit.errors import UsageError
 from shardkit import create_dataloader, create_dataset
-from shardkit.loading.transforms import MissingField, train_transform
+from shardkit.loading.decode import MissingField, train_transform
 from shardkit.loading.sources import split_count
 from conftest import write_pet_shards
 
@@ -236,7 +236,7 @@ def test_device_random_access_loader(shards):
 
 
 def _why_no_cuda():
-    from shardkit.loading.gpu import why_no_gpu
+    from shardkit.loading.gpu_decode import why_no_gpu
     return why_no_gpu()
 
 
@@ -275,9 +275,9 @@ def test_one_pair_of_factories_for_every_access_mode_and_device(shards):
     "create_dataset returns a data set, create_dataloader its one loader, made once: stream, random, decode_on='gpu'."
     import inspect
     import shardkit
-    from shardkit.loading.gpu import GpuLoader
+    from shardkit.loading.gpu_decode import GpuLoader
     from shardkit.loading.pipeline import DeviceLoader
-    from shardkit.loading.random import RandomAccessDataset, RandomAccessLoader
+    from shardkit.loading.random_access import RandomAccessDataset, RandomAccessLoader
     from shardkit.loading.stream import ShardDataset, ShardLoader
     assert [n for n in shardkit.__all__ if n.startswith("create_")] == ["create_dataset", "create_dataloader"]
     assert [next(iter(inspect.signature(f).parameters)) for f in (create_dataset, create_dataloader)] == \

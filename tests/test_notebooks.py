@@ -71,7 +71,7 @@ def test_notebook_full(nb):
 
 # The random-access notebooks' full runs are on AIStore while it rebalances, in tests/test_faults_ais.py
 # (test_targets_leave_and_join_mid_epoch): the session's cluster never rebalances.
-WHILE_REBALANCING = ("27_random.ipynb", "36_bench.random.ipynb")
+WHILE_REBALANCING = ("27_random_access.ipynb", "36_bench.access.ipynb")
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_flags_are_explicit():
              "tutorials/03_training_loader.ipynb": "per backend", "tutorials/04_webdataset_fundamentals.ipynb": "ais cells",
              "tutorials/05_imagenet_training.ipynb": "per backend", "tutorials/06_where_time_goes.ipynb": "per backend",
              "tutorials/07_s3_buckets.ipynb": "ais cells"})
-    assert {_id(p) for p in FULL} >= {"07_cluster.ipynb", "39_demo.ipynb"}, sorted(_id(p) for p in FULL)
+    assert {_id(p) for p in FULL} >= {"07_stores.ais_cluster.ipynb", "39_demo.ipynb"}, sorted(_id(p) for p in FULL)
 
 
 def test_while_rebalancing_names_notebooks():

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 from PIL import Image
-from shardkit.datasets import pets
+from shardkit.ingest import pets
 from shardkit.apps.cli import main as cli_main
-from shardkit.datasets.pets import (CLASS_NAMES, PET_QUIRKS, PetsError, convert_pets, download_pets, pet_records, pet_samples,
+from shardkit.ingest.pets import (CLASS_NAMES, PET_QUIRKS, PetsError, convert_pets, download_pets, pet_records, pet_samples,
                            synthesize_pets)
 from shardkit.shards.manifest import read_manifest
 from shardkit.shards.write import write_shards
@@ -138,7 +138,7 @@ def test_resume_after_exception_is_exact(quirky, tmp_path, monkeypatch):
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    import shardkit.datasets.pets as p, shardkit.shards.write as sh
+    import shardkit.ingest.pets as p, shardkit.shards.write as sh
     from shardkit.stores import LocalStore
     point, after = sys.argv[1], int(sys.argv[2])
     real_save, real_put = sh.save_manifest, LocalStore.put_file

@@ -9,9 +9,9 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, Dataset
 from shardkit import create_dataloader, create_dataset
-from shardkit.loading.transforms import train_transform
+from shardkit.loading.decode import train_transform
 from dataclasses import replace
-from shardkit.loading.gpu import why_no_gpu
+from shardkit.loading.gpu_decode import why_no_gpu
 from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.jpeg import why_no_window_decode
 from shardkit.profile import Profile, build_loader, profile_overhead, profile_pipeline, profile_report, suggested_change, verdicts
@@ -353,7 +353,7 @@ def test_every_verdict_sentence_reads_well_and_every_template_is_reached():
 def test_a_dataloader_over_files_is_known_and_advised_shards(tmp_path):
     "A torchvision ImageFolder in a DataLoader: the profile knows it reads files and says what shards would change."
     from torchvision import datasets, transforms as T
-    from shardkit.datasets.folder import synthesize_folder
+    from shardkit.ingest.folder import synthesize_folder
     synthesize_folder(tmp_path, classes=2, per_class=2, val_per_class=0, progress=False)
     dl = DataLoader(datasets.ImageFolder(tmp_path / "train", transform=T.Compose([T.Resize((32, 32)), T.ToTensor()])),
                     batch_size=2)

@@ -92,7 +92,7 @@ def test_imports_only_point_down_the_reading_order():
              if _notebook_of(m) and _notebook_of(d) and _notebook_of(d) >= _notebook_of(m)]
     assert not wrong, "imports pointing up (move the shared part down, or dispatch from above): " + \
         ", ".join(f"{m} ({_notebook_of(m)}) -> {d} ({_notebook_of(d)})" for m, d in wrong)
-    assert "loading.random" not in deps["loading.stream"] and "loading.pipeline" not in deps["loading.random"]
+    assert "loading.random_access" not in deps["loading.stream"] and "loading.pipeline" not in deps["loading.random_access"]
     assert not any(d.startswith("bench") for m in deps if not m.startswith(("bench", "apps.", "profile")) for d in deps[m]), \
         "only the benchmarks, the profiler (their clock and table) and the applications (apps/) use the benchmarks"
 
@@ -252,7 +252,7 @@ def test_no_module_only_re_exports():
 
 def notebook_name_problem(notebook: str, module: str) -> str | None:
     """Why `notebook` (a file name) is not named after `module` (its `default_exp`), or None. After its number (`NN_`,
-    `NNa_`) a notebook is named by its module's dotted path (`30_train.step` for `train.step`) or last part
+    `NNa_`) a notebook is named by its module's dotted path (`30_train.data` for `train.data`) or last part
     (`03_fields` for `shards.fields`); a package's `__init__` by the package (`19_etl`), the top one's `shardkit`;
     `__main__` is `main`."""
     m = re.match(r"^\d\d[a-z]?_(.+)\.ipynb$", notebook)
@@ -267,7 +267,7 @@ def notebook_name_problem(notebook: str, module: str) -> str | None:
 def test_notebook_name_rule():
     "The rule itself, on names that keep it and names that break it."
     assert [notebook_name_problem(n, m) is None for n, m in [
-        ("30_train.step.ipynb", "train.step"), ("03_fields.ipynb", "shards.fields"), ("19_etl.ipynb", "etl.__init__"),
+        ("30_train.data.ipynb", "train.data"), ("03_fields.ipynb", "shards.fields"), ("19_etl.ipynb", "etl.__init__"),
         ("97_shardkit.ipynb", "__init__"), ("99a_main.ipynb", "__main__"), ("26_loading.index.ipynb", "loading.index"),
         ("30_train.ipynb", "train_step"), ("42_profile.ipynb", "profile.measure"), ("97_api.ipynb", "__init__"),
         ("31_bench_core.ipynb", "bench.core"), ("train.ipynb", "train.__init__")]] == [True] * 6 + [False] * 5
@@ -275,7 +275,7 @@ def test_notebook_name_rule():
 
 def test_notebooks_are_named_after_their_modules():
     """Every library notebook's `default_exp` matches its name (`notebook_name_problem`), and no two notebooks make the
-    same page (nbdev drops the number: `13_transforms` and `23_transforms` would both be transforms.html)."""
+    same page (nbdev drops the number: `13_transforms` and `23_decode` would both be transforms.html)."""
     wrong, pages = [], {}
     for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
         pages.setdefault(re.sub(r"^\d+[a-zA-Z0-9]*_", "", nb.name.lower()), []).append(nb.name)

@@ -5,13 +5,13 @@ import pytest
 import torch
 import webdataset as wds
 from shardkit import create_dataset
-from shardkit.loading.transforms import train_transform
+from shardkit.loading.decode import train_transform
 from shardkit.loading.index import RandomAccessError, index_cache_dir, sample_index
 from shardkit.loading.order import epoch_batches
 from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.errors import LoaderError, UsageError
 from shardkit.stores import open_store
-from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
 
 SIZES = (7, 3, 5, 9)  # uneven shards, 24 samples
 ALL = sorted(f"s{s}_{i:02d}" for s, n in enumerate(SIZES) for i in range(n))
@@ -115,7 +115,7 @@ def test_same_crop_as_the_streaming_loader(shards):
 RESUME = r'''
 import pickle, sys
 from shardkit import create_dataloader, create_dataset
-from shardkit.loading.transforms import train_transform
+from shardkit.loading.decode import train_transform
 src, state, n = pickle.loads(sys.stdin.buffer.read())
 dl = create_dataloader(create_dataset(src, fields=("__key__", "image.jpg"), transform=train_transform(16),
                                       batch_size=5, seed=7, access="random"), num_workers=1)
@@ -333,7 +333,7 @@ def test_missing_field_is_named(shards):
 def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
     "`bench_ais_index`: the loader measured on a bucket without, then with, AIStore's shard index; and its command."
     from shardkit.apps import cli
-    from shardkit.bench.random import bench_ais_index
+    from shardkit.bench.access import bench_ais_index
     name = f"shardkit-bench-index-{uuid.uuid4().hex[:8]}"
     store = open_store(f"ais://{name}", create=True)
     try:
@@ -359,7 +359,7 @@ def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
 
 
 def test_on_aistore_a_shard_replaced_after_indexing_is_named(shards, ais_endpoint, tmp_path):
-    "GetBatch with and without AIStore's shard index is the notebook's (nbs/27_random); this guards the error path."
+    "GetBatch with and without AIStore's shard index is the notebook's (nbs/27_random_access); this guards the error path."
     name = f"shardkit-random-{uuid.uuid4().hex[:8]}"
     store = open_store(f"ais://{name}", create=True)
     try:

@@ -362,7 +362,7 @@ def test_http_index_is_built_once_per_machine(shards, http_base):
 def test_header_scan_of_a_cached_copy_matches_the_tar_reader(tmp_path, shards):
     "The in-place scan of plain headers gives what `scan_tar` gives; a long name (pax) or a folder: the full reader."
     from shardkit.loading.readers import plain_members, scan_members
-    from shardkit.shards.read import scan_tar
+    from shardkit.shards.tar import scan_tar
     longp = tmp_path / "long.tar"
     with tarfile.open(longp, "w", format=tarfile.PAX_FORMAT) as t:
         for name in ("d", "d/" + "k" * 120 + ".cls", "d/short.cls"):

@@ -3,7 +3,7 @@ when the dependency changes what its helper relies on, so that a new torch or ai
 import multiprocessing, time
 import torch
 from torch.utils.data import DataLoader
-from shardkit.etl.server import sdk_endpoint
+from shardkit.stores.ais import sdk_endpoint
 from shardkit.loading.collate import shared_storage
 from shardkit.loading.stream import restart_workers
 

@@ -7,8 +7,8 @@ import pytest
 import webdataset as wds
 from shardkit import create_dataloader, create_dataset
 from shardkit.errors import LoaderError
-from shardkit.loading.transforms import train_transform
-from shardkit.datasets.synth import draw_animal, jpeg_bytes
+from shardkit.loading.decode import train_transform
+from shardkit.ingest.synth import draw_animal, jpeg_bytes
 
 SIZES = (7, 3, 5, 9, 4, 6)  # uneven shards: workers run out at different times, the last batches are partial
 ALL = sorted(f"s{s}_{i}" for s, n in enumerate(SIZES) for i in range(n))

@@ -241,7 +241,7 @@ def test_writers_and_commands_take_s3(s3, tmp_path):
     "write_shards, convert folder and the local shuffle write into s3://; ls and verify read it back."
     from conftest import main_cli
     from shardkit import write_shards
-    from shardkit.datasets.folder import convert_folder, synthesize_folder
+    from shardkit.ingest.folder import convert_folder, synthesize_folder
     from shardkit.shuffle import shuffle_shards
     (s3.root / "out").mkdir()
     r = write_shards(({"__key__": f"{i:04d}", "cls": i % 3, "txt": f"sample {i}"} for i in range(60)), "s3://out/own",
@@ -315,7 +315,7 @@ def test_other_clouds_and_a_missing_botocore_say_what_to_do(tmp_path):
 @pytest.fixture(scope="module")
 def tree_shards(tmp_path_factory) -> Path:
     "A synthetic ImageFolder tree as local shards: train/ (4 shards of jpg + cls, manifest) and val/ (1)."
-    from shardkit.datasets.folder import convert_folder, synthesize_folder
+    from shardkit.ingest.folder import convert_folder, synthesize_folder
     d = tmp_path_factory.mktemp("tree")
     synthesize_folder(d / "tree", classes=3, per_class=12, val_per_class=3, progress=False)
     for split in ("train", "val"): convert_folder(d / "tree" / split, d / split, maxcount=9, progress=False)

@@ -6,10 +6,10 @@ import pytest
 import webdataset as wds
 from shardkit.shuffle import Shuffled, shuffle_cli, shuffle_shards
 from shardkit.stores import parse_size
-from shardkit.shards.read import read_samples, sample_digests
+from shardkit.shards.tar import read_samples, sample_digests
 from shardkit.errors import StoreError
 from shardkit.stores import open_store
-from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
 from conftest import main_cli
 
 

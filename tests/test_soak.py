@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def pets(tmp_path, monkeypatch):
     "240 small Pet-like JPEGs in 8 shards; a home of the test's own (its caches are counted for temp files)."
-    from shardkit.datasets.synth import draw_animal, jpeg_bytes
+    from shardkit.ingest.synth import draw_animal, jpeg_bytes
     from shardkit.shards.write import write_shards
     monkeypatch.setenv("SHARDKIT_HOME", str(tmp_path / "home"))
     rng = np.random.default_rng(0)

@@ -24,7 +24,7 @@ def fresh(code: str, *args, timeout: float = 300, env: dict | None = None) -> su
 @pytest.fixture(scope="module")
 def own_shards(tmp_path_factory) -> Path:
     "A small ImageFolder tree converted as the README's own-data steps do: 48 JPEGs, 4 classes, 8 shards."
-    from shardkit.datasets.folder import convert_folder
+    from shardkit.ingest.folder import convert_folder
     root, rng = tmp_path_factory.mktemp("own"), np.random.default_rng(0)
     for i in range(48):
         (d := root / "mydata" / "abcd"[i % 4]).mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ def compare_packages(committed: Path, exported: Path) -> list[str]:
 
 def test_modules_match_notebooks(tmp_path):
     exported = export_fresh(tmp_path)
-    some = {"apps/cli.py", "datasets/pets.py", "etl/core.py", "loading/stream.py", "shards/write.py", "bench/loader.py"}
+    some = {"apps/cli.py", "ingest/pets.py", "etl/shard_transform.py", "loading/stream.py", "shards/write.py", "bench/loader.py"}
     assert some <= package_files(exported), "nbdev_export wrote no modules into the subpackages: is it nbdev 2?"
     problems = "\n".join(compare_packages(ROOT / "shardkit", exported))
     assert not problems, f"shardkit/ differs from what the notebooks export (edit the notebook, export):\n{problems}"
@@ -63,13 +63,13 @@ def test_sync_sees_every_subpackage(tmp_path):
     committed = shutil.copytree(ROOT / "shardkit", tmp_path / "committed", ignore=shutil.ignore_patterns(*BUILT))
     exported = shutil.copytree(committed, tmp_path / "exported")
     assert compare_packages(committed, exported) == []
-    with open(committed / "etl" / "core.py", "a") as f: f.write("\nx = 1  # a hand edit\n")
+    with open(committed / "etl" / "shard_transform.py", "a") as f: f.write("\nx = 1  # a hand edit\n")
     (committed / "loading" / "stray.py").write_text("")
     (exported / "shards" / "write.py").unlink()
     assert compare_packages(committed, exported) == [
         "loading/stray.py: committed, but no notebook exports it",
         "shards/write.py: committed, but no notebook exports it",
-        "etl/core.py: differs from what its notebook exports"]
+        "etl/shard_transform.py: differs from what its notebook exports"]
 
 
 def test_notebooks_are_clean(tmp_path):

@@ -182,7 +182,7 @@ def test_train_from_aistore(tmp_path, ais_endpoint):
 
 
 def _why_no_cuda():
-    from shardkit.loading.gpu import why_no_gpu
+    from shardkit.loading.gpu_decode import why_no_gpu
     return why_no_gpu()
 
 

@@ -9,15 +9,15 @@ import pytest
 import webdataset as wds
 from PIL import Image
 from shardkit.apps.cli import main as cli_main
-from shardkit.datasets.pets import PetsError, convert_pets, pet_records, synthesize_pets
+from shardkit.ingest.pets import PetsError, convert_pets, pet_records, synthesize_pets
 from shardkit.shards.fields import ShardError
 from shardkit.shards.manifest import read_manifest, verify_shards
-from shardkit.shards.read import read_samples, sample_digests
+from shardkit.shards.tar import read_samples, sample_digests
 from shardkit.shards.write import write_shards
 from shardkit.shuffle import shuffle_shards
 from shardkit.errors import StoreError
 from shardkit.stores import open_store
-from shardkit.datasets.synth import draw_animal, jpeg_bytes, png_bytes
+from shardkit.ingest.synth import draw_animal, jpeg_bytes, png_bytes
 
 
 def _tar(members) -> bytes:
@@ -223,7 +223,7 @@ def etl_src(tmp_path):
 
 @pytest.fixture
 def sidecar(etl_src):
-    from shardkit.etl.transforms import imagenet_val_npy
+    from shardkit.etl.recipes import imagenet_val_npy
     from shardkit.etl.sidecar import Sidecar
     with Sidecar(imagenet_val_npy, etl_src) as sc: yield sc
 
@@ -273,14 +273,14 @@ def test_sidecar_makes_no_call_outs(sidecar):
 @pytest.mark.timed
 def test_sidecar_port_is_checked_fast(etl_src):
     t0 = time.monotonic()
-    assert cli_main(["etl", "serve", "shardkit.etl.transforms:imagenet_val_npy", "--source", str(etl_src.root), "--port", "99999"]) == 2
+    assert cli_main(["etl", "serve", "shardkit.etl.recipes:imagenet_val_npy", "--source", str(etl_src.root), "--port", "99999"]) == 2
     assert time.monotonic() - t0 < 30
 
 
 def test_loader_and_etl_refuse_pickles(tmp_path):
     import pickle
     from shardkit import create_dataset
-    from shardkit.etl.core import ShardTransform, ETLError
+    from shardkit.etl.shard_transform import ShardTransform, ETLError
     marker = tmp_path / "pwned"
     (tmp_path / "p.tar").write_bytes(_tar(_sample_members("a", 1) + [("a.meta.pyd", "file", pickle.dumps(_Marker(marker)))]))
     with pytest.raises(Exception, match="allow_pickle=True"):
@@ -293,24 +293,24 @@ def test_loader_and_etl_refuse_pickles(tmp_path):
 KILL_ETL = textwrap.dedent("""
     import os, signal, sys
     from shardkit import etl
-    from shardkit.etl import local
-    real = local.write_etl_manifest
+    from shardkit.etl import local_engine
+    real = local_engine.write_etl_manifest
     def save(store, settings, names, done, *, failed, engine="local"):
         m = real(store, settings, names, done, failed=failed, engine=engine)
         if len(done) == 2: os.kill(os.getpid(), signal.SIGKILL)
         return m
-    local.write_etl_manifest = save
-    etl.run_etl("shardkit.etl.transforms:imagenet_val_npy", sys.argv[1], sys.argv[2], processes=1, progress=False)
+    local_engine.write_etl_manifest = save
+    etl.run_etl("shardkit.etl.recipes:imagenet_val_npy", sys.argv[1], sys.argv[2], processes=1, progress=False)
 """)
 
 
 @pytest.mark.slow
 def test_etl_run_killed_midway_resumes(tmp_path):
-    from shardkit.etl.manifest import read_etl_manifest
+    from shardkit.etl.receipt import read_etl_manifest
     from shardkit.etl import run_etl
     src = open_store(tmp_path / "src", create=True)
     for s in range(4): src.put_bytes(_tar([m for i in range(3) for m in _imagenet_members(f"k{s}_{i}", s * 3 + i)]), f"in-{s}.tar")
-    full = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "full", processes=1, progress=False)
+    full = run_etl("shardkit.etl.recipes:imagenet_val_npy", src, tmp_path / "full", processes=1, progress=False)
     assert full["written"] == 4 and full["samples_out"] == 12 and read_etl_manifest(tmp_path / "full")["complete"]
     r = subprocess.run([sys.executable, "-c", KILL_ETL, str(tmp_path / "src"), str(tmp_path / "part")],
                        capture_output=True, text=True, timeout=300)
@@ -318,7 +318,7 @@ def test_etl_run_killed_midway_resumes(tmp_path):
     assert read_etl_manifest(tmp_path / "part")["complete"] is False
     r = subprocess.run([sys.executable, "-m", "shardkit.apps.cli", "ls", str(tmp_path / "part")], capture_output=True, text=True, timeout=120)
     assert "did not finish" in r.stderr
-    again = run_etl("shardkit.etl.transforms:imagenet_val_npy", src, tmp_path / "part", processes=1, progress=False)
+    again = run_etl("shardkit.etl.recipes:imagenet_val_npy", src, tmp_path / "part", processes=1, progress=False)
     assert (again["resumed"], again["written"]) == (2, 2)
     for n in src.list("*.tar"): assert (tmp_path / "part" / n).read_bytes() == (tmp_path / "full" / n).read_bytes()
     assert read_etl_manifest(tmp_path / "part")["complete"]

@@ -20,12 +20,12 @@ from ..bench.core import format_bench
 from ..bench.loader import bench_loader, bench_ratios, cheapest_peer, fastest_peer, loader_table, plot_bench
 from ..bench.peers import LOADER_ROWS
 from ..command import command
-from ..datasets.pets import CLASS_NAMES, convert_pets, pet_records, synthesize_pets
 from ..display import display_loader_images
 from ..errors import StoreError, UsageError
 from ..etl.sidecar import Sidecar
+from ..ingest.pets import CLASS_NAMES, convert_pets, pet_records, synthesize_pets
+from ..loading.decode import eval_transform, train_transform
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.transforms import eval_transform, train_transform
 from ..remote import say_line
 from ..shuffle import shuffle_shards
 from ..stores import open_store, shown_path

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 import webdataset as wds
 from ..command import command
-from ..datasets.pets import CHECKS, convert_pets
 from ..errors import UsageError
+from ..ingest.pets import CHECKS, convert_pets
 from ..stores import open_store, shown_path
 from .core import BenchError, cpu_seconds, format_bench
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 from ..command import command
 from ..etl import run_etl
-from ..etl.dask import dask_client, run_etl_dask
+from ..etl.dask_engine import dask_client, run_etl_dask
 from .core import cpu_seconds, format_bench
 
 # %% auto 0
@@ -39,7 +39,7 @@ def _warm_row(client, fn, src, dest, *, pattern: str, seed: int) -> dict:
 
 def bench_dask_etl(src,                     # Store of ImageNet-style shards: a directory or ais://bucket[/prefix]
                    *,
-                   fn: str | Callable = "shardkit.etl.transforms:imagenet_train_uint8",  # Transform, MODULE:FUNCTION
+                   fn: str | Callable = "shardkit.etl.recipes:imagenet_train_uint8",  # Transform, MODULE:FUNCTION
                    pattern: str = "*.tar",  # Which shards
                    processes: int = 2,      # Worker processes for both engines
                    seed: int = 0,           # Per-sample seed of the transform

@@ -11,8 +11,8 @@ import torch
 import webdataset as wds
 from ..command import command
 from ..errors import UsageError
+from ..etl.recipes import imagenet_pipeline, to_rgb, to_tensor
 from ..etl.sidecar import Sidecar
-from ..etl.transforms import imagenet_pipeline, to_rgb, to_tensor
 from ..stores import open_store, shown_path
 from .core import BenchError, cpu_seconds, format_bench
 
@@ -80,7 +80,7 @@ def bench_etl(src,                    # Store of ImageNet-style shards (NAME.jpg
     imagenet_pipeline("train")  # build the torchvision pipeline before timing
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker; a busy-waiting thread pool would inflate the client's CPU
-    sidecars = {k: Sidecar(f"shardkit.etl.transforms:{fn}", store) for k, fn in OFFLOADS.items()}
+    sidecars = {k: Sidecar(f"shardkit.etl.recipes:{fn}", store) for k, fn in OFFLOADS.items()}
     try:
         for sc in sidecars.values(): sc.start()
         for sc in sidecars.values(): requests.get(sc.http_url(store, names[0]), timeout=300)  # warm up (imports)

@@ -11,11 +11,11 @@ from typing import Callable, Iterator
 import torch
 from ..command import command
 from ..errors import LoaderError
-from ..loading.gpu import decode_batch, why_no_gpu
+from ..loading.decode import train_transform
+from ..loading.gpu_decode import decode_batch, why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import shard_urls
-from ..loading.transforms import train_transform
-from ..shards.read import url_samples
+from ..shards.tar import url_samples
 from ..train import make_model
 from .core import format_bench
 

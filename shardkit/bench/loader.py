@@ -28,9 +28,9 @@ from shardkit.bench.peers import (
 )
 from ..command import command
 from ..errors import UsageError
+from ..loading.decode import crop_box
 from ..loading.jpeg import DCT_MODES, decode_crop, why_no_crop_decode, why_no_window_decode
 from ..loading.sources import shard_urls
-from ..loading.transforms import crop_box
 from ..shards.fields import image_size
 from ..stores import is_local, shown_path
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children, warm_page_cache

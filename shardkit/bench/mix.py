@@ -9,10 +9,10 @@ import statistics
 import time
 from ..command import command
 from ..errors import UsageError
+from ..loading.decode import train_transform
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import shard_urls
 from ..loading.stream import restart_workers
-from ..loading.transforms import train_transform
 from .core import cpu_seconds, format_bench
 from .peers import shard_fields
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import webdataset as wds
 from ..loading.collate import PooledBatch, convert_batch
+from ..loading.decode import train_transform
 from ..loading.pipeline import create_dataloader, create_dataset
-from ..loading.transforms import train_transform
 from ..shards.fields import IMAGENET_MEAN, IMAGENET_STD
-from ..shards.read import first_sample, url_samples
+from ..shards.tar import first_sample, url_samples
 from ..stores import is_local, shown_path
 from .core import BenchError
 

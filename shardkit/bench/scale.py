@@ -16,19 +16,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from ..command import command
-from ..datasets.folder import class_names, convert_folder
-from ..datasets.synth import draw_animal, jpeg_bytes
 from ..errors import UsageError
+from ..ingest.folder import class_names, convert_folder
+from ..ingest.synth import draw_animal, jpeg_bytes
+from ..loading.decode import train_transform
 from ..loading.index import sample_index
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.readers import build_shard_index
-from ..loading.transforms import train_transform
 from ..s3 import S3Settings, s3_url
 from ..shards.manifest import verify_shards
 from ..shuffle import shuffle_shards
 from ..stores import open_store, shown_path
+from .access import ais_cluster_cpu
 from .core import BenchError, cpu_seconds, drop_page_cache, format_bench, run_child, warm_children
-from .random import ais_cluster_cpu
 
 # %% auto 0
 __all__ = ['KEYS_ONLY', 'LOCAL_STAGES', 'AIS_STAGES', 'SCALE_COLUMNS', 'scale_folder', 'bench_scale', 'scale_growth',

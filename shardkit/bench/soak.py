@@ -240,7 +240,7 @@ def _jobs(src: str, n: int, mode: str, epochs: int, *, num_workers: int, batch_s
 def _aisloader(endpoint: str, bucket: str, workers: int, nice: int = 0, ready_wait: float = 60) -> subprocess.Popen:
     """AIStore's `aisloader` reading whole objects of `bucket` at random, with `workers` workers, until stopped;
     returned once it reads (from then on Ctrl-C stops it with its report; before, it would end it without one)."""
-    from shardkit.apps.cluster import build_aisloader
+    from shardkit.stores.ais_cluster import build_aisloader
     u = urllib.parse.urlsplit(endpoint)
     cmd = [str(build_aisloader(quiet=True)), "-ip", u.hostname, "-port", str(u.port or 80),
            "-bucket", f"ais://{bucket}", "-provider", "ais", "-pctput", "0", "-duration", "0",

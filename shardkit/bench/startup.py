@@ -105,7 +105,7 @@ def _own_data(folder: Path) -> str:
     "The README's own-data folder made in `folder` (200 JPEGs in 4 class folders, 60-160 px), converted: its shards."
     import numpy as np
     from PIL import Image
-    from shardkit.datasets.folder import convert_folder
+    from shardkit.ingest.folder import convert_folder
     rng = np.random.default_rng(0)
     for i in range(200):
         (d := folder / "mydata" / ("bird", "cat", "dog", "fish")[i % 4]).mkdir(parents=True, exist_ok=True)

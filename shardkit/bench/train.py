@@ -18,8 +18,8 @@ __all__ = ['CONTENDERS', 'bench_train', 'train_table', 'bench_train_cli']
 def _direct(spec: dict) -> dict:
     "One epoch of the bare loop: the script's model, optimiser, threads and step, fed by shardkit's loader."
     import torch
+    from shardkit.loading.decode import train_transform
     from shardkit.loading.pipeline import create_dataloader, create_dataset
-    from shardkit.loading.transforms import train_transform
     from shardkit.train import OPTIMIZERS, make_model, torch_threads, training_step
     c0 = cpu_seconds(descendants=True)
     torch.set_num_threads(torch_threads(spec["workers"]))  # the script's rule, one rank

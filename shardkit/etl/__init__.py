@@ -11,15 +11,16 @@ from typing import Callable
 from ..command import command
 from ..errors import UsageError
 from ..stores import AISStore, open_store, shown_path
-from .manifest import etl_shards
-from .server import etl_unavailable, run_in_cluster
+from ..stores.ais import etl_unavailable
+from .receipt import etl_shards
+from .server import run_in_cluster
 
 # %% auto 0
 __all__ = ['ENGINES', 'etl_engine', 'run_etl', 'etl_summary', 'etl_run_cli']
 
 # %% ../../nbs/19_etl.ipynb
-ENGINES = {"local": "shardkit.etl.local:run_local",     # worker processes on this machine
-           "dask": "shardkit.etl.dask:run_etl_dask"}    # one Dask task per shard, on any Dask cluster (shardkit[dask])
+ENGINES = {"local": "shardkit.etl.local_engine:run_local",  # worker processes on this machine
+           "dask": "shardkit.etl.dask_engine:run_etl_dask"}  # a Dask task per shard, any Dask cluster (shardkit[dask])
 
 def etl_engine(name: str) -> Callable:
     "The engine `name` from `ENGINES`, imported when first asked for (Dask is an optional extra)."
@@ -28,7 +29,7 @@ def etl_engine(name: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 # %% ../../nbs/19_etl.ipynb
-def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
+def run_etl(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.recipes:imagenet_val_npy
             src,                            # Source store: a directory, ais:// or s3://bucket[/prefix]
             dest,                           # Destination (made if missing): a directory, ais:// or s3://bucket[/prefix]
             *,

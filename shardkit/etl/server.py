@@ -13,11 +13,11 @@ from aistore.sdk.etl.webserver.fastapi_server import FastAPIServer
 from ..errors import UsageError
 from ..shards.fields import ShardError
 from ..stores import ais_client
-from .core import ETLError, ShardTransform, resolve_fn
+from ..stores.ais import etl_unavailable
+from .shard_transform import ETLError, ShardTransform, resolve_fn
 
 # %% auto 0
-__all__ = ['ShardETLServer', 'etl_server_class', 'ETLUnavailable', 'sdk_endpoint', 'etl_unavailable', 'init_etl',
-           'run_in_cluster']
+__all__ = ['ShardETLServer', 'etl_server_class', 'ETLUnavailable', 'init_etl', 'run_in_cluster']
 
 # %% ../../nbs/15_etl.server.ipynb
 async def _etl_error_status(request, exc):
@@ -77,25 +77,6 @@ def etl_server_class(fn: str | Callable,          # Sample function or 'module:f
 # %% ../../nbs/15_etl.server.ipynb
 class ETLUnavailable(ETLError):
     "The AIStore cluster cannot run ETL servers; the message says why in one line."
-
-def sdk_endpoint(client) -> str:
-    "The endpoint an `aistore.Client` talks to ('' for a stand-in that has none), for messages."
-    # the SDK (aistore 2.0) keeps it only in its private request client: tests/test_reach_ins.py fails if that changes
-    return str(getattr(getattr(client, "_request_client", None), "base_url", "")).removesuffix("/v1")
-
-def etl_unavailable(client_or_endpoint=None) -> str | None:
-    "None if the AIStore cluster can run ETL, else one line saying why not (and what shardkit does instead)."
-    from aistore.sdk.errors import AISError
-    client = client_or_endpoint if hasattr(client_or_endpoint, "cluster") else ais_client(client_or_endpoint)
-    ep = sdk_endpoint(client)
-    try: client.cluster().list_etls(); return None
-    except AISError as e:
-        import json
-        try: msg = json.loads(e.message)["message"]
-        except Exception: msg = str(e.message).strip().splitlines()[0][:200]
-        return (f"AIStore at {ep} cannot run ETL "
-                f"(HTTP {e.status_code}: {msg}): AIStore runs ETL only on Kubernetes in builds with the `etl` tag; "
-                "run the transform in a sidecar instead (shardkit etl serve)")
 
 def init_etl(name: str, fn: str | Callable, *, client=None, decode: str | None = "pil", strict: bool = False,
              seed: int | None = None, comm_type: str = "hpull", **kwargs) -> str:

@@ -22,9 +22,9 @@ from fastcore.basics import patch
 from ..command import command
 from ..errors import StoreError, UsageError
 from ..stores import AISStore, LocalStore, open_store, shown_path
-from .core import ETLError, resolve_fn
-from .local import one_torch_thread
+from .local_engine import one_torch_thread
 from .server import ShardETLServer, etl_server_class
+from .shard_transform import ETLError, resolve_fn
 
 # %% auto 0
 __all__ = ['sidecar_server', 'serve', 'Sidecar', 'etl_serve_cli']
@@ -102,7 +102,7 @@ def sidecar_server(fn: str | Callable, source, host: str = "127.0.0.1", port: in
     return server
 
 # %% ../../nbs/20_sidecar.ipynb
-def serve(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.transforms:imagenet_val_npy
+def serve(fn: str | Callable,  # Sample function, or MODULE:FUNCTION, e.g. shardkit.etl.recipes:imagenet_val_npy
           source=None,                 # Store the shards come from: a directory or ais://bucket[/prefix] (required)
           *,
           host: str = "127.0.0.1",     # Address to bind (127.0.0.1: this machine only)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 import webdataset as wds
 from ..remote import Retries
-from ..shards.read import url_samples
+from ..shards.tar import url_samples
 from .collate import collate
-from .mix import mix_samples
+from .mixture import mix_samples
 from .sources import EpochShards, drop_planned, rank_and_world, shuffle_samples, take_share
 from .stream import ShardDataset, shards_digest, skip_resumed
 

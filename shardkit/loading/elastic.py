@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import webdataset as wds
 from ..errors import LoaderError
 from ..remote import Retries
-from ..shards.read import url_samples
+from ..shards.tar import url_samples
 from .resume import saved_count
 from .sources import buffer_shuffle, epoch_shard_order, seeded_rng, shard_name
 

@@ -36,7 +36,8 @@ from ..errors import ShardkitError, StoreError, UsageError
 from ..remote import Retries
 from ..s3 import s3_stat
 from ..shards.fields import split_key
-from ..shards.read import is_meta_member, scan_tar, tar_entries
+from ..shards.tar import is_meta_member, scan_tar, tar_entries
+from ..stores.ais import listed_version
 from .sources import shard_urls
 
 # %% auto 0
@@ -364,7 +365,6 @@ def _group_listing(members: list[tuple[str, int]], shard: str) -> dict:
     members = sorted((m for m in members if not is_meta_member(m[0])), key=lambda m: split_key(m[0])[0] or "")
     return group_members([m[0] for m in members], np.full(len(members), -1, np.int64), [m[1] for m in members], shard)
 
-def _ais_version(e) -> str: return f"{e.checksum or ''}/{e.version or ''}"  # AIStore's checksum and object version
 
 def index_ais(store: AISStore,                  # The bucket (and prefix)
               fields: Sequence[str],            # The fields to keep
@@ -387,7 +387,7 @@ def index_listing(store: AISStore, fields: Sequence[str], expect: list | None) -
             members.append((e.name[len(shards[-1]) + 1:], size))
         elif e.name.endswith(ARCHIVE_EXTS):
             if shards: groups.append(_group_listing(members, where()))  # one shard's names at a time, then arrays
-            shards.append(e.name); sizes.append(size); versions.append(_ais_version(e)); members = []
+            shards.append(e.name); sizes.append(size); versions.append(listed_version(e)); members = []
     if not shards:
         raise RandomAccessError(f"no shards ({', '.join(ARCHIVE_EXTS)}) in {shown_path(store.spec)}; upload some first")
     if expect is not None and list(zip(shards, sizes, versions)) != expect:
@@ -401,7 +401,7 @@ def _bucket_index(store: AISStore, fields: Sequence[str], index_cache) -> Sample
     "`index_ais`, kept on disk by endpoint, bucket, fields and the shards' names, sizes and versions (a short listing)."
     if not index_cache: return index_ais(store, fields)
     listing = listed_settled(store, lambda: [  # the shards only, not their members: one entry a shard
-        (e.name, int(e.size), _ais_version(e))
+        (e.name, int(e.size), listed_version(e))
         for e in store.bucket.list_objects_iter(prefix=store.prefix, props="name,size,checksum,version")
         if e.name.endswith(ARCHIVE_EXTS)])
     parts = ("ais", store.endpoint, store.bucket.name, store.prefix, tuple(fields), listing)

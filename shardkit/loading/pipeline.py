@@ -18,12 +18,12 @@ from ..remote import Retries, as_retries
 from ..shards.fields import is_image_key, refuse_pickle
 from .collate import collate
 from .dataset import DatasetSettings, ahead, shard_dataset
-from .gpu import GpuLoader, gpu_loader, jpeg_dataset
-from .mix import mixed_sources
-from .random import MixedDataset, RandomAccessDataset, RandomAccessLoader, random_dataset
+from .decode import TrainTransform, data_fields, sample_to_tuple, train_transform
+from .gpu_decode import GpuLoader, gpu_loader, jpeg_dataset
+from .mixture import mixed_sources
+from .random_access import MixedDataset, RandomAccessDataset, RandomAccessLoader, random_dataset
 from .sources import rank_and_world, shard_urls
 from .stream import ShardDataset, ShardLoader, error_handler
-from .transforms import TrainTransform, data_fields, sample_to_tuple, train_transform
 
 # %% auto 0
 __all__ = ['DeviceLoader', 'create_dataset', 'create_dataloader']

@@ -8,7 +8,6 @@ import hashlib
 import json
 import mmap
 import os
-import re
 import shutil
 import time
 import warnings
@@ -23,8 +22,9 @@ from ..config import private_dir, remove_stale_temp, shardkit_home
 from ..errors import StoreError, UsageError
 from ..remote import ObjectChanged, Retries, RetriesExhausted, as_retries, retried
 from ..shards.fields import split_key
-from ..shards.read import is_meta_member, tar_entries
+from ..shards.tar import is_meta_member, tar_entries
 from ..stores import HTTPStore, backend_for, open_store, open_url, parse_size, read_url_range, shown_path, url_name
+from ..stores.ais import ClusterBusy, cluster_moving, version_blame
 from .index import RandomAccessError, SampleIndex, file_lock, key_from_header
 
 # %% auto 0
@@ -303,7 +303,6 @@ class AISReader:
 @patch
 def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
     from aistore.sdk.errors import AISError
-    from shardkit.remote import ClusterBusy, cluster_moving
     bucket = self._bucket()
     def get_batch():  # a GetBatch is one request: after a fault it is sent again, whole
         batch = self.client.batch(bucket=bucket)
@@ -317,7 +316,7 @@ def _batch(self: AISReader, want: list[tuple[str, str, str]]) -> list[bytes]:
         if self.batch_ok or e.status_code not in (400, 404, 405, 501):
             raise self._fail(*want[0], f"GetBatch failed (HTTP {e.status_code}: {e})") from None
         warnings.warn(f"GetBatch is not available on {self.endpoint} (HTTP {e.status_code})"
-                      f"{_version_blame(self.endpoint, 'GetBatch')}; reading one member per request, about 10x slower")
+                      f"{version_blame(self.endpoint, 'GetBatch')}; reading one member per request, about 10x slower")
         self.use_batch = False
         return [self._one(*w) for w in want]
     except requests.RequestException as e:
@@ -340,13 +339,6 @@ def _one(self: AISReader, shard: str, key: str, field: str) -> bytes:
     except AISError as e: raise self._fail(shard, key, field, f"HTTP {e.status_code}") from None
 
 # %% ../../nbs/26b_readers.ipynb
-def _version_blame(endpoint: str, what: str) -> str:
-    "'; this cluster runs AIStore 4.x ...' when the cluster, asked, is older than 5.0 (where `what` came); else ''."
-    try: v = requests.get(f"{endpoint}/v1/daemon", params={"what": "software_version"}, timeout=5).text.strip('" \n')
-    except requests.RequestException: return ""
-    old = (m := re.match(r"(\d+)\.", v)) and int(m.group(1)) < 5
-    return f"; the cluster runs AIStore {v}, and {what} needs 5.0" if old else ""
-
 def build_shard_index(store,                          # The bucket: ais://BUCKET, or its AISStore
                       timeout: float = 600,           # Seconds to wait for the indexing job
                       retries: Retries | None = None, # Its bound through faults and rebalances (None: 2 minutes)
@@ -363,7 +355,7 @@ def build_shard_index(store,                          # The bucket: ais://BUCKET
                                 "whole shards; build it when `shardkit ais status` shows no rebalance") from None
     except StoreError as e:  # a refusal (RemoteError)
         raise RandomAccessError(f"AIStore refused to index the shards of {store.spec} ({e})"
-                                f"{_version_blame(store.endpoint, 'index-shard')}") from None
+                                f"{version_blame(store.endpoint, 'index-shard')}") from None
     job = r.text.strip().strip('"')
     res = store.client.job(job_id=job).wait(timeout=timeout)
     if getattr(res, "success", True) is False:
@@ -416,7 +408,7 @@ class RangeReader:
 
 # %% ../../nbs/26b_readers.ipynb
 READ_MODES = ("local", "cache", "range", "getbatch")
-DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench.random: the only mode near streaming's rate
+DEFAULT_AIS_READ = "cache"  # measured in nbs/36_bench.access: the only mode near streaming's rate
 
 def shard_cache_dir(index: SampleIndex) -> Path:
     "The shard cache folder of `index`'s source: `$SHARDKIT_HOME/cache/shards/<hash of source and endpoint>`."

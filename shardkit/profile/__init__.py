@@ -15,11 +15,11 @@ from PIL import Image
 from ..bench.core import cpu_seconds
 from ..command import command
 from ..errors import UsageError
-from ..loading.gpu import why_no_gpu
+from ..loading.gpu_decode import why_no_gpu
 from ..loading.sources import shard_urls
 from ..loading.stream import restart_workers
 from ..shards.fields import is_jpeg_key
-from ..shards.read import url_samples
+from ..shards.tar import url_samples
 from .measure import Profile, profile_pipeline
 from .timing import batch_len, loader_parts
 from .verdicts import COLORS, MAIN_PARTS, compare, plot_stages, plot_timeline, profile_report, verdicts
@@ -73,8 +73,8 @@ def build_loader(src,                    # Shards: a directory, ais://, s3://, a
                  device: str = "cpu"):   # Where the `gpu` pipeline decodes and augments: cuda, or cpu (the same path)
     "A loader over shards `src` by name: shardkit's `default`, it decoding `whole` JPEGs, the AIStore `post`'s, `gpu`."
     from shardkit.bench.peers import post_loader, shard_fields
+    from shardkit.loading.decode import train_transform
     from shardkit.loading.pipeline import create_dataloader, create_dataset
-    from shardkit.loading.transforms import train_transform
     if pipeline not in PIPELINES: raise UsageError(f"pipeline must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
     urls = shard_urls(src)
     f = shard_fields(urls[0])

@@ -19,17 +19,16 @@ from webdataset import filters as wf  # its private stage functions (_map...): n
 from webdataset import tariterators as wt
 from webdataset.autodecode import Decoder
 from webdataset.cache import StreamingOpen
-from ..loading import gpu, jpeg
-from ..loading import random as random_access
+from ..loading import gpu_decode, jpeg, random_access
 from ..loading.collate import WorkerTagged
-from ..loading.mix import mix_samples
-from ..loading.random import RandomAccessLoader
+from ..loading.decode import sample_to_tuple
+from ..loading.mixture import mix_samples
+from ..loading.random_access import RandomAccessLoader
 from ..loading.sources import EpochShards, drop_planned, shuffle_samples
 from ..loading.stream import restart_workers
-from ..loading.transforms import sample_to_tuple
 from ..remote import RemoteError, Retries
 from ..shards.fields import ShardError, split_key
-from ..shards.read import open_shards, tar_members, url_samples
+from ..shards.tar import open_shards, tar_members, url_samples
 
 # %% auto 0
 __all__ = ['SLOTS', 'SLOT', 'ProfileClocks', 'timed_call', 'batch_len', 'TimedStage', 'stage_plan', 'loader_parts',
@@ -178,7 +177,7 @@ def _timed_transform(tf, clocks):
 
 def _gpu_stage(fn) -> bool:
     "Whether `fn` (or what a partial wraps) is the GPU loader's: its per-sample stage reads headers, draws crops."
-    return getattr(getattr(fn, "func", fn), "__module__", None) == gpu.__name__
+    return getattr(getattr(fn, "func", fn), "__module__", None) == gpu_decode.__name__
 
 def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
     "The timed stage(s) that stand in for `stage` while profiling: the same items out, each stage's time in its slot."
@@ -208,7 +207,7 @@ def stage_plan(stage, clocks: ProfileClocks) -> list[TimedStage]:
 # %% ../../nbs/41_profile.timing.ipynb
 def loader_parts(loader) -> tuple:
     "(DataLoader that runs the workers or None, the pipeline they run or None, the main process's stages after them)."
-    if isinstance(loader, gpu.GpuLoader):  # its workers' loader; the device work: its own
+    if isinstance(loader, gpu_decode.GpuLoader):  # its workers' loader; the device work: its own
         return loader_parts(loader.loader)
     if isinstance(loader, wds.WebLoader):
         dl = loader.pipeline[0]
@@ -265,7 +264,8 @@ def instrumented(loader, clocks: ProfileClocks):
     if pipe is not None:
         stages = [t for s in pipe.pipeline for t in stage_plan(s, clocks)]
         stages[-1].last = True
-        if isinstance(loader, gpu.GpuLoader): stages[-1].count = _jpegs_in  # its workers' batches: packs of JPEG bytes
+        if isinstance(loader, gpu_decode.GpuLoader):
+            stages[-1].count = _jpegs_in  # its workers' batches: packs of JPEG bytes
         kind = "shardkit" if isinstance(pipe.pipeline[0], EpochShards) else "webdataset"
         swap(pipe, "pipeline", stages)
     elif isinstance(loader, RandomAccessLoader): kind = _instrument_random(loader.dataset, clocks, swap)
@@ -277,7 +277,7 @@ def instrumented(loader, clocks: ProfileClocks):
     if main is not None and len(main.pipeline) > 1:
         rebatch = [TimedStage(s, "rebatch", clocks, apart=i == 0) for i, s in enumerate(main.pipeline[1:])]
         swap(main, "pipeline", main.pipeline[:1] + rebatch)
-    if isinstance(loader, gpu.GpuLoader):
+    if isinstance(loader, gpu_decode.GpuLoader):
         kind = "gpu"
         if hasattr(loader, "time_device"): swap(loader, "time_device", True)  # device stages, timed by the loader
         if getattr(loader, "device_events", None): loader.device_seconds()  # events from before: not this run's

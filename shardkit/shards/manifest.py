@@ -13,7 +13,7 @@ from ..command import command
 from ..errors import StoreError
 from ..stores import open_store, shown_path
 from .fields import ShardError
-from .read import count_samples
+from .tar import count_samples
 
 # %% auto 0
 __all__ = ['sha256_file', 'manifest_name', 'read_manifest', 'save_manifest', 'resume_mismatch', 'resume_point', 'summarize',

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..errors import StoreError, UsageError
 from ..stores import LocalStore, open_store, parse_size, shown_path
 from .manifest import manifest_name, read_manifest, resume_mismatch, resume_point, save_manifest, sha256_file, summarize
-from .read import unsafe_name
+from .tar import unsafe_name
 
 # %% auto 0
 __all__ = ['AUTO_SHARDS', 'ordered_map', 'staging_dir', 'auto_maxcount', 'auto_maxcount_why', 'write_shards']

@@ -4,17 +4,23 @@
 
 # %% ../../nbs/02c_stores.ais.ipynb 3
 from __future__ import annotations
+import json
 import os
+import re
 import time
+import urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Callable
 import requests
 from shardkit.remote import (
-    ClusterBusy,
+    BUSY,
+    SERVER_RULES,
     ObjectMissing,
     Retries,
+    ServerRules,
+    StoreBusy,
     as_retries,
-    cluster_moving,
+    http_session,
     open_remote,
     read_range,
     remote_put,
@@ -26,7 +32,9 @@ from .http import HTTPStore
 from .local import LocalStore
 
 # %% auto 0
-__all__ = ['ais_endpoint', 'ais_client', 'AISStore', 'listed_settled', 'upload_shards']
+__all__ = ['ais_endpoint', 'ais_client', 'ClusterBusy', 'rebalance_conflict', 'cluster_moving', 'objects_moving',
+           'listed_version', 'AISRules', 'AISStore', 'listed_settled', 'upload_shards', 'version_blame', 'sdk_endpoint',
+           'etl_unavailable']
 
 # %% ../../nbs/02c_stores.ais.ipynb
 def ais_endpoint(endpoint: str | None = None) -> str:
@@ -71,6 +79,66 @@ def _bucket_exists(bucket) -> bool:
     except AISError as e:
         if _missing(e): return False
         raise
+
+# %% ../../nbs/02c_stores.ais.ipynb
+class ClusterBusy(StoreBusy):
+    "AIStore refused or stopped an action because a rebalance or resilver runs: a fault, waited out like the others."
+    waiting, hint = "AIStore is rebalancing", "a rebalance can run for hours on a large cluster"
+
+_REBALANCE = re.compile(r"ErrLimitedCoexistence|\b(?:x-)?(?:rebalance|resilver)\[|"
+                        r"cannot handle bucket request: Smap v0")  # (the last: a target joining, not ready yet)
+_NODE_DOWN = re.compile(r"ErrFailedTo.*failed to call [pt]\[.*connect: connection refused", re.S)
+
+def rebalance_conflict(text: str) -> bool:
+    "Whether AIStore's answer or job error `text` says a rebalance or resilver refused or stopped the action."
+    return bool(_REBALANCE.search(text or ""))
+
+def cluster_moving(endpoint: str) -> bool:
+    "Whether AIStore at `endpoint` moves objects now: a rebalance or resilver runs, or it cannot ask all its nodes."
+    try: r = http_session().get(f"{endpoint}/v1/cluster", params={"what": "running_all"}, json={"active": True},
+                                timeout=5)
+    except requests.RequestException: return False  # no cluster there now: nothing says objects are on their way
+    if r.status_code == 200: return rebalance_conflict(r.text)
+    return r.status_code >= 500 or "failed to call" in r.text  # a node that does not answer (yet): one joins or leaves
+
+# %% ../../nbs/02c_stores.ais.ipynb
+def _map_version(node: str) -> int | None:
+    "The version of the cluster map AIStore node `node` (its base URL) knows, or None if it does not say."
+    try: return int(http_session().get(f"{node}/v1/daemon", params={"what": "smap"}, timeout=5).json()["version"])
+    except (requests.RequestException, ValueError, KeyError, TypeError): return None
+
+def objects_moving(url: str,                   # The object's URL on an AIStore proxy (`.../v1/objects/...`)
+                   answered: str | None = None,  # The URL that answered 404 (a target's, after the redirect)
+                  ) -> bool:
+    """Whether the AIStore cluster behind object `url` moves objects now: a rebalance or resilver runs, it cannot ask
+    all its nodes, or the target that answered knows an older cluster map than the proxy (it has just joined, and
+    does not know yet where objects are). Asked after a 404: such a 404 is a fault."""
+    u = urllib.parse.urlsplit(url)
+    if not u.path.startswith("/v1/objects/"): return False
+    proxy = f"{u.scheme}://{u.netloc}"
+    if cluster_moving(proxy): return True
+    if not answered or (a := urllib.parse.urlsplit(answered)).netloc == u.netloc: return False
+    behind, ahead = _map_version(f"{a.scheme}://{a.netloc}"), _map_version(proxy)
+    return None not in (behind, ahead) and behind < ahead
+
+def listed_version(entry) -> str:
+    "The content version of a listed object (`checksum/version`): what `AISRules.version` reads from its headers."
+    return f"{entry.checksum or ''}/{entry.version or ''}"
+
+# %% ../../nbs/02c_stores.ais.ipynb
+class AISRules(ServerRules):
+    "AIStore's answers: a rebalance's refusals and a joining target's 404s are faults; its version headers."
+    name, busy = "AIStore", ClusterBusy
+    def answer_cause(self, status: int, text: str) -> str | None:
+        if status in (400, 409) and rebalance_conflict(text): return BUSY
+        if status == 400 and _NODE_DOWN.search(text or ""): return "connection refused"  # a proxy cannot reach a node
+        return None
+    def moving(self, url: str, answered: str | None) -> bool: return objects_moving(url, answered)
+    def version(self, headers) -> str:
+        cs, v = headers.get("Ais-Checksum-Value", ""), headers.get("Ais-Version", "")
+        return f"{cs}/{v}" if cs or v else ""
+
+SERVER_RULES[:] = [r for r in SERVER_RULES if type(r).__name__ != "AISRules"] + [AISRules()]  # once, if run again
 
 # %% ../../nbs/02c_stores.ais.ipynb
 class AISStore(Store):
@@ -165,3 +233,29 @@ def upload_shards(src: str | Path,                    # A local folder of shards
         print(f"uploaded {len(names)} files ({size / 1e6:.1f} MB) to {store.spec} in {time.time() - t0:.1f} s")
         if line := store.retries.report(what="ais put", noun="upload"): print(line)
     return names
+
+# %% ../../nbs/02c_stores.ais.ipynb
+def version_blame(endpoint: str, what: str) -> str:
+    "'; the cluster runs AIStore 4.x ...' when the cluster, asked, is older than 5.0 (where `what` came); else ''."
+    try: v = requests.get(f"{endpoint}/v1/daemon", params={"what": "software_version"}, timeout=5).text.strip('" \n')
+    except requests.RequestException: return ""
+    old = (m := re.match(r"(\d+)\.", v)) and int(m.group(1)) < 5
+    return f"; the cluster runs AIStore {v}, and {what} needs 5.0" if old else ""
+
+def sdk_endpoint(client) -> str:
+    "The endpoint an `aistore.Client` talks to ('' for a stand-in that has none), for messages."
+    # the SDK (aistore 2.0) keeps it only in its private request client: tests/test_reach_ins.py fails if that changes
+    return str(getattr(getattr(client, "_request_client", None), "base_url", "")).removesuffix("/v1")
+
+def etl_unavailable(client_or_endpoint=None) -> str | None:
+    "None if the AIStore cluster can run ETL, else one line saying why not (and what shardkit does instead)."
+    from aistore.sdk.errors import AISError
+    client = client_or_endpoint if hasattr(client_or_endpoint, "cluster") else ais_client(client_or_endpoint)
+    ep = sdk_endpoint(client)
+    try: client.cluster().list_etls(); return None
+    except AISError as e:
+        try: msg = json.loads(e.message)["message"]
+        except Exception: msg = str(e.message).strip().splitlines()[0][:200]
+        return (f"AIStore at {ep} cannot run ETL "
+                f"(HTTP {e.status_code}: {msg}): AIStore runs ETL only on Kubernetes in builds with the `etl` tag; "
+                "run the transform in a sidecar instead (shardkit etl serve)")

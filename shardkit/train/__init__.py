@@ -16,6 +16,17 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from shardkit.train.data import (
+    KeyedImageFolder,
+    TrainError,
+    count_samples_and_classes,
+    example_loader,
+    expand_urls,
+    folder_loader,
+    make_transform,
+    rank_shards,
+    setup_distributed,
+)
 from shardkit.train.loop import (
     CHECKPOINT_FORMAT,
     OPTIMIZERS,
@@ -28,35 +39,18 @@ from shardkit.train.loop import (
     run_epochs,
     train_epochs,
 )
-from shardkit.train.step import (
-    PRECISIONS,
-    KeyedImageFolder,
-    TrainError,
-    count_correct,
-    count_samples_and_classes,
-    evaluate,
-    example_loader,
-    expand_urls,
-    folder_loader,
-    make_model,
-    make_transform,
-    pick_precision,
-    rank_shards,
-    setup_distributed,
-    small_cnn,
-    training_step,
-)
 from ..command import command, write_json
 from ..config import run_tempdir
 from ..errors import DataError
-from ..loading.gpu import why_no_gpu
+from ..loading.decode import eval_transform, train_transform
+from ..loading.gpu_decode import why_no_gpu
 from ..loading.pipeline import create_dataloader, create_dataset
 from ..loading.sources import image_folder
 from ..loading.stream import worker_tmpdir_problem
-from ..loading.transforms import eval_transform, train_transform
 from ..remote import retry_bound
 from ..shards.fields import ShardError
 from ..stores import is_command, is_local, shown_path
+from .model import PRECISIONS, count_correct, evaluate, make_model, pick_precision, small_cnn, training_step
 
 # %% auto 0
 __all__ = ['torch_threads', 'ShardReadError', 'train', 'train_cli', 'PRECISIONS', 'CHECKPOINT_FORMAT', 'OPTIMIZERS', 'TrainError',

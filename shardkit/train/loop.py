@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 from ..errors import LoaderError
 from ..remote import say_line
 from ..stores import shown_path
-from .step import TrainError, count_correct, images_and_labels, training_step
+from .data import TrainError, images_and_labels
+from .model import count_correct, training_step
 
 # %% auto 0
 __all__ = ['CHECKPOINT_FORMAT', 'OPTIMIZERS', 'log_rank0', 'LoopSettings', 'drop_half_written', 'rank_checkpoint',

@@ -90,9 +90,9 @@ def padded_long_names(tar: bytes) -> bool:
 
 @target("tar")
 def tar():
-    "The one tar reader (shards/read.py): headers, long names, pax records, sizes, truncation; against `tarfile`."
+    "The one tar reader (shards/tar.py): headers, long names, pax records, sizes, truncation; against `tarfile`."
     from shardkit.loading.index import group_members
-    from shardkit.shards.read import read_samples, tar_entries, tar_members
+    from shardkit.shards.tar import read_samples, tar_entries, tar_members
 
     def one(data: bytes):
         if not data: return
@@ -139,7 +139,7 @@ def webdataset_split(name: str):
 def keys():
     "Sample key and field splitting (shards/fields.py): split_key as WebDataset splits, field types, unsafe names."
     from shardkit.shards.fields import field_ext, is_image_key, is_jpeg_key, is_mask_key, refuse_pickle, split_key
-    from shardkit.shards.read import is_meta_member, read_samples, unsafe_name
+    from shardkit.shards.tar import is_meta_member, read_samples, unsafe_name
 
     def one(data: bytes):
         names = data.decode("utf-8", "surrogateescape").split("\0")[:64]
@@ -201,9 +201,9 @@ def index():
 # ---------------------------------------------------------------- manifests
 @target("manifest")
 def manifest():
-    "Conversion manifests (shards/manifest.py): read, resumed from, summarised, counted, listed (shards/read.py)."
+    "Conversion manifests (shards/manifest.py): read, resumed from, summarised, counted, listed (shards/tar.py)."
     from shardkit.shards.manifest import incomplete_jobs, manifest_fields, read_manifest, resume_point, summarize
-    from shardkit.shards.read import list_shards
+    from shardkit.shards.tar import list_shards
     from shardkit.stores import open_store
     root = _scratch("fuzz-manifest-")
     (root / "shard-000000.tar").write_bytes(b"\0" * 1024)
@@ -224,9 +224,9 @@ ETL_SETTINGS = dict(kind="shardkit-etl", src="/data/src", transform="m:f", decod
 
 @target("etl_manifest")
 def etl_manifest():
-    "The ETL manifest (etl/manifest.py): read back, resumed from (done_shards), written again; counted (list_shards)."
-    from shardkit.etl.manifest import MANIFEST, done_shards, read_etl_manifest, write_etl_manifest
-    from shardkit.shards.read import list_shards
+    "The ETL manifest (etl/receipt.py): read back, resumed from (done_shards), written again; counted (list_shards)."
+    from shardkit.etl.receipt import MANIFEST, done_shards, read_etl_manifest, write_etl_manifest
+    from shardkit.shards.tar import list_shards
     from shardkit.stores import open_store
     root = _scratch("fuzz-etl-manifest-")
     (root / "part-000.tar").write_bytes(b"\0" * 1024)
@@ -312,7 +312,7 @@ def stream_state():
 
 @target("random_state")
 def random_state():
-    "The random-access loader's load_state_dict (loading/random.py): loads to the same position or refuses."
+    "The random-access loader's load_state_dict (loading/random_access.py): loads to the same position or refuses."
     from shardkit import create_dataloader, create_dataset
     from shardkit.errors import ShardkitError
     loader = create_dataloader(create_dataset(str(_shards()), fields=("cls", "txt"), seed=1, batch_size=4,

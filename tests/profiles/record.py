@@ -13,10 +13,10 @@ from torchvision import datasets, transforms as T
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent.parent))
 from shardkit.bench.peers import post_loader
-from shardkit.datasets.folder import synthesize_folder
+from shardkit.ingest.folder import synthesize_folder
 from shardkit import create_dataloader, create_dataset
 from shardkit.loading.pipeline import create_dataloader, create_dataset
-from shardkit.loading.transforms import train_transform
+from shardkit.loading.decode import train_transform
 from shardkit.profile import profile_pipeline
 sys.path.insert(0, str(HERE.parent.parent / "tests"))
 from conftest import write_pet_shards

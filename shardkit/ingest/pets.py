@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from ..command import command
 from ..errors import ShardkitError, UsageError
 from ..shards.fields import SkipSample, check_image, image_size, load_image_decoder
-from ..shards.read import unsafe_name
+from ..shards.tar import unsafe_name
 from ..shards.write import ordered_map, write_shards
 from ..stores import shown_path
 from .synth import draw_animal, jpeg_bytes, png_bytes
