@@ -63,9 +63,9 @@ def bench_mix(src,                        # Shards: a directory, ais://, s3://, 
               seed: int = 0,              # Seed of orders, shuffles and crops
              ) -> list[dict]:             # One row per contender: medians, and the mix's ratios to one source
     "One source against the same shards as a mix of two, streamed and by random access: samples/s, CPU ms/sample."
-    if images: f = shard_fields(shard_urls(src)[0]); keys, transform = (f["label"], f["image"]), train_transform(size)
-    else: keys, transform = ("__key__", "cls"), None
-    makers = _contenders(src, keys, transform, batch_size, num_workers=num_workers, seed=seed)
+    if images: f = shard_fields(shard_urls(src)[0]); fields, transform = (f["label"], f["image"]), train_transform(size)
+    else: fields, transform = ("__key__", "cls"), None
+    makers = _contenders(src, fields, transform, batch_size, num_workers=num_workers, seed=seed)
     runs = {name: [] for name in makers}
     for r in range(repeats):
         for name in (list(makers) if r % 2 == 0 else list(makers)[::-1]):  # alternate who goes first

@@ -55,13 +55,13 @@ def shard_fields(url: str) -> dict:
     "The fields of the first sample of shard `url`: its JPEG image, its class label, and a trimap if it has one."
     sample = first_sample(url)  # shardkit's reader: local, http(s), ais:// and s3:// alike
     if sample is None: raise BenchError(f"{url} holds no samples; give shards with JPEG images and class labels")
-    keys = [k for k in sample if not k.startswith("__")]
-    jpgs = [k for k in keys if k.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg")]
-    labels = [k for k in keys if k.rsplit(".", 1)[-1].lower() == "cls"]
+    fields = [k for k in sample if not k.startswith("__")]
+    jpgs = [k for k in fields if k.rsplit(".", 1)[-1].lower() in ("jpg", "jpeg")]
+    labels = [k for k in fields if k.rsplit(".", 1)[-1].lower() == "cls"]
     if not jpgs or not labels:
-        raise BenchError(f"the samples of {url} have fields {keys}; "
+        raise BenchError(f"the samples of {url} have fields {fields}; "
                          "the loader benchmark needs a JPEG image (.jpg) and a class label (.cls)")
-    return dict(image=jpgs[0], label=labels[0], trimap="trimap.png" if "trimap.png" in keys else None)
+    return dict(image=jpgs[0], label=labels[0], trimap="trimap.png" if "trimap.png" in fields else None)
 
 def extract_image_folder(urls: Sequence[str], root: str | Path, image: str = "image.jpg", label: str = "cls") -> int:
     "Write the images of `urls` as an ImageFolder tree `root/<cls>/<n>-<key>.jpg`; returns the number of images."

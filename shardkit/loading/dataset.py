@@ -41,7 +41,7 @@ class DatasetSettings:
     retries: Retries | None = None          # How reads retry faults (and count them)
     mix: dict | None = None                 # Several sources: `mixed_sources`' names, weights and other sources
     shuffle: int = 1000                     # Streaming: each worker's sample shuffle buffer (samples); 0: shard order
-    shard_shuffle: bool = True              # Streaming: shuffle the shard order each epoch (False: as listed)
+    reorder_shards: bool = True             # Streaming: shuffle the shard order each epoch (False: as listed)
     resampled: bool = False                 # Streaming: draw shards with replacement, `epoch_samples` per epoch
     epoch_samples: int | None = None        # Streaming: samples per epoch of the whole job (with `resampled`)
     handler: Callable = wds.reraise_exception  # Streaming: a bad sample (a webdataset handler)
@@ -63,7 +63,7 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
                   shuffle: int = 1000,                  # Each worker's sample shuffle buffer (samples); 0: shard order
                   rank: int | None = None,              # This process's rank; None: from torch.distributed (or 0)
                   world_size: int | None = None,        # How many ranks share the shards; None: torch.distributed
-                  shard_shuffle: bool = True,           # Shuffle the shard order each epoch (False: as listed)
+                  reorder_shards: bool = True,          # Shuffle the shard order each epoch (False: as listed)
                   resampled: bool = False,              # Draw shards with replacement, `epoch_samples` per epoch
                   epoch_samples: int | None = None,     # Samples per epoch of the whole job (with `resampled`)
                   handler: Callable = wds.reraise_exception,  # A bad sample: a webdataset handler
@@ -74,7 +74,8 @@ def shard_dataset(urls: Sequence[str],                  # The shards' URLs (`sha
     "The stages of every streaming pipeline: the epoch's shards, their samples, shuffled, resumed, decoded, batched."
     seed_given = seed is not None
     if seed is None: seed = 0 if rank_and_world(rank, world_size)[1] > 1 else secrets.randbits(63)
-    shards = EpochShards(urls, seed, shard_shuffle=shard_shuffle, resampled=resampled, rank=rank, world_size=world_size)
+    shards = EpochShards(urls, seed, reorder_shards=reorder_shards, resampled=resampled, rank=rank,
+                         world_size=world_size)
     shards.seed_given = seed_given  # a loader resuming a run with seed=None takes the saved seed
     stages = [shards, partial(url_samples, handler=handler, retries=retries), partial(drop_planned, shards=shards)]
     if mix: stages.append(partial(mix_samples, shards=shards, names=mix[0], weights=mix[1], others=mix[2],

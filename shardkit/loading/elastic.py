@@ -17,7 +17,7 @@ from .sources import buffer_shuffle, epoch_shard_order, seeded_rng, shard_name
 __all__ = ['merge_states', 'handed_out', 'next_plan', 'checked_plan']
 
 # %% ../../nbs/24b_elastic.ipynb
-_JOB = ("epoch", "seed", "shards", "num_workers", "batch_size", "shuffle", "epoch_samples", "shard_shuffle", "plan")
+_JOB = ("epoch", "seed", "shards", "num_workers", "batch_size", "shuffle", "epoch_samples", "reorder_shards", "plan")
 
 def merge_states(states: dict | Sequence[dict],  # Every rank's `state_dict()` (one dict: a job of one rank)
                 ) -> dict:                        # The job: the common settings, `world_size`, `batches` per rank
@@ -31,13 +31,13 @@ def merge_states(states: dict | Sequence[dict],  # Every rank's `state_dict()` (
         raise LoaderError(f"cannot resume on another shape: the states are of ranks {ranks}, and the saved run had "
                           f"{world}; pass the state_dict() of every rank (ranks 0 to {world - 1})")
     for k in _JOB:
-        if len({repr(s.get(k, True if k == "shard_shuffle" else None)) for s in states}) > 1:
+        if len({repr(s.get(k, True if k == "reorder_shards" else None)) for s in states}) > 1:
             raise LoaderError(f"cannot resume: the ranks' states differ in {k}, so they are not one job's states")
     if states[0].get("epoch_samples"):
         raise LoaderError("cannot resume on another shape: a resampled epoch (epoch_samples=N) has no fixed samples "
                           "to share out again; resume it on the shape that saved it")
     job = {k: states[0].get(k) for k in _JOB}
-    job["shard_shuffle"] = states[0].get("shard_shuffle", True)
+    job["reorder_shards"] = states[0].get("reorder_shards", True)
     # the counts the plan computes with, checked (a LoaderError names the field) and taken as ints
     job.update(epoch=saved_count(job["epoch"], "epoch"), num_workers=saved_count(job["num_workers"], "num_workers"),
                shuffle=saved_count(job["shuffle"] or 0, "shuffle"))
@@ -55,7 +55,7 @@ def _epoch_shards(job: dict, urls: Sequence[str]) -> list[list]:
     "The epoch's shards as [name, places handed out before], in their order: the job's plan, or the seeded order."
     plan = job.get("plan")
     if plan is not None and plan.get("epoch") == job["epoch"]: return [[n, list(p)] for n, p in plan["shards"]]
-    return [[shard_name(u), []] for u in epoch_shard_order(urls, job["seed"], job["epoch"], job["shard_shuffle"])]
+    return [[shard_name(u), []] for u in epoch_shard_order(urls, job["seed"], job["epoch"], job["reorder_shards"])]
 
 def _places(names: Sequence[str], by_name: dict, gone: dict, sizes: dict, *, handler: Callable, retries):
     "(name, place) of each sample of shards `names` in order, but the places `gone` names; `sizes` of those read."

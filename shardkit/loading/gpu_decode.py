@@ -392,7 +392,7 @@ def jpeg_dataset(urls: Sequence[str],          # The shards' URLs (`shard_urls`)
                       allow_pickle=s.allow_pickle)
     mix = s.mix and (s.mix["names"], s.mix["weights"], [shard_urls(o) for o in s.mix["sources"]])
     return shard_dataset(urls, to_jpeg, s.fields, s.batch_size, collation_fn=pack_jpegs, seed=s.seed,
-                         shuffle=s.shuffle, rank=s.rank, world_size=s.world_size, shard_shuffle=s.shard_shuffle,
+                         shuffle=s.shuffle, rank=s.rank, world_size=s.world_size, reorder_shards=s.reorder_shards,
                          resampled=s.resampled, epoch_samples=s.epoch_samples, handler=s.handler, retries=s.retries,
                          mix=mix, settings=s)
 

@@ -24,14 +24,14 @@ def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
 
-def _feistel(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
-    "Positions `x` (int64, in range(n)) through the Feistel network of round `keys`, cycle-walked into range(n)."
+def _feistel(x: np.ndarray, n: int, round_keys: np.ndarray) -> np.ndarray:
+    "Positions `x` (int64, in range(n)) through the Feistel network of `round_keys`, cycle-walked into range(n)."
     if n <= 1: return x.copy()
     half = (int(n - 1).bit_length() + 1) // 2  # two halves of `half` bits hold range(n): at most 4n numbers
     mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
     def rounds(v):
         hi, lo = v >> shift, v & mask
-        for k in keys: hi, lo = lo, hi ^ (_mix(lo, k) & mask)
+        for k in round_keys: hi, lo = lo, hi ^ (_mix(lo, k) & mask)
         return (hi << shift) | lo
     out = rounds(x.astype(np.uint64))
     while (out_of := np.flatnonzero(out >= np.uint64(n))).size: out[out_of] = rounds(out[out_of])  # cycle-walk
@@ -84,7 +84,7 @@ class EpochOrder:
         if window is not None and window < 1: raise UsageError(f"window must be at least 1 shard, got {window}")
         self.starts, self.seed, self.epoch, self.window = np.asarray(starts, np.int64), seed, epoch, window
         self.n, self.kept = int(self.starts[-1]), OrderedDict()
-        if window is None: self.keys = _round_keys(seed_for(seed, epoch, "permutation")); return
+        if window is None: self.round_keys = _round_keys(seed_for(seed, epoch, "permutation")); return
         counts = np.diff(self.starts)
         self.shards = np.random.default_rng(seed_for(seed, epoch, "shards")).permutation(len(counts))
         sizes = np.add.reduceat(counts[self.shards], np.arange(0, len(counts), window)) if len(counts) else counts
@@ -96,7 +96,7 @@ class EpochOrder:
         p = np.asarray(positions, np.int64).ravel()
         if p.size and (p.min() < 0 or p.max() >= self.n):
             raise UsageError(f"positions must lie in range({self.n}), got {p.min()} to {p.max()}")
-        if self.window is None: return _feistel(p, self.n, self.keys)
+        if self.window is None: return _feistel(p, self.n, self.round_keys)
         w, out = np.searchsorted(self.ends, p, side="right"), np.empty(len(p), np.int64)
         for u in np.unique(w).tolist():
             m = w == u

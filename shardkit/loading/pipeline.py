@@ -96,7 +96,7 @@ def _streamed(urls: Sequence[str], prepare: Callable, s: DatasetSettings, collat
     "The streaming `ShardDataset` of `s` over `urls`, each raw sample made ready by `prepare`."
     mix = s.mix and (s.mix["names"], s.mix["weights"], [shard_urls(o) for o in s.mix["sources"]])
     return shard_dataset(urls, prepare, s.fields, s.batch_size, collation_fn=collation_fn, seed=s.seed,
-                         shuffle=s.shuffle, rank=s.rank, world_size=s.world_size, shard_shuffle=s.shard_shuffle,
+                         shuffle=s.shuffle, rank=s.rank, world_size=s.world_size, reorder_shards=s.reorder_shards,
                          resampled=s.resampled, epoch_samples=s.epoch_samples, handler=s.handler,
                          retries=s.retries, mix=mix, settings=s)
 
@@ -113,7 +113,7 @@ def create_dataset(source,                       # Shards: a store, directory, a
                    rank: int | None = None,      # This process's rank; None: from torch.distributed (or 0)
                    world_size: int | None = None,  # How many ranks share the shards; None: from torch.distributed
                    normalize: bool = False,      # float32 ImageNet-normalised images instead of uint8
-                   shard_shuffle: bool = True,   # Streaming: shuffle the shard order each epoch (False: as listed)
+                   reorder_shards: bool = True,  # Streaming: shuffle the shard order each epoch (False: as listed)
                    handler: str | Callable = "raise",  # A bad sample: "raise", "skip" (counted, reported) or a function
                    allow_pickle: bool = False,   # Decode .pyd/.pickle fields (only for shards you trust)
                    access: str = "stream",       # "stream": shards in order; "random": samples by number, shuffled
@@ -142,8 +142,9 @@ def create_dataset(source,                       # Shards: a store, directory, a
     s = DatasetSettings(fields=tuple(fields), transform=transform, batch_size=batch_size, seed=seed, rank=rank,
                         world_size=world_size, access=access, decode_on=decode_on, normalize=normalize,
                         channels_last=channels_last, allow_pickle=allow_pickle, retries=retries, mix=mix,
-                        shuffle=shuffle, shard_shuffle=shard_shuffle, resampled=resampled, epoch_samples=epoch_samples,
-                        handler=error_handler(handler), pad=pad, drop_last=drop_last, window=window,
+                        shuffle=shuffle, reorder_shards=reorder_shards, resampled=resampled,
+                        epoch_samples=epoch_samples, handler=error_handler(handler), pad=pad, drop_last=drop_last,
+                        window=window,
                         index_cache=index_cache, read=read, shard_cache=shard_cache)
     if access == "random": return random_dataset(first, replace(s, seed=0 if seed is None else seed))
     if decode_on == "gpu":

@@ -135,18 +135,18 @@ def shard_name(url: str) -> str:
     "A shard's name in its store, from its URL or path (a job may resume reading a bucket through another proxy)."
     return PurePosixPath(url.split("?")[0]).name
 
-def epoch_shard_order(urls: Sequence[str], seed: int, epoch: int, shard_shuffle: bool = True) -> list[str]:
-    "Every shard of epoch `epoch` in its seeded order (as listed, if not `shard_shuffle`): slot s of S reads `[s::S]`."
+def epoch_shard_order(urls: Sequence[str], seed: int, epoch: int, reorder_shards: bool = True) -> list[str]:
+    "Every shard of epoch `epoch` in its seeded order (as listed, if not `reorder_shards`): slot s of S reads `[s::S]`."
     urls = list(urls)
-    if shard_shuffle: seeded_rng(seed, epoch, "shards").shuffle(urls)
+    if reorder_shards: seeded_rng(seed, epoch, "shards").shuffle(urls)
     return urls
 
 # %% ../../nbs/21_sources.ipynb
 class EpochShards(IterableDataset):
     "The shard URLs of one epoch for this rank and worker, in a seeded order that changes every epoch."
-    def __init__(self, urls: Sequence[str], seed: int, *, shard_shuffle: bool = True, resampled: bool = False,
+    def __init__(self, urls: Sequence[str], seed: int, *, reorder_shards: bool = True, resampled: bool = False,
                  rank: int | None = None, world_size: int | None = None):
-        self.urls, self.seed, self.shard_shuffle, self.resampled = list(urls), seed, shard_shuffle, resampled
+        self.urls, self.seed, self.reorder_shards, self.resampled = list(urls), seed, reorder_shards, resampled
         self.rank, self.world_size = rank, world_size
         self.epoch, self.ctx = 0, None
         # for a resumed epoch (ShardLoader.load_state_dict); `plan`: the rest of an epoch resumed on another shape
@@ -174,7 +174,8 @@ class EpochShards(IterableDataset):
             by_name = {shard_name(u): u for u in self.urls}
             for name, _ in self.plan["shards"][ctx["slot"]::ctx["slots"]]: yield dict(url=by_name[name])
             return
-        for url in epoch_shard_order(self.urls, self.seed, ctx["epoch"], self.shard_shuffle)[ctx["slot"]::ctx["slots"]]:
+        order = epoch_shard_order(self.urls, self.seed, ctx["epoch"], self.reorder_shards)
+        for url in order[ctx["slot"]::ctx["slots"]]:
             yield dict(url=url)
 
 # %% ../../nbs/21_sources.ipynb

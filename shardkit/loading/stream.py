@@ -297,7 +297,7 @@ def state_dict(self: ShardLoader) -> dict:
     plan = sh.plan if sh.plan is not None and sh.plan["epoch"] == epoch else None  # an epoch resumed on another shape
     return dict(epoch=epoch, batches=taken, next_worker=nxt, seed=sh.seed, shards=shards_digest(tuple(sh.urls)),
                 num_workers=self.num_workers, batch_size=ds.batch_size, rank=rank, world_size=world,
-                shuffle=ds.shuffle, epoch_samples=ds.epoch_samples, shard_shuffle=sh.shard_shuffle, plan=plan,
+                shuffle=ds.shuffle, epoch_samples=ds.epoch_samples, reorder_shards=sh.reorder_shards, plan=plan,
                 mix=getattr(ds, "mix", None))
 
 # %% ../../nbs/25_stream.ipynb

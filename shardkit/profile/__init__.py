@@ -82,8 +82,8 @@ def build_loader(src,                    # Shards: a directory, ais://, s3://, a
     if pipeline == "gpu":  # one JPEG per sample is what it decodes: the trimap stays out
         return create_dataloader(create_dataset(urls, fields=(f["label"], f["image"]), batch_size=batch_size,
                                                 seed=seed, decode_on="gpu"), num_workers=num_workers, device=device)
-    keys = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
-    ds = create_dataset(urls, fields=keys, transform=train_transform(crop_decode=pipeline == "default"), seed=seed)
+    fields = (f["label"], f["image"]) + ((f["trimap"],) if f["trimap"] else ())
+    ds = create_dataset(urls, fields=fields, transform=train_transform(crop_decode=pipeline == "default"), seed=seed)
     return create_dataloader(ds, num_workers=num_workers, batch_size=batch_size)
 
 # %% ../../nbs/42b_profile.ipynb

@@ -74,7 +74,7 @@ def refuse_pickle(fields: str | Sequence[str], allow_pickle: bool = False):
         ext = field_ext(key)
         if ext in PICKLE_EXTS and not key.startswith("__") and not allow_pickle:
             raise PickleRefused(f"field {key!r} is a pickle ({ext}): decoding it would run code from the shard; "
-                                "leave it out of the keys, or pass allow_pickle=True only for shards you trust")
+                                "leave it out of the fields, or pass allow_pickle=True only for shards you trust")
 
 def decode_field(key: str, data: bytes, allow_pickle: bool = False):
     "Field `key` decoded by WebDataset's basic decoders (None: a type they don't know); pickles only if `allow_pickle`."

@@ -24,10 +24,11 @@ from .ais import upload_shards
 
 # %% auto 0
 __all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore', 'write_node_configs',
-           'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status', 'ais_up', 'ais_down', 'format_status',
-           'start_rebalance', 'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join', 'ais_up_cli',
-           'ais_down_cli', 'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
+           'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore', 'node_env',
+           'write_node_configs', 'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status', 'node_command',
+           'ais_up', 'ais_down', 'format_status', 'start_rebalance', 'await_rebalance', 'ais_maintenance',
+           'ais_decommission', 'ais_join', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli',
+           'ais_put_cli']
 
 # %% ../../nbs/07_stores.ais_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -142,25 +143,30 @@ def build_aistore(force: bool = False,  # Rebuild aisnode even if a build of thi
 # %% ../../nbs/07_stores.ais_cluster.ipynb
 def _node_ports(port: int, i: int) -> tuple[int, int, int]: return port + i, port + 1000 + i, port + 2000 + i
 
+def node_env(root: Path, i: int, port: int, mountpaths: int = 2) -> dict[str, str]:
+    "What upstream's config generator is told for node `i` (0: the proxy, else a target): folders, ports, disks."
+    role = "proxy" if i == 0 else "target"
+    d = root / f"{role}{i}"
+    pub, ctl, data = _node_ports(port, i)
+    return {"AIS_CONF_DIR": str(d), "AIS_CONF_FILE": str(d / "ais.json"),
+            "AIS_LOCAL_CONF_FILE": str(d / "ais_local.json"),
+            "AIS_LOG_DIR": str(d / "log"), "AIS_PRIMARY_URL": f"http://127.0.0.1:{port}", "AIS_BACKEND_PROVIDERS": "",
+            "HOSTNAME_LIST": "127.0.0.1", "HOSTNAME_LIST_INTRA_CONTROL": "127.0.0.1",
+            "HOSTNAME_LIST_INTRA_DATA": "127.0.0.1",
+            "PORT": str(pub), "PORT_INTRA_CONTROL": str(ctl), "PORT_INTRA_DATA": str(data),
+            "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
+            "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0), "INSTANCE": str(i)}
+
 def _node_config(root: Path, i: int, port: int, mountpaths: int = 2) -> dict:
     "Write the config of node `i` (0: the proxy, else a target) of the cluster at base port `port`; the node."
     gen = aistore_source() / "deploy" / "dev"
     role = "proxy" if i == 0 else "target"
     d = root / f"{role}{i}"
     (d / "log").mkdir(parents=True, exist_ok=True)
-    pub, ctl, data = _node_ports(port, i)
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()),
-           "AIS_CONF_DIR": str(d), "AIS_CONF_FILE": str(d / "ais.json"),
-           "AIS_LOCAL_CONF_FILE": str(d / "ais_local.json"),
-           "AIS_LOG_DIR": str(d / "log"), "AIS_PRIMARY_URL": f"http://127.0.0.1:{port}", "AIS_BACKEND_PROVIDERS": "",
-           "HOSTNAME_LIST": "127.0.0.1", "HOSTNAME_LIST_INTRA_CONTROL": "127.0.0.1",
-           "HOSTNAME_LIST_INTRA_DATA": "127.0.0.1",
-           "PORT": str(pub), "PORT_INTRA_CONTROL": str(ctl), "PORT_INTRA_DATA": str(data),
-           "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
-           "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0),
-           "INSTANCE": str(i)}
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()), **node_env(root, i, port, mountpaths)}
     _run(["bash", "-c", f'source "{gen}/utils.sh" && source "{gen}/local/aisnode_config.sh"'],
          f"writing the config of {role}{i}", env=env)
+    pub, ctl, data = _node_ports(port, i)
     return dict(role=role, name=f"{role}{i}", dir=str(d), port=pub, ports=[pub, ctl, data])
 
 def write_node_configs(root: Path, targets: int = 2, port: int = 8080, mountpaths: int = 2) -> list[dict]:
@@ -267,11 +273,15 @@ def _smap_flags(endpoint: str) -> dict[int, int]:
     return {int(v["public_net"]["daemon_port"]): int(v.get("flags") or 0) for v in nodes}
 
 # %% ../../nbs/07_stores.ais_cluster.ipynb
-def _start_node(binary: Path, n: dict, targets: int) -> dict:
-    "Start node `n` in a process session of its own (so it outlives its starter), output to its `stdout.log`."
+def node_command(binary: Path, n: dict, targets: int) -> list[str]:
+    "The command line that starts node `n` (a dict with its `dir` and `role`) of a cluster of `targets` targets."
     d = Path(n["dir"])
     cmd = [str(binary), f"-config={d / 'ais.json'}", f"-local_config={d / 'ais_local.json'}", f"-role={n['role']}"]
-    if n["role"] == "proxy": cmd.append(f"-ntargets={targets}")
+    return cmd + [f"-ntargets={targets}"] * (n["role"] == "proxy")
+
+def _start_node(binary: Path, n: dict, targets: int) -> dict:
+    "Start node `n` in a process session of its own (so it outlives its starter), output to its `stdout.log`."
+    d, cmd = Path(n["dir"]), node_command(binary, n, targets)
     with open(d / "stdout.log", "ab") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=d,
                              start_new_session=True)

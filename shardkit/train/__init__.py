@@ -225,7 +225,7 @@ def _passes(loader):
 # %% ../../nbs/30b_train.ipynb
 def _val_loader(val_urls, size, batch_size, num_workers, *, rank, world_size, dev, retry_wait=120):
     "shardkit's loader over this rank's share of the validation shards: resize and centre crop, uint8, in shard order."
-    ds = create_dataset(val_urls, fields=_FIELDS, transform=eval_transform(size), shuffle=0, shard_shuffle=False,
+    ds = create_dataset(val_urls, fields=_FIELDS, transform=eval_transform(size), shuffle=0, reorder_shards=False,
                         batch_size=batch_size, seed=0, rank=rank, world_size=world_size, retry_wait=retry_wait)
     with warnings.catch_warnings():  # fewer validation shards than ranks x workers is fine here: each is read once
         warnings.filterwarnings("ignore", message=".*get no shard and stay idle")

@@ -126,7 +126,7 @@ def etl_manifest_seeds():
 
 def state_seeds():
     s = {"epoch": 1, "batches": [2, 1], "next_worker": 1, "seed": 1, "shards": "", "num_workers": 2, "batch_size": 4,
-         "rank": 0, "world_size": 1, "shuffle": 1000, "epoch_samples": None, "shard_shuffle": True, "plan": None,
+         "rank": 0, "world_size": 1, "shuffle": 1000, "epoch_samples": None, "reorder_shards": True, "plan": None,
          "mix": None}
     _write("stream_state", "saved", json.dumps(s).encode())
     _write("stream_state", "plan", json.dumps(dict(s, plan={"epoch": 1, "shards": [["shard-00000.tar", [0, 3]]]}))
