@@ -119,7 +119,8 @@ def azurite(root: Path):
     endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
     cmd = [str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent", "--loose", "--skipApiVersionCheck",
            "--inMemoryPersistence"]
-    with _running(cmd, root, "azurite", lambda rq: rq.get(f"{endpoint}?comp=list", timeout=1).status_code in (200, 403)):
+    answers = lambda rq: rq.get(f"{endpoint}?comp=list", timeout=1).status_code in (200, 403)  # noqa: E731
+    with _running(cmd, root, "azurite", answers):
         yield endpoint
 
 

@@ -1,6 +1,6 @@
 """One conformance suite, one test body, run over every backend: local files, HTTP (a real `http.server` on
-127.0.0.1 serving a folder), the local AIStore, the S3 API (AIStore's own `/s3`), Google Cloud Storage's (fake-gcs-server)
-and Azure Blob Storage's (Azurite). Each backend is made from its
+127.0.0.1 serving a folder), the local AIStore, the S3 API (AIStore's own `/s3`), Google Cloud Storage's
+(fake-gcs-server) and Azure Blob Storage's (Azurite). Each backend is made from its
 URL by `open_store`; the same reads are asked of each, and the writes of those that write (`writable`): an HTTP
 server is read-only, and a write there must be refused, not ignored."""
 import functools, http.server, io, os, re, threading
@@ -62,7 +62,8 @@ def seeded(request, tmp_path, monkeypatch):
     if kind == "gs": monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
     if kind == "az":
         from bucketservers import connection_string
-        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(request.getfixturevalue("azurite_emulator")))
+        endpoint = request.getfixturevalue("azurite_emulator")
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(endpoint))
     if kind in ("ais", "s3"): endpoint = request.getfixturevalue("ais_endpoint")
     if kind == "s3":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"{endpoint}/s3")

@@ -26,11 +26,11 @@ from .local import LocalStore, file_mode
 from .s3 import S3Store, s3_shard_urls
 
 # %% auto 0
-__all__ = ['BACKENDS', 'COMMAND', 'NOT_YET', 'not_yet', 'backend_for', 'is_command', 'is_local', 'open_store', 'open_url',
-           'read_url_range', 'stat_url', 'url_name', 'AISStore', 'ais_client', 'ais_endpoint', 'listed_settled',
-           'upload_shards', 'SHARD_SUFFIXES', 'Store', 'as_names', 'did_you_mean', 'expand_names', 'match_names',
-           'parse_size', 'shown_path', 'HTTPStore', 'LocalStore', 'file_mode', 'S3Store', 's3_shard_urls', 'GCSStore',
-           'gs_shard_urls', 'AzureStore', 'az_shard_urls']
+__all__ = ['BACKENDS', 'COMMAND', 'NOT_YET', 'BUCKETS', 'not_yet', 'backend_for', 'is_command', 'is_local', 'open_store',
+           'open_url', 'read_url_range', 'stat_url', 'url_name', 'bucket_shard_urls', 'AISStore', 'ais_client',
+           'ais_endpoint', 'listed_settled', 'upload_shards', 'SHARD_SUFFIXES', 'Store', 'as_names', 'did_you_mean',
+           'expand_names', 'match_names', 'parse_size', 'shown_path', 'HTTPStore', 'LocalStore', 'file_mode', 'S3Store',
+           's3_shard_urls', 'GCSStore', 'gs_shard_urls', 'AzureStore', 'az_shard_urls']
 
 # %% ../../nbs/02e_stores.ipynb
 # the package's names, from the modules that hold them
@@ -106,3 +106,10 @@ def stat_url(url: str, retries: Retries | None = None, name: str | None = None) 
 def url_name(url: str) -> str:
     "How messages name the object at `url` (an `s3://` URL without its settings)."
     return url if is_command(url) else _reader(url).url_name(url)
+
+# %% ../../nbs/02e_stores.ipynb
+BUCKETS: tuple[type[Store], ...] = (S3Store, GCSStore, AzureStore)  # signed requests; listings with sizes, versions
+
+def bucket_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
+    "The URLs of the shards bucket URL `spec` (s3://, gs://, az://) names: an object, a brace template or a prefix."
+    return {S3Store: s3_shard_urls, GCSStore: gs_shard_urls, AzureStore: az_shard_urls}[backend_for(spec)](spec, pattern)

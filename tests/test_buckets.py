@@ -1,0 +1,265 @@
+"""gs:// and az:// shards against the stores' own emulators on 127.0.0.1 (fake-gcs-server and Azurite, one of each a
+session: tests/bucketservers.py): epochs in both access modes, written and read back, the command line, refusals, and
+every fault through a proxy of the tests' own in front of each emulator (a cut body, GCS's 429 and 503, Azure's 503
+ServerBusy and 500, a dead object). A planted secret is searched for in every output."""
+import fnmatch, http.client, http.server, json, logging, os, pickle, re, shutil, socket, threading, time, urllib.parse
+from pathlib import Path
+import pytest
+from bucketservers import AZURITE_ACCOUNT, AZURITE_KEY, connection_string
+from faults import N_SHARDS, NAMES, PER_SHARD, fast_retries, write_fault_shards
+from shardkit.remote import AccessDenied, ObjectMissing, RetriesExhausted
+
+pytestmark = pytest.mark.xdist_group("buckets")  # one emulator of each kind a session, on one worker
+KINDS = ["gs", "az"]
+# the answers each store gives when busy or failing, in its own format
+BUSY = {"gs": {429: '{"error": {"code": 429, "message": "rate", "errors": [{"reason": "rateLimitExceeded"}]}}',
+               503: '{"error": {"code": 503, "message": "busy", "errors": [{"reason": "backendError"}]}}'},
+        "az": {503: "<Error><Code>ServerBusy</Code><Message>busy</Message></Error>",
+               500: "<Error><Code>InternalError</Code><Message>oops</Message></Error>"}}
+
+
+class FaultProxy:
+    """Forwards every request to `upstream` (an emulator), playing faults on the GETs its rules match: "cut" (the
+    headers with the full length, half the body, then the connection drops) or an HTTP status (with `Retry-After` and
+    the store's own error body). A rule applies to the paths matching its glob (the URL's path, unquoted), on the
+    first GET of each path ("first"), the first with a Range ("ranged"), or every GET ("always")."""
+    def __init__(self, upstream: str, kind: str):
+        self.upstream, self.kind = urllib.parse.urlsplit(upstream), kind
+        self.rules, self.gets, self.played, self.lock = [], {}, [], threading.Lock()
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, address: None  # a client that went away is no error
+        threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def fault(self, kind, pattern: str, when: str = "first", retry_after: float = 0.2):
+        with self.lock: self.rules.append(dict(kind=kind, pattern=pattern, when=when, retry_after=retry_after))
+    def clear(self):
+        with self.lock: self.rules, self.gets, self.played = [], {}, []
+    def pick(self, path: str, ranged: bool):
+        with self.lock:
+            n = self.gets[path] = self.gets.get(path, 0) + 1
+            m = self.gets[path, "r"] = self.gets.get((path, "r"), 0) + ranged
+            for r in self.rules:
+                if not fnmatch.fnmatchcase(path, r["pattern"]): continue
+                if r["when"] == "always" or (r["when"] == "first" and n == 1) or (r["when"] == "ranged" and ranged
+                                                                                 and m == 1):
+                    self.played.append((r["kind"], path))
+                    return r
+        return None
+    def close(self): self.httpd.shutdown(); self.httpd.server_close()
+
+
+def _proxy_handler(proxy: FaultProxy):
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version, wbufsize = "HTTP/1.1", -1  # an answer in one write: no waits for delayed ACKs
+        def log_message(self, *a): pass
+        def setup(self):
+            super().setup(); self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        def forward(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n) if n else None
+            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+            rule = proxy.pick(path, "Range" in self.headers) if self.command == "GET" else None
+            if rule and isinstance(rule["kind"], int):
+                text = BUSY[proxy.kind].get(rule["kind"], "").encode()
+                self.send_response(rule["kind"]); self.send_header("Retry-After", str(rule["retry_after"]))
+                if proxy.kind == "az" and text:
+                    self.send_header("x-ms-error-code", re.search(b"<Code>(\\w+)", text)[1].decode())
+                self.send_header("Content-Length", str(len(text))); self.end_headers(); self.wfile.write(text)
+                return
+            up = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=30)
+            try:
+                up.connect(); up.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                up.request(self.command, self.path, body=body,
+                           headers={k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
+                r = up.getresponse(); data = r.read()
+            finally: up.close()
+            self.send_response(r.status)
+            for k, v in r.getheaders():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length", "keep-alive"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data))); self.end_headers()
+            if self.command == "HEAD": return
+            if rule and rule["kind"] == "cut":
+                self.wfile.write(data[:len(data) // 2]); self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            self.wfile.write(data)
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = forward
+    return H
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    return write_fault_shards(tmp_path_factory.mktemp("bucket-shards"))
+
+
+def _point_at(kind: str, endpoint: str, mp):
+    "Point this process's clients at `endpoint` (an emulator, or a proxy in front of it)."
+    if kind == "gs": mp.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    else: mp.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(endpoint))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def bucket(request, shard_dir, tmp_path_factory):
+    """(kind, URL of a prefix holding the 8 fault shards, the proxy in front of the emulator): shards uploaded once a
+    module; every request of the tests goes through the proxy."""
+    from shardkit.stores import open_store
+    kind = request.param
+    upstream = request.getfixturevalue("gcs_emulator" if kind == "gs" else "azurite_emulator")
+    proxy = FaultProxy(upstream, kind)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDKIT_HOME", str(tmp_path_factory.mktemp(f"home-{kind}")))  # indexes and caches: this module's
+        _point_at(kind, proxy.base if kind == "gs" else f"{proxy.base}/{AZURITE_ACCOUNT}", mp)
+        store = open_store(f"{kind}://data/shards", create=True)
+        for n in NAMES: store.put_file(shard_dir / n, n)
+        yield kind, f"{kind}://data/shards", proxy
+    proxy.close()
+
+
+@pytest.fixture
+def faults(bucket):
+    kind, url, proxy = bucket
+    proxy.clear()
+    yield proxy
+    proxy.clear()
+
+
+def stream_keys(urls, workers=2, **kw) -> list[str]:
+    "The keys of one streaming epoch (seed 0, batches of 16) in the order the training loop sees them."
+    from shardkit import create_dataloader, create_dataset
+    ds = create_dataset(urls, fields=("__key__", "cls"), seed=0, batch_size=16, shuffle=50,
+                        **{k: v for k, v in kw.items() if k == "retry_wait"})
+    return [k for b in create_dataloader(ds, num_workers=workers, batch_size=16,
+                                         **{k: v for k, v in kw.items() if k != "retry_wait"}) for k in b[0]]
+
+
+def random_keys(source, read, workers=0, **kw) -> list[str]:
+    "The keys of a random-access loader's first epoch (seed 0), its index built fresh, its shard cache empty."
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
+    dl = create_dataloader(create_dataset(source, fields=("__key__", "cls"), batch_size=16, seed=0, read=read,
+                                          index_cache=False, access="random", **kw), num_workers=workers)
+    if read == "cache":
+        for f in dl.dataset.reader.copies.files(): f.unlink()
+    return [k for b in dl for k in b[0]]
+
+
+@pytest.fixture(scope="module")
+def clean(shard_dir):
+    "The local files' epochs: streaming, random access through a shard cache, and by ranges (as local files are)."
+    local = [str(shard_dir / n) for n in NAMES]
+    return dict(stream=stream_keys(local), cache=random_keys(str(shard_dir), "cache"),
+                range=random_keys(str(shard_dir), "local"))
+
+
+def _prefix_of(kind: str, name: str) -> str:
+    "The glob of object `name`'s paths: Azure's /ACCOUNT/CONTAINER/BLOB, GCS's .../b/BUCKET/o/NAME."
+    return f"/*/data/shards/{name}" if kind == "az" else f"*/b/data/o/shards/{name}"
+
+
+# ---- epochs, both access modes ------------------------------------------------------------------------------------
+
+def test_an_epoch_is_exact_in_both_access_modes(bucket, clean):
+    "A prefix streamed (2 forked workers) and read by random access (shard cache; ranges): the local files' epochs."
+    kind, url, _ = bucket
+    assert stream_keys(url) == clean["stream"]
+    assert random_keys(url, "cache") == clean["cache"]
+    assert random_keys(url, "range", workers=2) == clean["range"]
+    from shardkit.loading.index import sample_index
+    idx = sample_index(url, ("__key__", "cls"), index_cache=False)
+    assert idx.kind == kind and len(idx) == N_SHARDS * PER_SHARD and all(v.startswith('"') for v in idx.versions)
+
+
+def test_templates_single_objects_and_lists(bucket, clean):
+    "A brace template (one listing; a missing shard said before reading), one object, and a list of URLs."
+    from shardkit.loading.sources import shard_urls
+    kind, url, _ = bucket
+    assert len(shard_urls(f"{url}/f-{{000..007}}.tar")) == N_SHARDS
+    with pytest.raises(Exception, match=r"1 of the 2 shards .*f-\{007\.\.008\}\.tar names are not in"):
+        shard_urls(f"{url}/f-{{007..008}}.tar")
+    one = stream_keys(f"{url}/f-003.tar", workers=0)
+    assert sorted(one) == [f"s3_{i:02d}" for i in range(PER_SHARD)]
+    assert random_keys([f"{url}/{n}" for n in NAMES], "range") == clean["range"]
+
+
+def test_writers_and_commands_take_buckets(bucket, tmp_path):
+    "write_shards writes into the bucket; ls and verify read it back; the shards stream back whole."
+    from conftest import main_cli
+    from shardkit import write_shards
+    kind, url, _ = bucket
+    dest = url.replace("/shards", "/written")
+    r = write_shards(({"__key__": f"{i:04d}", "cls": i % 3, "txt": f"sample {i}"} for i in range(60)), dest,
+                     maxcount=25, progress=False)
+    assert r["samples"] == 60
+    ls = main_cli("ls", dest)
+    assert ls.returncode == 0 and "60 samples" in ls.stdout.replace(",", ""), ls.stdout + ls.stderr
+    v = main_cli("verify", dest)
+    assert v.returncode == 0 and "every shard matches its manifest" in v.stdout, v.stdout + v.stderr
+    assert sorted(stream_keys(dest, workers=0)) == [f"{i:04d}" for i in range(60)]
+
+
+def test_refusals_are_said_at_once_with_what_to_check(bucket):
+    "A missing bucket or container in one line, a missing object, a wrong key (Azurite checks signatures): no retry."
+    from shardkit.stores import open_store
+    kind, url, _ = bucket
+    retries, what = fast_retries(), "bucket 'nothere'" if kind == "gs" else "container 'nothere'"
+    with pytest.raises(ObjectMissing, match=f"{what} does not exist") as e: open_store(f"{kind}://nothere/x").list()
+    assert "\n" not in str(e.value)
+    with pytest.raises(ObjectMissing, match="it is not there"): stream_keys(f"{url}/nope.tar", workers=0,
+                                                                            retry_wait=retries)
+    if kind == "az":
+        with pytest.MonkeyPatch.context() as mp:
+            bad = os.environ["AZURE_STORAGE_CONNECTION_STRING"].replace(AZURITE_KEY, "d3Jvbmcta2V5")
+            mp.setenv("AZURE_STORAGE_CONNECTION_STRING", bad)
+            with pytest.raises(AccessDenied, match="HTTP 403.*the account key in AZURE_STORAGE_CONNECTION_STRING"):
+                open_store(url).list()
+    assert retries.counts() == {}
+
+
+# ---- faults, through the proxy -----------------------------------------------------------------------------------
+
+def _play(proxy, kind, when):
+    "Cuts on two shards, and each of the store's busy answers on one more."
+    proxy.fault("cut", _prefix_of(kind, "f-00[01].tar"), when)
+    for status, name in zip(BUSY[kind], ("f-002.tar", "f-003.tar")): proxy.fault(status, _prefix_of(kind, name), when)
+
+
+def test_streaming_is_exact_through_each_fault(bucket, faults, clean, capfd):
+    "Cut bodies resumed by Range; GCS 429/503 and Azure 503 ServerBusy/500 retried: a clean epoch, each retry said."
+    kind, url, _ = bucket
+    _play(faults, kind, "first")
+    retries = fast_retries()
+    assert stream_keys(url, retry_wait=retries) == clean["stream"]
+    want = {"connection cut": 2, **{f"HTTP {s}": 1 for s in BUSY[kind]}}
+    assert retries.counts() == want and len(faults.played) == 4
+    assert "retrying" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("read", ["cache", "range"])
+def test_random_access_is_exact_through_each_fault(bucket, faults, clean, read):
+    "The shard cache's fetches and the per-sample range reads, faulted: the local files' epoch, each retry counted."
+    kind, url, _ = bucket
+    retries = fast_retries()
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
+    dl = create_dataloader(create_dataset(url, fields=("__key__", "cls"), batch_size=16, seed=0, read=read,
+                                          index_cache=False, access="random", retry_wait=retries), num_workers=0)
+    if read == "cache":
+        for f in dl.dataset.reader.copies.files(): f.unlink()
+    faults.clear()  # the index is built: the epoch's reads meet the faults
+    _play(faults, kind, "ranged" if read == "range" else "first")
+    assert [k for b in dl for k in b[0]] == clean[read]
+    assert retries.counts() == {"connection cut": 2, **{f"HTTP {s}": 1 for s in BUSY[kind]}}
+
+
+@pytest.mark.parametrize("access", ["stream", "random"])
+def test_a_dead_object_is_named_within_the_bound(bucket, faults, access):
+    "A shard that answers 503 to every GET ends the epoch with an error that names it, within the bound + 10 s."
+    kind, url, _ = bucket
+    faults.fault(503, _prefix_of(kind, "f-003.tar"), "always")
+    t0 = time.monotonic()
+    with pytest.raises(RetriesExhausted, match=rf"gave up .*{kind}://data/shards/f-003\.tar.*HTTP 503"):
+        if access == "stream": stream_keys(url, workers=0, retry_wait=fast_retries(wait=2))
+        else: random_keys(url, "range", retry_wait=fast_retries(wait=2))
+    assert time.monotonic() - t0 < 2 + 10
