@@ -5,13 +5,16 @@ wait for one build; each yields its endpoint and is stopped after.
 
 `python tests/bucketservers.py` builds and installs both ahead of a run (about 2 minutes on 2 cores, most of it the
 Go build; it needs Go, npm and their registries)."""
-import contextlib, fcntl, os, shutil, socket, subprocess, sys, tempfile, time
+import base64, contextlib, fcntl, os, shutil, socket, subprocess, sys, tempfile, time
 from pathlib import Path
 
 FAKE_GCS_MODULE, FAKE_GCS_VERSION = "github.com/fsouza/fake-gcs-server", "v1.56.1"
 AZURITE_VERSION = "3.37.0"
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # public
+# a second account whose key is a planted secret, for the tests that look for it in every output
+PLANTED_ACCOUNT = "shardkitplanted"
+PLANTED_KEY = base64.b64encode(b"planted-AZURE-SECRET-7d1e9c2b-do-not-print").decode()
 
 
 def _home() -> Path:
@@ -120,13 +123,15 @@ def azurite(root: Path):
     cmd = [str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent", "--loose", "--skipApiVersionCheck",
            "--inMemoryPersistence"]
     answers = lambda rq: rq.get(f"{endpoint}?comp=list", timeout=1).status_code in (200, 403)  # noqa: E731
-    with _running(cmd, root, "azurite", answers):
+    accounts = f"{AZURITE_ACCOUNT}:{AZURITE_KEY};{PLANTED_ACCOUNT}:{PLANTED_KEY}"
+    with _running(cmd, root, "azurite", answers, env={**os.environ, "AZURITE_ACCOUNTS": accounts}):
         yield endpoint
 
 
-def connection_string(endpoint: str, key: str = AZURITE_KEY) -> str:
-    "A connection string for Azurite's account at blob endpoint `endpoint`."
-    return f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};BlobEndpoint={endpoint};"
+def connection_string(endpoint: str, key: str = AZURITE_KEY, account: str = AZURITE_ACCOUNT) -> str:
+    "A connection string for Azurite's `account` (its blob endpoint `endpoint` names the well-known one)."
+    endpoint = endpoint.replace(f"/{AZURITE_ACCOUNT}", f"/{account}")
+    return f"DefaultEndpointsProtocol=http;AccountName={account};AccountKey={key};BlobEndpoint={endpoint};"
 
 
 if __name__ == "__main__":

@@ -263,3 +263,67 @@ def test_a_dead_object_is_named_within_the_bound(bucket, faults, access):
         if access == "stream": stream_keys(url, workers=0, retry_wait=fast_retries(wait=2))
         else: random_keys(url, "range", retry_wait=fast_retries(wait=2))
     assert time.monotonic() - t0 < 2 + 10
+
+
+# ---- secrets -----------------------------------------------------------------------------------------------------
+
+GCS_SECRETS = ("planted-GCS-CLIENT-SECRET-4f2a9e1c", "planted-GCS-REFRESH-8b3d0f6a", "planted-GCS-TOKEN-1c7e5a9d")
+SAS = "sv=2021-08-06&ss=b&srt=sco&sp=rl&se=2030-01-01T00:00:00Z&sig=planted-SAS-SIG-3e8f1b7c"
+
+
+def test_a_planted_secret_shows_nowhere(bucket, faults, tmp_path, caplog, capfd, monkeypatch):
+    """GCS through Application Default Credentials (a user's client secret and refresh token, an access token) and
+    Azure with an account key and a SAS token, all planted: none appears in an error, a log line (every logger at
+    DEBUG), a repr, a saved state_dict, a manifest, a pickled loader or the command line's output."""
+    from conftest import main_cli
+    from shardkit import write_shards
+    from shardkit.loading.pipeline import create_dataloader, create_dataset
+    from shardkit.stores import open_store
+    from bucketservers import PLANTED_ACCOUNT, PLANTED_KEY
+    kind, url, proxy = bucket
+    caplog.set_level(logging.DEBUG)
+    if kind == "gs":  # credentials used only where an endpoint is given (STORAGE_EMULATOR_HOST means none)
+        adc = tmp_path / "adc.json"
+        adc.write_text(json.dumps({"type": "authorized_user", "client_id": "shardkit-test", "token": GCS_SECRETS[2],
+                                   "expiry": "2099-01-01T00:00:00Z", "client_secret": GCS_SECRETS[0],
+                                   "refresh_token": GCS_SECRETS[1]}))  # a token valid till then: no refresh
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
+        monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+        src, secrets = f"gs://data/shards?endpoint={urllib.parse.quote(proxy.base, safe='')}", GCS_SECRETS
+    else:
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(
+            f"{proxy.base}/{AZURITE_ACCOUNT}", PLANTED_KEY, PLANTED_ACCOUNT))
+        src, secrets = "az://data/shards", (PLANTED_KEY, "planted-SAS-SIG-3e8f1b7c")
+    seen = []
+    store = open_store(src, create=True)
+    seen += [repr(store), repr(vars(store)), str(store.listing()[:2])]
+    dest = src.replace("/shards", "/secret-out")
+    write_shards(({"__key__": f"{i}", "cls": i} for i in range(5)), dest, maxcount=2, progress=False)
+    seen.append(open_store(dest).read_bytes("shard-manifest.json").decode())
+    ds = create_dataset(dest, fields=("__key__", "cls"), seed=0, batch_size=2)
+    dl = create_dataloader(ds, num_workers=0)
+    it = iter(dl); next(it)
+    seen += [repr(dl.state_dict()), repr(pickle.dumps(dl.state_dict())), repr(pickle.dumps(ds))]
+    rl = create_dataloader(create_dataset(dest, fields=("__key__", "cls"), batch_size=2, index_cache=False,
+                                          access="random"), num_workers=0)
+    it = iter(rl); next(it)
+    seen += [repr(rl.state_dict()), repr(pickle.dumps(rl.dataset))]
+    from shardkit.stores.azure import azure_client
+    from shardkit.stores.gcs import gcs_client
+    client = gcs_client(store.settings) if kind == "gs" else azure_client(store.settings)
+    seen += [repr(client), repr(vars(client))]
+    proxy.fault(403, "*secret-out/shard-00000.tar", "always")  # a refusal's message, credentials in play
+    with pytest.raises(AccessDenied) as e: stream_keys(open_store(dest).url("shard-00000.tar"), workers=0)
+    seen.append(str(e.value))
+    if kind == "az":  # a SAS token instead (a bogus one: Azurite refuses it, and the refusal is said)
+        monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+        monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", SAS)
+        sas = f"az://data/secret-out?account={PLANTED_ACCOUNT}&endpoint=" + urllib.parse.quote(
+            f"{proxy.base}/{PLANTED_ACCOUNT}", safe="")
+        with pytest.raises(AccessDenied, match="the SAS token in AZURE_STORAGE_SAS_TOKEN") as e: open_store(sas).list()
+        seen += [str(e.value), repr(azure_client(open_store(sas).settings))]
+    seen += [(r := main_cli("ls", dest)).stdout + r.stderr, (r := main_cli("verify", dest)).stdout + r.stderr]
+    seen += [r.getMessage() for r in caplog.records] + list(capfd.readouterr())
+    assert len(seen) > 12 and any("403" in s for s in seen) and any("urllib3" in r.name for r in caplog.records)
+    for secret in secrets:
+        assert not [s for s in seen if secret in s], [s[:300] for s in seen if secret in s]

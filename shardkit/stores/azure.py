@@ -9,6 +9,7 @@ import dataclasses
 import email.utils
 import hashlib
 import hmac
+import logging
 import os
 import re
 import threading
@@ -150,6 +151,19 @@ def _credentials(s: AzureSettings, cs: dict[str, str]) -> tuple[str, object, str
                                               "AZURE_CLIENT_ID and secret, a managed identity, `az login`)")
 
 # %% ../../nbs/02db_stores.azure.ipynb
+_SIG = re.compile(r"(?i)\b(sig|signature)=[^&\s\"']+")
+
+def _redacted(record: logging.LogRecord) -> bool:
+    "`record` with a SAS token's signature replaced by REDACTED (a logging filter: it keeps every record)."
+    if "sig=" in (msg := record.getMessage()).lower(): record.msg, record.args = _SIG.sub(r"\1=REDACTED", msg), ()
+    return True
+
+def _redact_sas_in_logs():
+    "Redact SAS signatures from urllib3's request lines (once per process)."
+    log = logging.getLogger("urllib3.connectionpool")
+    if _redacted not in log.filters: log.addFilter(_redacted)
+
+# %% ../../nbs/02db_stores.azure.ipynb
 class AzureClient:
     "One process's way to Azure Blob Storage: the account, its endpoint, its credentials (`_credentials`)."
     def __init__(self, settings: AzureSettings | None = None):
@@ -164,7 +178,7 @@ class AzureClient:
             except ValueError:
                 raise StoreError(f"the account key ({self.source}) is not base64: copy it again from the portal "
                                  "(Access keys) or `az storage account keys list`") from None
-        elif self.kind == "sas": self._sas = secret.lstrip("?")
+        elif self.kind == "sas": self._sas = secret.lstrip("?"); _redact_sas_in_logs()
         elif self.kind == "token": self._cred = secret
     def __reduce__(self):
         raise TypeError("an AzureClient holds credentials and is made in each process (azure_client): pickle its "
