@@ -185,19 +185,27 @@ def test_templates_single_objects_and_lists(bucket, clean):
 
 
 def test_writers_and_commands_take_buckets(bucket, tmp_path):
-    "write_shards writes into the bucket; ls and verify read it back; the shards stream back whole."
+    "write_shards, convert folder and the local shuffle write into the bucket; ls and verify read it back."
     from conftest import main_cli
     from shardkit import write_shards
+    from shardkit.datasets.folder import convert_folder, synthesize_folder
+    from shardkit.shuffle import shuffle_shards
     kind, url, _ = bucket
     dest = url.replace("/shards", "/written")
     r = write_shards(({"__key__": f"{i:04d}", "cls": i % 3, "txt": f"sample {i}"} for i in range(60)), dest,
                      maxcount=25, progress=False)
     assert r["samples"] == 60
+    synthesize_folder(tmp_path / "tree", classes=2, per_class=6, val_per_class=0, progress=False)
+    tree, shuffled = url.replace("/shards", "/tree"), url.replace("/shards", "/shuffled")
+    convert_folder(tmp_path / "tree" / "train", tree, maxcount=4, progress=False)
+    shuffle_shards(tree, shuffled, shard_size="20KB", backend="local", progress=False)
     ls = main_cli("ls", dest)
     assert ls.returncode == 0 and "60 samples" in ls.stdout.replace(",", ""), ls.stdout + ls.stderr
-    v = main_cli("verify", dest)
-    assert v.returncode == 0 and "every shard matches its manifest" in v.stdout, v.stdout + v.stderr
+    for d in (dest, tree, shuffled):
+        v = main_cli("verify", d)
+        assert v.returncode == 0 and "every shard matches its manifest" in v.stdout, v.stdout + v.stderr
     assert sorted(stream_keys(dest, workers=0)) == [f"{i:04d}" for i in range(60)]
+    assert sorted(stream_keys(shuffled, workers=0)) == sorted(stream_keys(tree, workers=0))
 
 
 def test_refusals_are_said_at_once_with_what_to_check(bucket):
@@ -216,6 +224,33 @@ def test_refusals_are_said_at_once_with_what_to_check(bucket):
             with pytest.raises(AccessDenied, match="HTTP 403.*the account key in AZURE_STORAGE_CONNECTION_STRING"):
                 open_store(url).list()
     assert retries.counts() == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,context", [(1, "fork"), (4, "fork"), (2, "spawn")])
+def test_workers_each_make_their_own_client(bucket, clean, workers, context):
+    "1 and 4 forked workers and 2 spawned ones stream the same samples, each once (a client each, never the parent's)."
+    from shardkit.stores.azure import azure_client
+    from shardkit.stores.gcs import gcs_client
+    kind, url, _ = bucket
+    gcs_client() if kind == "gs" else azure_client()  # the parent's client exists before the workers start
+    keys = stream_keys(url, workers=workers, multiprocessing_context=context, timeout=60)
+    assert sorted(keys) == sorted(clean["stream"]) and len(keys) == len(set(keys))
+
+
+def test_an_epoch_resumes_mid_way_exactly(bucket, clean):
+    "A streaming loader's state_dict taken after 5 batches, loaded into a new loader: the rest of the same epoch."
+    from shardkit import create_dataloader, create_dataset
+    kind, url, _ = bucket
+    make = lambda: create_dataloader(create_dataset(url, fields=("__key__", "cls"), seed=0, batch_size=16,  # noqa: E731
+                                                    shuffle=50), num_workers=2, batch_size=16)
+    dl, seen = make(), []
+    it = iter(dl)
+    for _ in range(5): seen += next(it)[0]
+    state = dl.state_dict()
+    del it
+    again = make(); again.load_state_dict(state)
+    assert seen + [k for b in again for k in b[0]] == clean["stream"]
 
 
 # ---- faults, through the proxy -----------------------------------------------------------------------------------
