@@ -238,6 +238,34 @@ def test_workers_each_make_their_own_client(bucket, clean, workers, context):
     assert sorted(keys) == sorted(clean["stream"]) and len(keys) == len(set(keys))
 
 
+@pytest.mark.slow
+def test_two_ranks_split_the_epoch(bucket):
+    "Two ranks (two processes, RANK/WORLD_SIZE), 2 workers each, read the bucket: every sample once between them."
+    import subprocess, sys
+    kind, url, _ = bucket
+    code = ("import json, sys; from shardkit import create_dataloader, create_dataset\n"
+            f"ds = create_dataset({url!r}, fields=('__key__',), seed=0, batch_size=8)\n"
+            "print(json.dumps([k for b in create_dataloader(ds, num_workers=2, timeout=60) for k in b[0]]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    got = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert not set(got[0]) & set(got[1]) and len(got[0]) + len(got[1]) == N_SHARDS * PER_SHARD
+
+
+def test_a_mix_of_a_bucket_and_local_sources(bucket, shard_dir):
+    "A mix by weight of the bucket's prefix and a local folder: both in the batches, each sample of the bucket once."
+    from shardkit import create_dataloader, create_dataset
+    kind, url, _ = bucket
+    ds = create_dataset({"bucket": url, "local": str(shard_dir)}, weights={"bucket": 1, "local": 1},
+                        fields=("__key__", "__source__"), seed=0, batch_size=16)
+    got = [(k, src) for b in create_dataloader(ds, num_workers=2) for k, src in zip(b[0], b[1])]
+    assert sorted(k for k, src in got if src == "bucket") == sorted(
+        f"s{s}_{i:02d}" for s in range(N_SHARDS) for i in range(PER_SHARD))
+    assert {src for _, src in got} == {"bucket", "local"}
+
+
 def test_an_epoch_resumes_mid_way_exactly(bucket, clean):
     "A streaming loader's state_dict taken after 5 batches, loaded into a new loader: the rest of the same epoch."
     from shardkit import create_dataloader, create_dataset
