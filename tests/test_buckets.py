@@ -254,6 +254,7 @@ def test_two_ranks_split_the_epoch(bucket):
     assert not set(got[0]) & set(got[1]) and len(got[0]) + len(got[1]) == N_SHARDS * PER_SHARD
 
 
+@pytest.mark.slow
 def test_a_mix_of_a_bucket_and_local_sources(bucket, shard_dir):
     "A mix by weight of the bucket's prefix and a local folder: both in the batches, each sample of the bucket once."
     from shardkit import create_dataloader, create_dataset
@@ -266,6 +267,7 @@ def test_a_mix_of_a_bucket_and_local_sources(bucket, shard_dir):
     assert {src for _, src in got} == {"bucket", "local"}
 
 
+@pytest.mark.slow
 def test_an_epoch_resumes_mid_way_exactly(bucket, clean):
     "A streaming loader's state_dict taken after 5 batches, loaded into a new loader: the rest of the same epoch."
     from shardkit import create_dataloader, create_dataset
