@@ -32,8 +32,10 @@ class FaultProxy:
         threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def fault(self, kind, pattern: str, when: str = "first", retry_after: float = 0.2):
-        with self.lock: self.rules.append(dict(kind=kind, pattern=pattern, when=when, retry_after=retry_after))
+    def fault(self, kind, pattern: str, when: str = "first", retry_after: float = 0.2, then=None):
+        "Play `kind` on the GETs of paths matching `pattern` (`when`); `then()` runs after a cut, before the resume."
+        with self.lock: self.rules.append(dict(kind=kind, pattern=pattern, when=when, retry_after=retry_after,
+                                               then=then))
     def clear(self):
         with self.lock: self.rules, self.gets, self.played = [], {}, []
     def pick(self, path: str, ranged: bool):
@@ -83,6 +85,7 @@ def _proxy_handler(proxy: FaultProxy):
             if self.command == "HEAD": return
             if rule and rule["kind"] == "cut":
                 self.wfile.write(data[:len(data) // 2]); self.wfile.flush()
+                if rule["then"]: rule["then"]()
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
@@ -316,6 +319,21 @@ def test_random_access_is_exact_through_each_fault(bucket, faults, clean, read):
     _play(faults, kind, "ranged" if read == "range" else "first")
     assert [k for b in dl for k in b[0]] == clean[read]
     assert retries.counts() == {"connection cut": 2, **{f"HTTP {s}": 1 for s in BUSY[kind]}}
+
+
+def test_an_object_rewritten_mid_read_is_refused(bucket, faults, shard_dir):
+    """A body cut, and the object rewritten before the resume: the resume is pinned to the version first read (GCS's
+    generation, Azure's ETag with If-Match), so the read is refused, never mixed; the object is put back after."""
+    from shardkit.remote import ObjectChanged
+    from shardkit.stores import open_store, open_url
+    kind, url, _ = bucket
+    store, name = open_store(url), "f-006.tar"
+    original = (shard_dir / name).read_bytes()
+    faults.fault("cut", _prefix_of(kind, name), then=lambda: store.put_bytes(original[::-1], name))
+    try:
+        with pytest.raises(ObjectChanged, match="changed while it was read"):
+            with open_url(store.url(name), fast_retries()) as f: f.read()
+    finally: store.put_bytes(original, name)
 
 
 @pytest.mark.parametrize("access", ["stream", "random"])
