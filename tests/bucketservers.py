@@ -98,7 +98,7 @@ def _running(cmd: list[str], root: Path, name: str, ready, env=None):
         yield proc
     finally:
         proc.terminate()  # Azurite waits out its clients' keep-alive connections: its data is in memory, so not long
-        try: proc.wait(2)
+        try: proc.wait(0.5)
         except subprocess.TimeoutExpired: proc.kill(); proc.wait()
         log.close()
 
