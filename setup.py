@@ -17,7 +17,7 @@ py_versions = '3.10 3.11 3.12'.split()
 requirements = shlex.split(cfg.get('requirements', ''))
 # optional extras: settings.ini key `<extra>_requirements` -> pip install "shardkit[<extra>]"; `dev` also takes in
 # every extra named in `dev_extras`
-extras = {k: shlex.split(cfg.get(f'{k}_requirements', '')) for k in ('lab', 'docs', 'dask', 'peers', 's3')}
+extras = {k: shlex.split(cfg.get(f'{k}_requirements', '')) for k in ('lab', 'docs', 'dask', 'peers', 's3', 'gcs', 'azure')}
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 extras['dev'] = list(dict.fromkeys([r for k in cfg.get('dev_extras', '').split() for r in extras[k]] + dev_requirements))
 # The crop-window JPEG decoder (shardkit/native/jpeg_window.c), built where a C compiler and libjpeg's headers are.

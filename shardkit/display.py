@@ -20,7 +20,7 @@ from .s3 import parse_s3_url, s3_url
 from .shards.fields import IMAGENET_MEAN, IMAGENET_STD, is_image_key, is_mask_key
 from .shards.manifest import incomplete_jobs
 from .shards.tar import list_shards, read_samples
-from .stores import AISStore, S3Store, backend_for, open_store, shown_path
+from .stores import BUCKETS, AISStore, S3Store, backend_for, open_store, shown_path
 
 # %% auto 0
 __all__ = ['TRIMAP_COLORS', 'class_name', 'manifest_class_names', 'shard_listing', 'format_listing', 'trimap_overlay',
@@ -243,6 +243,12 @@ def _split_shard_spec(shard: str) -> tuple[str, str]:
         head, _, base = key.rpartition("/")
         if not base: raise StoreError(f"{shard!r} names no object; use s3://BUCKET/NAME.tar")
         return s3_url(bucket, head, settings), base
+    if backend in BUCKETS:  # gs://, az://: the store of the object's folder (its settings kept), and its name
+        store = backend.from_url(shard)
+        head, _, base = store.prefix.rstrip("/").rpartition("/")
+        if not base: raise StoreError(f"{shard!r} names no object; use {backend.schemes[0]}://BUCKET/NAME.tar")
+        store.prefix = f"{head}/" if head else ""
+        return store.spec, base
     if backend is AISStore:
         bucket, _, name = shard.partition("://")[2].partition("/")
         if not bucket or not name: raise StoreError(f"{shard!r} names no object; use ais://BUCKET/NAME.tar")

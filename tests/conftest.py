@@ -271,3 +271,32 @@ def pytest_terminal_summary(terminalreporter, config):
         for d, nodeid in over: terminalreporter.write_line(f"{d:6.1f} s  {nodeid}")
         terminalreporter.write_line("on a quiet machine, make them cheaper or mark them `slow` (pytest.ini): the fast "
                                     "tier is the edit-test loop, the whole suite still runs them")
+
+
+def _emulator(tmp_path_factory, name: str, start):
+    """Start emulator `name` (tests/bucketservers.py) for the session: its endpoint. Skips with a how-to when it cannot
+    be built or started, unless SHARDKIT_REQUIRE_EMULATORS=1 (CI), where that is a failure."""
+    stack = contextlib.ExitStack()
+    try: endpoint = stack.enter_context(start(tmp_path_factory.mktemp(name)))
+    except Exception as e:
+        msg = f"{name} could not start: {e}"
+        if os.environ.get("SHARDKIT_REQUIRE_EMULATORS") == "1": pytest.fail(msg)
+        pytest.skip(msg + " (it needs Go or npm and their registries once: python tests/bucketservers.py; set "
+                    "SHARDKIT_REQUIRE_EMULATORS=1 to make this a failure)")
+    return stack, endpoint
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    "fake-gcs-server on 127.0.0.1 for the session (built once into $SHARDKIT_HOME/bin): its endpoint."
+    from bucketservers import fake_gcs_server
+    stack, endpoint = _emulator(tmp_path_factory, "fake-gcs-server", fake_gcs_server)
+    with stack: yield endpoint
+
+
+@pytest.fixture(scope="session")
+def azurite_emulator(tmp_path_factory):
+    "Azurite's blob service on 127.0.0.1 for the session (installed once from npm): its blob endpoint."
+    from bucketservers import azurite
+    stack, endpoint = _emulator(tmp_path_factory, "azurite", azurite)
+    with stack: yield endpoint

@@ -299,12 +299,12 @@ def test_a_planted_secret_shows_nowhere(s3, tmp_path, caplog, capfd, monkeypatch
 
 
 def test_other_clouds_and_a_missing_botocore_say_what_to_do(tmp_path):
-    "gs:// and az:// say they are not supported yet and how to read them today; without botocore, the extra is named."
+    "Azure's abfs:// and wasbs:// names say how to name the same blobs; without botocore, the extra is named."
     from shardkit import create_dataset
     from shardkit.stores import open_store
-    with pytest.raises(Exception, match="gs:// is not supported yet.*AIStore.*pipe:gcloud storage cat"):
-        open_store("gs://bucket/train")
-    with pytest.raises(Exception, match="az:// is not supported yet"): create_dataset("az://container/train")
+    with pytest.raises(Exception, match="abfs:// is not read.*az://CONTAINER/PATH"):
+        open_store("abfs://data@myaccount.dfs.core.windows.net/train")
+    with pytest.raises(Exception, match="wasbs:// is not read"): create_dataset("wasbs://c@a.blob.core.windows.net/t")
     code = "import sys; sys.modules['botocore'] = None\nfrom shardkit.s3 import s3_client\ns3_client()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode and 'pip install "shardkit[s3]"' in r.stderr, r.stderr[-1000:]

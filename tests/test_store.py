@@ -70,7 +70,7 @@ def test_no_endpoint_says_what_to_set(monkeypatch):
 
 
 @pytest.mark.parametrize("spec, msg", [("ftp://bucket/x", "unsupported store"), ("ais://", "names no bucket"),
-                                       ("s3:///x", "names no bucket"), ("gs://bucket/x", "gs:// is not supported yet"),
+                                       ("s3:///x", "names no bucket"), ("abfs://c@a.dfs.core.windows.net/x", "name the same blobs as az://"),
                                        ("/definitely/not/here", "does not exist; check the path")])
 def test_bad_specs(spec, msg):
     with pytest.raises(StoreError, match=msg): open_store(spec)

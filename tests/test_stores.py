@@ -1,5 +1,6 @@
 """One conformance suite, one test body, run over every backend: local files, HTTP (a real `http.server` on
-127.0.0.1 serving a folder), the local AIStore, and the S3 API (AIStore's own `/s3`). Each backend is made from its
+127.0.0.1 serving a folder), the local AIStore, the S3 API (AIStore's own `/s3`), Google Cloud Storage's
+(fake-gcs-server) and Azure Blob Storage's (Azurite). Each backend is made from its
 URL by `open_store`; the same reads are asked of each, and the writes of those that write (`writable`): an HTTP
 server is read-only, and a write there must be refused, not ignored."""
 import functools, http.server, io, os, re, threading
@@ -11,12 +12,14 @@ from shardkit.errors import StoreError
 from shardkit.remote import ObjectMissing
 from shardkit.stores import Store, backend_for, open_store, open_url, read_url_range
 
-BACKENDS = ["local", "http", "ais", "s3"]  # a new backend: one more entry here, one more branch in `seeded`
+BACKENDS = ["local", "http", "ais", "s3", "gs", "az"]  # a new backend: one more entry here, one more branch in `seeded`
 # those on the session's AIStore get the marks conftest gives its tests (slow; its xdist group, one cluster a session):
 # `seeded` asks for the cluster at run time, which conftest cannot see when it marks tests by their fixtures
 ON_AIS = [pytest.mark.slow, pytest.mark.xdist_group("aistore")]
-PARAMS = [pytest.param(k, marks=ON_AIS) if k in ("ais", "s3") else k for k in BACKENDS]
-WRITES = {"local": True, "http": False, "ais": True, "s3": True}
+ON_EMULATOR = [pytest.mark.xdist_group("buckets")]  # one emulator of each kind a session, on one worker
+PARAMS = [pytest.param(k, marks=ON_AIS if k in ("ais", "s3") else ON_EMULATOR if k in ("gs", "az") else ())
+          for k in BACKENDS]
+WRITES = {"local": True, "http": False, "ais": True, "s3": True, "gs": True, "az": True}
 
 
 def _shard(n=3, tag="x") -> bytes:
@@ -55,8 +58,13 @@ def seeded(request, tmp_path, monkeypatch):
         try: yield f"http://127.0.0.1:{server.server_address[1]}/"
         finally: server.shutdown(); server.server_close()
         return
-    endpoint = request.getfixturevalue("ais_endpoint")
     bucket = f"conform-{kind}-{os.getpid()}"
+    if kind == "gs": monkeypatch.setenv("STORAGE_EMULATOR_HOST", request.getfixturevalue("gcs_emulator"))
+    if kind == "az":
+        from bucketservers import connection_string
+        endpoint = request.getfixturevalue("azurite_emulator")
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(endpoint))
+    if kind in ("ais", "s3"): endpoint = request.getfixturevalue("ais_endpoint")
     if kind == "s3":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"{endpoint}/s3")
         for k, v in dict(AWS_ACCESS_KEY_ID="ais", AWS_SECRET_ACCESS_KEY="ais", AWS_EC2_METADATA_DISABLED="true",
@@ -92,7 +100,7 @@ def test_every_backend_does_what_store_says(seeded):
     urls = store.urls("part-{00..01}.tar")
     with open_url(urls[1]) as f: assert f.read() == SEED["part-01.tar"]
     assert read_url_range(urls[0], 0, 512) == SEED["part-00.tar"][:512]
-    if kind != "s3":  # s3:// URLs are opened by shardkit's loaders (signed requests), not by plain WebDataset
+    if kind not in ("s3", "gs", "az"):  # opened by shardkit's loaders (signed requests), not by plain WebDataset
         keys = [s["__key__"] for s in wds.WebDataset(urls, shardshuffle=False)]
         assert keys == [f"{t}{i:03d}" for t in "ab" for i in range(3)]
     assert type(store).__name__ in repr(store)

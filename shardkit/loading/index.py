@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Sequence
 import numpy as np
 from shardkit.stores import (
+    BUCKETS,
     SHARD_SUFFIXES,
     AISStore,
     HTTPStore,
-    S3Store,
     Store,
     backend_for,
     is_local,
@@ -123,7 +123,8 @@ def key_from_header(header: bytes, field: str, where: str) -> str:
 class SampleIndex:
     "Where the fields of every sample live: compact numpy arrays over all shards (made by `sample_index`)."
     shard_bytes = None  # each shard's size in bytes, an int64 array (a shard cache checks its copies against it)
-    kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs), 'ais' (a bucket), 's3' (s3:// URLs)
+    kind = "local"      # where the shards are: 'local' (tar files), 'http' (URLs), 'ais' (a bucket),
+                        # 's3'/'gs'/'az' (URLs)
     versions = None     # each shard's content version when indexed (AIStore: checksum/version; http, s3: ETag), or None
     def __init__(self, shards: list[str], shard, offset, size, *, keys, key_end, fields: Sequence[str], source: str):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
@@ -202,7 +203,7 @@ def _unsound_index(meta, a: dict) -> str | None:
     "What an index read back from disk lacks (plain data of the right kinds, arrays that fit), or None."
     strs = lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x)  # noqa: E731
     if not (isinstance(meta, dict) and strs(meta.get("shards")) and strs(meta.get("fields"))
-            and isinstance(meta.get("source"), str) and meta.get("kind") in ("local", "http", "ais", "s3")
+            and isinstance(meta.get("source"), str) and meta.get("kind") in ("local", "http", "ais", "s3", "gs", "az")
             and isinstance(meta.get("endpoint"), (str, type(None))) and (meta.get("versions") is None or (
                 strs(meta["versions"]) and len(meta["versions"]) == len(meta["shards"])))):
         return "meta.json lacks shards, fields, source, kind or versions of the right kinds"
@@ -320,7 +321,7 @@ def sample_index(source,                                   # A directory, tar pa
     backend = _backend(source)
     if backend is AISStore:
         return _bucket_index(open_store(source), fields, index_cache)
-    if isinstance(source, S3Store) or (backend is S3Store and "{" not in str(source)
+    if isinstance(source, BUCKETS) or (backend in BUCKETS and "{" not in str(source)
                                        and not str(source).endswith(SHARD_SUFFIXES)):  # a prefix: its one listing
         store = open_store(source)
         if not (rows := store.listing(pattern)):
@@ -340,24 +341,25 @@ def sample_index(source,                                   # A directory, tar pa
 
 def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, *, retries: Retries | None,
                heads: list[tuple[int, str]] | None = None) -> SampleIndex:
-    "The index of shards at http(s) or s3 URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
+    "The index of shards at http(s) or bucket URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
     kinds = [_backend(p) for p in paths]
-    s3 = all(k is S3Store for k in kinds)
-    if bad := [p for p, k in zip(paths, kinds) if k is not (S3Store if s3 else HTTPStore)]:
-        raise UsageError(f"random access reads local tars, http(s) or s3:// URLs (one kind in a source) or ais:// "
-                         f"buckets, not {bad[0]}")
+    backend = kinds[0] if kinds[0] in BUCKETS else HTTPStore
+    if bad := [p for p, k in zip(paths, kinds) if k is not backend]:
+        raise UsageError(f"random access reads local tars, http(s), s3://, gs:// or az:// URLs (one kind in a source) "
+                         f"or ais:// buckets, not {bad[0]}")
+    kind = backend.schemes[0]  # 'http', 's3', 'gs', 'az'
     if heads is None:  # s3: from the listings of their folders, not a HEAD each
-        heads = s3_stat(paths, retries) if s3 else [stat_url(p, retries, f"shard {p}") for p in paths]
+        heads = s3_stat(paths, retries) if kind == "s3" else [stat_url(p, retries, f"shard {p}") for p in paths]
     def build():
         got = [index_url(p, index_cache, retries, h) for p, h in zip(paths, heads)]
         if [(n, t) for _, n, t in got] != heads:
             raise RandomAccessError(f"shards of {name} changed while they were indexed; run again")
         idx = _select([g for g, _, _ in got], paths, fields, source=name, keep_keys=True)
         idx.shard_bytes, idx.versions = np.array([n for n, _ in heads], np.int64), [t for _, t in heads]
-        idx.kind = "s3" if s3 else "http"
+        idx.kind = kind
         return idx
     if not (index_cache and all(t for _, t in heads)): return build()  # without a validator, a change cannot be seen
-    parts = ("s3" if s3 else "http", tuple(fields), list(zip(paths, heads)))
+    parts = (kind, tuple(fields), list(zip(paths, heads)))
     return cached_index(remote_index_path(parts, index_cache), build)
 
 # %% ../../nbs/26_loading.index.ipynb

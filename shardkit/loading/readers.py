@@ -154,7 +154,7 @@ class _HTTPFetch:
 def shard_fetcher(index: SampleIndex, retries: Retries | None = None):
     "How a shard of `index` gets into a cache: `fetch(shard, path)` streams it over HTTP (AIStore too) or copies it."
     if index.kind == "ais": return _HTTPFetch(index.endpoint, index.source[len("ais://"):], retries)
-    return _HTTPFetch(retries=retries) if index.kind in ("http", "s3") else _copy_file
+    return _HTTPFetch(retries=retries) if index.kind in ("http", "s3", "gs", "az") else _copy_file
 
 # %% ../../nbs/26b_readers.ipynb
 def plain_members(buf, n: int) -> tuple[list, list, list] | None:
@@ -421,9 +421,8 @@ def shard_reader(index: SampleIndex,              # What to read
                  retries: Retries | None = None,  # How its remote reads retry faults, and their counts
                 ) -> tuple:                       # (the reader, the window of shards its order needs or None)
     "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
-    can = {"local": ("local", "cache"), "http": ("cache", "range"), "s3": ("cache", "range"),
-           "ais": ("cache", "range", "getbatch")}[index.kind]
-    if read == "auto": read = {"local": "local", "http": "cache", "s3": "cache", "ais": DEFAULT_AIS_READ}[index.kind]
+    can = {"local": ("local", "cache"), "ais": ("cache", "range", "getbatch")}.get(index.kind, ("cache", "range"))
+    if read == "auto": read = {"local": "local", "ais": DEFAULT_AIS_READ}.get(index.kind, "cache")  # URLs: cached
     if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")
     if read not in can:
         raise UsageError(f"read={read!r} cannot read {index.kind} shards ({index.source}); use one of {can}")

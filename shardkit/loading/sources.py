@@ -13,16 +13,16 @@ from typing import Iterable, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from shardkit.stores import (
+    BUCKETS,
     AISStore,
     LocalStore,
-    S3Store,
     Store,
     backend_for,
+    bucket_shard_urls,
     did_you_mean,
     expand_names,
     is_local,
     open_store,
-    s3_shard_urls,
     shown_path,
 )
 from ..errors import DataError, LoaderError, StoreError
@@ -36,7 +36,8 @@ __all__ = ['SOURCE_FORMS', 'IMAGE_SUFFIXES', 'MissingShards', 'image_folder', 's
 class MissingShards(LoaderError, DataError):
     "A source names no shard, or shards that are not there; the message says which, and what a source can be."
 
-SOURCE_FORMS = ("a directory of .tar shards, ais://bucket, s3://bucket/prefix, a brace template such as "
+SOURCE_FORMS = ("a directory of .tar shards, ais://bucket, s3://, gs:// or az://bucket/prefix, a brace template "
+                "such as "
                 "data/x-{000000..000015}.tar, or a list of shard paths or URLs")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -79,7 +80,8 @@ def _missing(urls: list[str], given: str | None = None) -> str | None:
 
 # %% ../../nbs/21_sources.ipynb
 def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
-    "URLs of the shards in `sources`: a store, a store spec (directory, `ais://`, `s3://`), a brace template, or URLs."
+    """URLs of the shards in `sources`: a store, a store spec (directory, `ais://`, a bucket URL), a brace template,
+    or URLs."""
     if isinstance(sources, Store):
         names = sources.list(pattern)
         if not names: raise MissingShards(_no_shards(sources.spec, pattern))
@@ -93,7 +95,7 @@ def shard_urls(sources, pattern: str = "*.tar") -> list[str]:
         s = str(sources)
         try: backend = backend_for(s)  # None: a `pipe:` command
         except StoreError as e: raise LoaderError(str(e)) from None  # a scheme with no backend: said before reading
-        if backend is S3Store: return s3_shard_urls(s, pattern)  # an object, a template or a prefix: one listing
+        if backend in BUCKETS: return bucket_shard_urls(s, pattern)  # an object, a template or a prefix: one listing
         if "{" in s and backend is AISStore:  # a template of a bucket's shards: their URLs in it
             spec, names = s.rsplit("/", 1)
             return shard_urls(open_store(spec), names)

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 from ..errors import ShardkitError
 from ..remote import RemoteError, Retries
-from ..stores import HTTPStore, LocalStore, S3Store, backend_for, open_store, open_url, shown_path, url_name
+from ..stores import BUCKETS, HTTPStore, LocalStore, backend_for, open_store, open_url, shown_path, url_name
 from .fields import ShardError, split_key
 
 # %% auto 0
@@ -205,7 +205,7 @@ def read_samples(stream, name: str = "shard") -> Iterator[dict]:
 # %% ../../nbs/04_tar.ipynb
 def open_shard(url: str, retries: Retries | None = None):
     "A stream of shard `url`: http(s), s3 through `shardkit.remote` (faults retried, cuts resumed); else `gopen`."
-    if backend_for(url) in (HTTPStore, S3Store):  # through faults; s3:// signed, by the same rules
+    if backend_for(url) in (HTTPStore, *BUCKETS):  # through faults; s3://, gs://, az:// signed, by the same rules
         return open_url(url, retries, name=f"shard {url_name(url)}")
     from webdataset import gopen  # here, not at the top: webdataset imports torch
     return gopen(url)

@@ -147,7 +147,7 @@ class Store(abc.ABC):
         "Remove object `name`; a missing object is an error."; self._read_only("delete")
     def _read_only(self, verb: str):
         raise StoreError(f"cannot {verb} objects in {self.spec}: {type(self).__name__} only reads (a store to write "
-                         "into is a directory, ais:// or s3://)")
+                         "into is a directory, ais://, s3://, gs:// or az://)")
     # Built on the above: every backend inherits these
     def exists(self, name: str) -> bool:
         try: self.size(name); return True
