@@ -78,9 +78,9 @@ def test_bench_scale_cli_on_aistore(tmp_path, ais_endpoint):
         stream, batch = by[n, "ais stream"]["cluster_cpu_ms"], by[n, "ais getbatch"]["cluster_cpu_ms"]
         assert stream is not None and stream < batch, (n, stream, by[n, "ais getbatch"])
     assert "ais getbatch+index at 300: " in out and "x the streaming rate from the same bucket" in out, out
-    # the shard cache: a whole epoch of the bucket 'ais stream' streams, its window, the cluster's CPU, its ratio
+    # the shard cache: a whole epoch of the bucket 'ais stream' streams, its span, the cluster's CPU, its ratio
     assert by[300, "ais cache"]["samples"] == by[300, "ais stream"]["samples"] == 300
-    assert by[300, "ais cache"]["cluster_cpu_ms"] is not None and by[300, "ais cache"]["window"] == 16
+    assert by[300, "ais cache"]["cluster_cpu_ms"] is not None and by[300, "ais cache"]["span"] == 16
     assert "ais cache at 300: " in out, out
     assert (tmp_path / "scale.png").stat().st_size > 10_000
     r = main_cli("bench", "scale", tmp_path, "--n", "1e3")

@@ -148,7 +148,7 @@ def test_a_target_killed_mid_epoch_and_restarted(cluster, bucket, capfd):
     assert sum(reported(err).values()) >= 1 and retries.counts(), err  # the faults met, reported by the workers
     print("streaming:", retries.counts(), f"{retries.waited:.1f} s")
     # random access through the shard cache, the same outage: its epoch is a clean one's too
-    local = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))  # windows of 2 shards: fetched as
+    local = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))  # spans of 2 shards: fetched as
     retries = Retries(backoff=0.1, max_backoff=1.0, wait=60)                    # the epoch goes, not all at first
     dl = random_loader(f"ais://{name}", "cache", retry_wait=retries, shard_cache=2)
     assert _epoch_through_a_kill(dl, cluster["root"], late_target(cluster["endpoint"], name, local)) == local
@@ -181,10 +181,10 @@ def _index_while_rebalancing(endpoint: str, name: str, src: Path, capfd, loaders
     rebalance ends: asked again, the wait said once, no version blamed); then GetBatch reads with it."""
     from shardkit.stores.ais_cluster import rebalancing
     from shardkit.loading.readers import build_shard_index
-    local = keys_of(random_loader(str(src), "local", workers=0))  # the global order; the cache's windows of 2 shards:
-    windows = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))
+    local = keys_of(random_loader(str(src), "local", workers=0))  # the global order; the cache's spans of 2 shards:
+    spans = keys_of(random_loader(str(src), "cache", workers=0, shard_cache=2))
     assert keys_of(loaders["getbatch"]) == local
-    assert keys_of(loaders["cache"]) == windows
+    assert keys_of(loaders["cache"]) == spans
     during = rebalancing(endpoint)
     assert during, "the rebalance was over before the shard index was asked for"
     capfd.readouterr()

@@ -253,7 +253,7 @@ def test_saved_states_are_refused_naming_their_field():
     from shardkit.loading.elastic import merge_states
     from tests.fuzz.core import TARGETS
     TARGETS["random_state"].ready()
-    base = {"epoch": 0, "batch": 3, "seed": 1, "samples": 40, "window": None, "mix": None, "batch_size": 4,
+    base = {"epoch": 0, "batch": 3, "seed": 1, "samples": 40, "span": None, "mix": None, "batch_size": 4,
             "rank": 0, "world_size": 1, "drop_last": False}
     with pytest.raises(LoaderError, match="pad"):
         TARGETS["random_state"].one(json.dumps(base).encode())  # no `pad`: a KeyError before

@@ -168,6 +168,23 @@ def test_resume_refuses_another_order(shards):
         _loader(shards, batch_size=4, num_workers=0, seed=8).load_state_dict(dl.state_dict())
 
 
+def test_a_state_with_the_span_under_window_resumes_the_same(shards):
+    "A saved state whose span of shards is under the key `window` resumes as it does under `span`."
+    def cached(**kw):
+        return _loader(shards, fields=("__key__",), transform=None, batch_size=5, num_workers=0, seed=7, **kw)
+    dl = cached(read="cache", shard_cache=2)
+    _take(dl, 2)
+    state = dl.state_dict()
+    assert state["span"] == 2 and "window" not in state
+    old = {("window" if k == "span" else k): v for k, v in state.items()}
+    a, b = cached(read="cache", shard_cache=2), cached(read="cache", shard_cache=2)
+    a.load_state_dict(state)
+    b.load_state_dict(old)
+    assert a.state_dict() == b.state_dict() and _keys(a) == _keys(b) and len(_keys(a)) > 0
+    with pytest.raises(LoaderError, match="span is None here, 2 in the saved state"):
+        cached().load_state_dict(old)  # local shards read in place: a global order, not spans of 2
+
+
 # Elastic resume: 1,200 samples, 12 a step of the whole job on every shape, so that a resume after 1, 50 or 99 steps is
 # at 1%, 50% and 99% of the epoch. (ranks, workers per rank, batch size per rank)
 ELASTIC = (1, 0, 12), (2, 1, 6), (3, 3, 4), (1, 3, 12), (2, 0, 6), (3, 1, 4)
@@ -346,7 +363,7 @@ def test_bench_ais_index_on_aistore(shards, ais_endpoint, capsys):
                 r = res[when][mode]
                 assert (r["samples"], r["read_only"]) == (24, mode == "read") and r["rate"] > 0 and r["cpu_ms"] > 0, r
         # with the index in place, GetBatch still reads the bucket as the same samples, batch for batch (a global
-        # shuffle, as over local shards; the shard cache, ais://'s default, shuffles within windows of shards instead)
+        # shuffle, as over local shards; the shard cache, ais://'s default, shuffles within spans of shards instead)
         assert _keys(_loader(f"ais://{name}", batch_size=5, seed=3, read="getbatch")) == \
             _keys(_loader(shards, batch_size=5, seed=3))
         args = ["--shard-index", "--workers", "0", "--samples", "24", "--batch-size", "8"]

@@ -1,5 +1,5 @@
-"""Random access at scale (issue 30): the shard cache mode (exact epochs, resume, the cache bound), windowed shard
-order, and HTTP range reads on a local AIStore."""
+"""Random access at scale (issue 30): the shard cache mode (exact epochs, resume, the cache bound), shard order
+in spans, and HTTP range reads on a local AIStore."""
 import os, tarfile, uuid
 import numpy as np
 import pytest
@@ -58,7 +58,7 @@ def _cache_files(loader):
 def test_cache_mode_exactly_once_per_epoch(shards, world, workers):
     per_rank = [_loader(str(os.path.dirname(shards[0])), read="cache", shard_cache=2, batch_size=4, num_workers=workers,
                         rank=r, world_size=world, pad=world > 1) for r in range(world)]
-    assert per_rank[0].window == 2
+    assert per_rank[0].span == 2
     for epoch in range(2):
         got = [_keys(dl) for dl in per_rank]
         assert len({len(g) for g in got}) == 1                     # equal batches per rank
@@ -68,11 +68,11 @@ def test_cache_mode_exactly_once_per_epoch(shards, world, workers):
         if world == 1: assert sorted(flat) == ALL
 
 
-def test_cache_mode_order_is_windows_of_cached_shards(shards):
+def test_cache_mode_order_is_spans_of_cached_shards(shards):
     dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=1)
     idx = dl.dataset.index
     order = np.concatenate(dl.batches(0))
-    np.testing.assert_array_equal(order, epoch_order(idx.shard, 0, 0, window=2))
+    np.testing.assert_array_equal(order, epoch_order(idx.shard, 0, 0, span=2))
     seq = idx.shard[order]
     first = {s: int(np.flatnonzero(seq == s)[0]) for s in set(seq.tolist())}
     last = {s: int(np.flatnonzero(seq == s)[-1]) for s in set(seq.tolist())}
@@ -102,7 +102,7 @@ def test_cache_bound_is_respected(shards):
     assert len(_cache_files(dl)) <= 3
     limit = 2 * max(os.path.getsize(p) for p in shards)
     dl = _loader(src, read="cache", shard_cache=f"{limit}B", batch_size=4)
-    assert dl.window == 2 and dl.dataset.reader.copies.max_bytes == limit
+    assert dl.span == 2 and dl.dataset.reader.copies.max_bytes == limit
     seen = []
     for b in dl:
         seen += list(b[0])
@@ -113,8 +113,8 @@ def test_cache_bound_is_respected(shards):
 
 def test_cache_refuses_what_it_cannot_hold(shards):
     src = os.path.dirname(shards[0])
-    with pytest.raises(UsageError, match="window=5 spans more shards than the cache holds"):
-        _loader(src, read="cache", shard_cache=2, window=5)
+    with pytest.raises(UsageError, match="span=5 is more shards than the cache holds"):
+        _loader(src, read="cache", shard_cache=2, span=5)
     with pytest.raises(UsageError, match="holds no shard"):
         _loader(src, read="cache", shard_cache="1KB")
     with pytest.raises(UsageError, match=r"read=.range. cannot read local shards.*use one of"):
@@ -129,7 +129,7 @@ def test_cache_is_private_and_per_source(shards, tmp_path):
     assert shard_cache_dir(sample_index(other[0], ("cls",))) != folder
 
 
-def test_window_quality_figures():
+def test_span_quality_figures():
     shard = np.repeat(np.arange(100, dtype=np.int32), 200)
     full, win = (order_quality(shard, epoch_order(shard, 1, 0, w)) for w in (None, 10))
     assert full["same_shard_neighbours"] < 0.03 and 0.05 < win["same_shard_neighbours"] < 0.15
@@ -148,7 +148,7 @@ def bucket(shards, ais_cluster):
 
 def test_ais_defaults_to_the_shard_cache_exactly_once_and_resumes(shards, bucket):
     dl = _loader(bucket, shard_cache=2, batch_size=4, num_workers=2, seed=3)
-    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.window == 2
+    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.span == 2
     e0, e1 = _keys(dl), _keys(dl)
     assert sorted(e0) == sorted(e1) == ALL and e0 != e1
     local = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=2, batch_size=4, seed=3)
@@ -163,7 +163,7 @@ def test_ais_defaults_to_the_shard_cache_exactly_once_and_resumes(shards, bucket
 
 def test_range_read_returns_the_tar_members_bytes(shards, bucket):
     dl = _loader(bucket, read="range", batch_size=4)
-    assert isinstance(dl.dataset.reader, RangeReader) and dl.window is None
+    assert isinstance(dl.dataset.reader, RangeReader) and dl.span is None
     members = {}
     for p in shards:
         with tarfile.open(p) as t:
@@ -204,7 +204,7 @@ def _urls(base): return [f"{base}/small-{s:05d}.tar" for s in range(len(SIZES))]
 
 def test_http_defaults_to_the_shard_cache(shards, http_base):
     dl = _loader(_urls(http_base), shard_cache=3, batch_size=4, num_workers=2, seed=1)
-    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.window == 3
+    assert type(dl.dataset.reader).__name__ == "CachedShardReader" and dl.span == 3
     e0 = _keys(dl)
     assert sorted(e0) == ALL and len(_cache_files(dl)) <= 3
     assert _keys(_loader(os.path.dirname(shards[0]), read="cache", shard_cache=3, batch_size=4, seed=1)) == e0
@@ -233,8 +233,8 @@ def test_cache_copies_of_a_rewritten_local_tar_are_new(tmp_path):
 
 
 def test_a_global_order_from_a_cache_that_holds_every_shard(shards):
-    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=len(SIZES), window=None, batch_size=5)
-    assert dl.window is None and sorted(_keys(dl)) == ALL
+    dl = _loader(os.path.dirname(shards[0]), read="cache", shard_cache=len(SIZES), span=None, batch_size=5)
+    assert dl.span is None and sorted(_keys(dl)) == ALL
 
 
 def test_the_loader_is_made_with_the_batch_size_create_dataloader_is_given(shards):
@@ -258,17 +258,17 @@ def test_batches_of_a_huge_epoch_need_no_array_of_its_samples():
     from shardkit.loading.order import EpochBatches, EpochOrder
     n = 10**12
     starts = np.arange(0, n + 1, 10**6, dtype=np.int64)  # a million shards of a million samples
-    for window in (None, 16):
-        b = EpochBatches(EpochOrder(starts, 0, 3, window), 64, rank=1, world_size=8)
+    for span in (None, 16):
+        b = EpochBatches(EpochOrder(starts, 0, 3, span), 64, rank=1, world_size=8)
         assert len(b) == n // (64 * 8)
         late = b[len(b) - 1]
         assert len(late) == 64 and len(set(late.tolist())) == 64 and ((0 <= late) & (late < n)).all()
         assert np.array_equal(late,
-                              EpochBatches(EpochOrder(starts, 0, 3, window), 64, rank=1,
+                              EpochBatches(EpochOrder(starts, 0, 3, span), 64, rank=1,
                                            world_size=8)[-1])  # from the seed
 
 
-def test_a_late_window_batch_equals_the_whole_order():
+def test_a_late_span_batch_equals_the_whole_order():
     from shardkit.loading.order import EpochBatches, EpochOrder, epoch_batches, shard_starts
     shard = np.repeat(np.arange(50, dtype=np.int32), np.arange(50) % 7 + 1)  # uneven shards, some of one sample
     whole = epoch_batches(len(shard), 3, 5, 2, rank=1, world_size=2, pad=True, order=epoch_order(shard, 5, 2, 4))

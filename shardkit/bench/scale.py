@@ -200,7 +200,7 @@ def _ais_cache(spec):
     dl = create_dataloader(create_dataset(_bucket(spec, True), fields=KEYS_ONLY, batch_size=spec["batch_size"],
                                           read="cache", access="random"), num_workers=spec["workers"])
     for f in dl.dataset.reader.copies.files(): f.unlink()  # no copy left from an earlier run
-    return lambda: dict(samples=_count_epoch(dl), window=dl.window)
+    return lambda: dict(samples=_count_epoch(dl), span=dl.span)
 
 def _ais_shard_index(spec):
     return lambda: dict(samples=spec["n"], job=build_shard_index(_bucket(spec, True)))
@@ -215,7 +215,7 @@ def _ais_s3_cache(spec):
     dl = create_dataloader(create_dataset(_s3(spec), fields=KEYS_ONLY, batch_size=spec["batch_size"], read="cache",
                                           access="random"), num_workers=spec["workers"])
     for f in dl.dataset.reader.copies.files(): f.unlink()
-    return lambda: dict(samples=_count_epoch(dl), window=dl.window)
+    return lambda: dict(samples=_count_epoch(dl), span=dl.span)
 
 _STAGES = {"convert": _convert, "shuffle": _shuffle, "verify": _verify, "index": _index,
            "stream keys": lambda s: _stream(s, _work(s) / "shuffled"), "random keys": _random,
@@ -335,7 +335,7 @@ def _ais_ratios(rows: list[dict]) -> list[str]:
         s = by.get((n, "ais stream"))
         if s and (c := by.get((n, "ais cache"))):
             out.append(f"ais cache at {n:,}: {c['rate'] / s['rate']:.2f}x the streaming rate from the same bucket "
-                       f"({c['rate']:,.0f} vs {s['rate']:,.0f} samples/s; windows of {c['window']} shards); "
+                       f"({c['rate']:,.0f} vs {s['rate']:,.0f} samples/s; spans of {c['span']} shards); "
                        f"AIStore CPU {c['cluster_cpu_ms']:.3f} vs {s['cluster_cpu_ms']:.3f} ms/sample, "
                        f"client CPU {c['cpu_ms']:.3f} vs {s['cpu_ms']:.3f}")
         for stage in ("ais getbatch", "ais getbatch+index"):

@@ -47,7 +47,7 @@ class DatasetSettings:
     handler: Callable = wds.reraise_exception  # Streaming: a bad sample (a webdataset handler)
     pad: bool = False                       # Random access, ranks: repeat samples to fill an epoch's last step
     drop_last: bool | None = None           # Random access: drop a last partial batch; None: only with several ranks
-    window: int | None | str = "auto"       # Random access: shards per window; None: one order; "auto": the cache's
+    span: int | None | str = "auto"         # Random access: shards per span; None: one order; "auto": the cache's
     index_cache: bool | str | Path = True   # Random access: keep the sample index on disk (in this folder)
     read: str = "auto"                      # Random access: how samples are read (READ_MODES), "auto": the source's
     shard_cache: int | str = 16             # Random access: the shard cache's bound, shards (int) or bytes ("2GB")

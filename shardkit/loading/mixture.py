@@ -105,13 +105,13 @@ class MixedOrder:
                  seed: int,                            # Seed of the run
                  *,
                  epoch: int,                           # Epoch: each draws its own orders
-                 window: int | None = None,            # Shards per window of each source's order (`EpochOrder`)
+                 span: int | None = None,              # Shards per span of each source's order (`EpochOrder`)
                 ):
         self.starts, (self.src, self.k), self.names = list(starts), turns, list(names)
-        self.seed, self.epoch, self.window, self.n = seed, epoch, window, len(turns[0])
+        self.seed, self.epoch, self.span, self.n = seed, epoch, span, len(turns[0])
         self.sizes = [int(s[-1]) for s in self.starts]
         self.offsets = np.cumsum([0, *self.sizes[:-1]])  # where each source's numbers start in the whole index
-        self.kept = {(0, 0): EpochOrder(self.starts[0], seed, epoch, window)}  # the epoch source alone's order
+        self.kept = {(0, 0): EpochOrder(self.starts[0], seed, epoch, span)}  # the epoch source alone's order
     def __len__(self): return self.n
 
     def _order(self, i: int, p: int) -> EpochOrder:
@@ -119,7 +119,7 @@ class MixedOrder:
         if (i, p) not in self.kept:
             if len(self.kept) > 8: del self.kept[next(k for k in self.kept if k != (0, 0))]
             self.kept[i, p] = EpochOrder(self.starts[i], seed_for(self.seed, "mix", self.names[i], self.epoch), p,
-                                         self.window)
+                                         self.span)
         return self.kept[i, p]
 
     def __call__(self, positions) -> np.ndarray:

@@ -79,16 +79,16 @@ class EpochOrder:
     def __init__(self, starts: np.ndarray,   # `shard_starts`: each shard's first sample number, then the count
                  seed: int,                  # Seed of the run
                  epoch: int,                 # Epoch: each draws its own order
-                 window: int | None = None,  # Shards per window; None: one permutation of all samples (`permute`)
+                 span: int | None = None,    # Shards per span; None: one permutation of all samples (`permute`)
                 ):
-        if window is not None and window < 1: raise UsageError(f"window must be at least 1 shard, got {window}")
-        self.starts, self.seed, self.epoch, self.window = np.asarray(starts, np.int64), seed, epoch, window
+        if span is not None and span < 1: raise UsageError(f"span must be at least 1 shard, got {span}")
+        self.starts, self.seed, self.epoch, self.span = np.asarray(starts, np.int64), seed, epoch, span
         self.n, self.kept = int(self.starts[-1]), OrderedDict()
-        if window is None: self.round_keys = _round_keys(seed_for(seed, epoch, "permutation")); return
+        if span is None: self.round_keys = _round_keys(seed_for(seed, epoch, "permutation")); return
         counts = np.diff(self.starts)
         self.shards = np.random.default_rng(seed_for(seed, epoch, "shards")).permutation(len(counts))
-        sizes = np.add.reduceat(counts[self.shards], np.arange(0, len(counts), window)) if len(counts) else counts
-        self.ends = np.cumsum(sizes)  # window w holds positions ends[w-1] to ends[w] - 1
+        sizes = np.add.reduceat(counts[self.shards], np.arange(0, len(counts), span)) if len(counts) else counts
+        self.ends = np.cumsum(sizes)  # span w holds positions ends[w-1] to ends[w] - 1
     def __len__(self): return self.n
 
     def __call__(self, positions) -> np.ndarray:
@@ -96,18 +96,19 @@ class EpochOrder:
         p = np.asarray(positions, np.int64).ravel()
         if p.size and (p.min() < 0 or p.max() >= self.n):
             raise UsageError(f"positions must lie in range({self.n}), got {p.min()} to {p.max()}")
-        if self.window is None: return _feistel(p, self.n, self.round_keys)
+        if self.span is None: return _feistel(p, self.n, self.round_keys)
         w, out = np.searchsorted(self.ends, p, side="right"), np.empty(len(p), np.int64)
         for u in np.unique(w).tolist():
             m = w == u
-            out[m] = self._window(u)[p[m] - (self.ends[u - 1] if u else 0)]
+            out[m] = self._span(u)[p[m] - (self.ends[u - 1] if u else 0)]
         return out
 
-    def _window(self, w: int) -> np.ndarray:
-        "The sample numbers of window `w` in the epoch's order: made when first asked for; the last two are kept."
+    def _span(self, w: int) -> np.ndarray:
+        "The sample numbers of span `w` in the epoch's order: made when first asked for; the last two are kept."
         if w in self.kept: self.kept.move_to_end(w); return self.kept[w]
         ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1])
-                              for s in self.shards[w * self.window:(w + 1) * self.window]])
+                              for s in self.shards[w * self.span:(w + 1) * self.span]])
+        # the seed's label, "window", is part of every saved order: another label would reorder resumed epochs
         self.kept[w] = np.random.default_rng(seed_for(self.seed, self.epoch, "window", w)).permutation(ids)
         if len(self.kept) > 2: self.kept.popitem(last=False)
         return self.kept[w]
@@ -116,11 +117,11 @@ class EpochOrder:
 def epoch_order(shard: np.ndarray,           # Each sample's shard number (`SampleIndex.shard`: shards contiguous)
                 seed: int,                   # Seed of the run
                 epoch: int,                  # Epoch: each draws its own order
-                window: int | None = None,   # Shards per window; None: one global permutation of all samples
+                span: int | None = None,     # Shards per span; None: one global permutation of all samples
                ) -> np.ndarray:              # Every sample number once, in the epoch's order
     "The whole order of epoch `epoch` (`EpochOrder` at every position): for tests and pictures, not the loader."
     n_shards = int(shard.max()) + 1 if len(shard) else 0
-    order = EpochOrder(shard_starts(shard, n_shards), seed, epoch, window)
+    order = EpochOrder(shard_starts(shard, n_shards), seed, epoch, span)
     return order(np.arange(len(order)))
 
 # %% ../../nbs/26a_order.ipynb

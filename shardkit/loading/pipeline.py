@@ -122,7 +122,7 @@ def create_dataset(source,                       # Shards: a store, directory, a
                    weights: dict[str, float] | None = None,  # With a dict of sources {name: source}: each one's share
                    pad: bool = False,            # Random access, ranks: repeat samples to fill an epoch's last step
                    drop_last: bool | None = None,  # Random access: drop a last partial batch; None: only with ranks
-                   window: int | None | str = "auto",  # Random access: shards per window; None: one order; "auto"
+                   span: int | None | str = "auto",    # Random access: shards per span; None: one order; "auto"
                    index_cache: bool | str | Path = True,  # Random access: keep the sample index on disk (this folder)
                    read: str = "auto",           # Random access: how samples are read, one of READ_MODES, or "auto"
                    shard_cache: int | str = 16,  # Random access: the shard cache's bound, shards (int) or bytes ("2GB")
@@ -144,7 +144,7 @@ def create_dataset(source,                       # Shards: a store, directory, a
                         channels_last=channels_last, allow_pickle=allow_pickle, retries=retries, mix=mix,
                         shuffle=shuffle, reorder_shards=reorder_shards, resampled=resampled,
                         epoch_samples=epoch_samples, handler=error_handler(handler), pad=pad, drop_last=drop_last,
-                        window=window,
+                        span=span,
                         index_cache=index_cache, read=read, shard_cache=shard_cache)
     if access == "random": return random_dataset(first, replace(s, seed=0 if seed is None else seed))
     if decode_on == "gpu":
@@ -156,10 +156,10 @@ def create_dataset(source,                       # Shards: a store, directory, a
 def _random_loader(dataset: RandomAccessDataset | MixedDataset, num_workers: int, batch_size: int | None,
                    kw: dict) -> RandomAccessLoader:
     "The random-access loader of `dataset`, shaped by the settings it keeps (defaults for one made by hand)."
-    s = dataset.settings or DatasetSettings(dataset.fields, window=None)
+    s = dataset.settings or DatasetSettings(dataset.fields, span=None)
     return RandomAccessLoader(dataset, batch_size=batch_size or s.batch_size or 64, num_workers=num_workers,
                               rank=s.rank, world_size=s.world_size, pad=s.pad, drop_last=s.drop_last,
-                              window=s.window, **kw)
+                              span=s.span, **kw)
 
 def _stream_loader(dataset: ShardDataset, num_workers: int, batch_size: int | None, shuffle_across: int,
                    kw: dict) -> ShardLoader:

@@ -50,9 +50,9 @@ class RandomAccessDataset(Dataset):
         self.starts = shard_starts(index.shard, len(index.shards))  # per shard: all the epoch's order needs
 
     def __len__(self): return len(self.index)
-    def epoch_order(self, epoch: int, window: int | None = None) -> EpochOrder:
+    def epoch_order(self, epoch: int, span: int | None = None) -> EpochOrder:
         "Epoch `epoch`'s order of this data set's samples (`EpochOrder`)."
-        return EpochOrder(self.starts, self.seed, epoch, window)
+        return EpochOrder(self.starts, self.seed, epoch, span)
 
     def samples(self, ids) -> list[dict]:
         "Raw samples `ids` (bytes per field, `__key__`, `__url__`), as WebDataset would yield them."
@@ -84,9 +84,9 @@ class MixedDataset(Dataset):
         self.mix = dict(zip(self.names, self.weights))
 
     def __len__(self): return len(self.turns[0])
-    def epoch_order(self, epoch: int, window: int | None = None) -> MixedOrder:
+    def epoch_order(self, epoch: int, span: int | None = None) -> MixedOrder:
         "Epoch `epoch`'s order: each source's own, in weighted turns (`MixedOrder`)."
-        return MixedOrder([p.starts for p in self.parts], self.turns, self.names, self.seed, epoch=epoch, window=window)
+        return MixedOrder([p.starts for p in self.parts], self.turns, self.names, self.seed, epoch=epoch, span=span)
 
     def samples(self, ids) -> list[dict]:
         "Raw samples `ids` (numbers into the sources, one after another), each with `__source__`."
@@ -105,12 +105,12 @@ class RandomAccessLoader:
     "Batches of a `RandomAccessDataset` in a seeded global order, resumable (`state_dict`), equal per rank."
     def __init__(self, dataset: RandomAccessDataset, *, batch_size: int = 64, num_workers: int = 2,
                  rank: int | None = None, world_size: int | None = None, pad: bool = False,
-                 drop_last: bool | None = None, window: int | None = None, **kw):
+                 drop_last: bool | None = None, span: int | None = None, **kw):
         self.dataset, self.batch_size, self.num_workers, self.pad, self.kw = dataset, batch_size, num_workers, pad, kw
         self.rank, self.world_size = rank_and_world(rank, world_size)
         # None: DataLoader's default with one rank
         self.drop_last = self.world_size > 1 if drop_last is None else bool(drop_last)
-        self.epoch, self.batch, self._restored, self.window, self._cut = 0, 0, False, window, (None, None)
+        self.epoch, self.batch, self._restored, self.span, self._cut = 0, 0, False, span, (None, None)
         self.start = 0  # where this epoch's batches start in its order: not 0 after a resume on another step size
         self.told = False  # whether the samples that several ranks leave out of an epoch were said (once, by rank 0)
         if why := worker_tmpdir_problem(num_workers): raise LoaderError(why)
@@ -119,12 +119,12 @@ class RandomAccessLoader:
     @property
     def seed(self) -> int: return self.dataset.seed
     def batches(self, epoch: int) -> EpochBatches:
-        "This rank's batches of `epoch`, each made when asked for: a global permutation, or windows of shards."
+        "This rank's batches of `epoch`, each made when asked for: a global permutation, or spans of shards."
         start = self.start if epoch == self.epoch else 0
-        key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.window,
+        key = (epoch, self.seed, self.batch_size, self.rank, self.world_size, self.pad, self.drop_last, self.span,
                start)
         if self._cut[0] != key:  # kept while the epoch and the start stay
-            order = self.dataset.epoch_order(epoch, self.window)
+            order = self.dataset.epoch_order(epoch, self.span)
             self._cut = (key,
                          EpochBatches(order, self.batch_size, rank=self.rank, world_size=self.world_size, pad=self.pad,
                                            drop_last=self.drop_last, start=start))
@@ -174,7 +174,7 @@ def __iter__(self: RandomAccessLoader):
         say_line(report)
 
 # %% ../../nbs/27_random_access.ipynb
-_MUST_MATCH = ("seed", "samples", "window", "mix")  # what the epoch's order depends on; the shape may change
+_MUST_MATCH = ("seed", "samples", "span", "mix")  # what the epoch's order depends on; the shape may change
 
 def _step(s: dict) -> int:
     "Samples a step of the whole job takes from the order, for a state's (or loader's) shape."
@@ -196,11 +196,13 @@ def state_dict(self: RandomAccessLoader) -> dict:
                 drop_last=self.drop_last)
     position = min(self.start + self.batch * _step(mine), len(self.dataset))  # samples every rank took, together
     return dict(epoch=self.epoch, batch=self.batch, position=position, seed=self.seed, samples=len(self.dataset),
-                window=self.window, mix=self.dataset.mix, **mine)
+                span=self.span, mix=self.dataset.mix, **mine)
 
 @patch
 def load_state_dict(self: RandomAccessLoader, state: dict):
     "Continue from `state` (any rank's `state_dict`) on this loader's shape: the rest of the epoch's order, once."
+    if isinstance(state, dict) and "window" in state:  # the span under its earlier key: the same order
+        state = {("span" if k == "window" else k): v for k, v in state.items()}
     check_resumable(state, self.state_dict(), _MUST_MATCH, "random-access loader")
     epoch = saved_count(state.get("epoch"), "epoch")
     saved_step = _saved_step(state)
@@ -217,24 +219,24 @@ def load_state_dict(self: RandomAccessLoader, state: dict):
 
 # %% ../../nbs/27_random_access.ipynb
 def _source_dataset(source, fields, transform, seed, *, allow_pickle, index_cache, read, shard_cache, retries) -> tuple:
-    "(`RandomAccessDataset` of one source, the shards a window may span: None for any)."
+    "(`RandomAccessDataset` of one source, the shards a span of its order may hold: None for any)."
     index = sample_index(source, fields, index_cache, retries=retries)
     reader, fits = shard_reader(index, read, shard_cache, retries)
     return RandomAccessDataset(index, fields, transform=transform, seed=seed, allow_pickle=allow_pickle,
                                reader=reader), fits
 
-def _window(window, fits: int | None, shards: int) -> int | None:
-    "The window asked for (`auto`: what the shard cache holds), refused if it spans more shards than the cache holds."
-    if window == "auto": return fits
-    if fits is not None and fits < shards and (window is None or window > fits):
-        raise UsageError(f"window={window} spans more shards than the cache holds ({fits}): the cache would refetch "
-                         f"shards all epoch long. Use window<={fits}, or a larger shard_cache")
-    return window
+def _span(span, fits: int | None, shards: int) -> int | None:
+    "The span asked for (`auto`: what the shard cache holds), refused if it holds more shards than the cache does."
+    if span == "auto": return fits
+    if fits is not None and fits < shards and (span is None or span > fits):
+        raise UsageError(f"span={span} is more shards than the cache holds ({fits}): the cache would refetch "
+                         f"shards all epoch long. Use span<={fits}, or a larger shard_cache")
+    return span
 
 # %% ../../nbs/27_random_access.ipynb
 def random_dataset(source,                    # The epoch source: a store, a directory, ais://, s3://, a template, URLs
                    settings: DatasetSettings, # create_dataset's, checked: fields, transform, seed, caches, the mix
-                  ) -> RandomAccessDataset | MixedDataset:  # With `settings` kept, its window resolved
+                  ) -> RandomAccessDataset | MixedDataset:  # With `settings` kept, its span resolved
     "The data set of `create_dataset(access='random')`: every source indexed, its reader (and shard cache) ready."
     s = settings
     refuse_pickle(s.fields, s.allow_pickle)  # before any shard is opened
@@ -242,10 +244,10 @@ def random_dataset(source,                    # The epoch source: a store, a dir
     made = {name: _source_dataset(src, s.fields, s.transform, s.seed, allow_pickle=s.allow_pickle,
                                   index_cache=s.index_cache, read=s.read, shard_cache=s.shard_cache, retries=s.retries)
             for name, src in sources.items()}
-    windows = {_window(s.window, fits, len(ds.index.shards)) for ds, fits in made.values()}
-    window = min(windows, key=lambda w: float("inf") if w is None else w)  # the smallest a cache allows
+    spans = {_span(s.span, fits, len(ds.index.shards)) for ds, fits in made.values()}
+    span = min(spans, key=lambda w: float("inf") if w is None else w)  # the smallest a cache allows
     ds = MixedDataset({n: d for n, (d, _) in made.items()}, s.mix["weights"]) if s.mix else made[""][0]
-    ds.settings = replace(s, window=window)
+    ds.settings = replace(s, span=span)
     return ds
 
 # %% ../../nbs/27_random_access.ipynb
@@ -255,9 +257,9 @@ from shardkit.loading.index import load_index
 from shardkit.loading.random_access import RandomAccessDataset, RandomAccessLoader
 def anon(): return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")).split()[1]) * 1024
 m = dict(start=anon()); idx = load_index(sys.argv[1]); m["mapped"] = anon()
-for window in (16, None):
-    dl = RandomAccessLoader(RandomAccessDataset(idx, ("cls", "jpg")), batch_size=64, num_workers=0, window=window)
-    b = dl.batches(0); first, late = b[0], b[int(0.9 * len(b))]; m[f"batches_{window}"] = anon()
+for span in (16, None):
+    dl = RandomAccessLoader(RandomAccessDataset(idx, ("cls", "jpg")), batch_size=64, num_workers=0, span=span)
+    b = dl.batches(0); first, late = b[0], b[int(0.9 * len(b))]; m[f"batches_{span}"] = anon()
 print(json.dumps(m))
 '''
 
@@ -272,5 +274,5 @@ def loader_memory(n: int = 10_000_000, folder: str | Path | None = None) -> dict
         out = subprocess.run([sys.executable, "-c", _MEASURE, str(Path(d) / "i")], capture_output=True, text=True)
     if out.returncode: raise LoaderError(f"measuring the loader's memory failed: {out.stderr[-500:]}")
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    return dict(samples=n, start=m["start"], mapped=m["mapped"], window_16=m["batches_16"],
+    return dict(samples=n, start=m["start"], mapped=m["mapped"], span_16=m["batches_16"],
                 global_order=m["batches_None"], total=max(m["batches_16"], m["batches_None"]))

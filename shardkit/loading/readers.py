@@ -419,8 +419,8 @@ def shard_reader(index: SampleIndex,              # What to read
                  read: str = "auto",              # One of READ_MODES, or 'auto': the default for the source
                  shard_cache: int | str = 16,     # The cache's bound: an int counts shards, a text like '2GB' bytes
                  retries: Retries | None = None,  # How its remote reads retry faults, and their counts
-                ) -> tuple:                       # (the reader, the window of shards its order needs or None)
-    "The reader for `read` on `index`'s source, and how many shards an epoch's window may span (None: any)."
+                ) -> tuple:                       # (the reader, the span of shards its order needs or None)
+    "The reader for `read` on `index`'s source, and the most shards a span of an epoch's order may hold (None: any)."
     can = {"local": ("local", "cache"), "ais": ("cache", "range", "getbatch")}.get(index.kind, ("cache", "range"))
     if read == "auto": read = {"local": "local", "ais": DEFAULT_AIS_READ}.get(index.kind, "cache")  # URLs: cached
     if read not in READ_MODES: raise UsageError(f"read must be one of {READ_MODES} or 'auto', not {read!r}")

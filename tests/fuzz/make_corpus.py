@@ -133,7 +133,7 @@ def state_seeds():
            .encode())
     _write("stream_state", "other-shape", json.dumps([dict(s, num_workers=1, batches=[3]), dict(s, rank=1)]).encode())
     _write("stream_state", "field", b"\x05-12")
-    r = {"epoch": 0, "batch": 3, "position": 12, "seed": 1, "samples": 40, "window": None, "mix": None,
+    r = {"epoch": 0, "batch": 3, "position": 12, "seed": 1, "samples": 40, "span": None, "mix": None,
          "batch_size": 4, "rank": 0, "world_size": 1, "pad": False, "drop_last": False}
     _write("random_state", "saved", json.dumps(r).encode())
     r2 = {k: v for k, v in r.items() if k != "position"}
