@@ -175,6 +175,7 @@ def test_an_epoch_is_exact_in_both_access_modes(bucket, clean):
     assert idx.kind == kind and len(idx) == N_SHARDS * PER_SHARD and all(v.startswith('"') for v in idx.versions)
 
 
+@pytest.mark.slow  # the whole suite's: the fast tier keeps an exact epoch, the faults and the refusals
 def test_templates_single_objects_and_lists(bucket, clean):
     "A brace template (one listing; a missing shard said before reading), one object, and a list of URLs."
     from shardkit.loading.sources import shard_urls
@@ -187,6 +188,7 @@ def test_templates_single_objects_and_lists(bucket, clean):
     assert random_keys([f"{url}/{n}" for n in NAMES], "range") == clean["range"]
 
 
+@pytest.mark.slow  # the whole suite's: the fast tier keeps an exact epoch, the faults and the refusals
 def test_writers_and_commands_take_buckets(bucket, tmp_path):
     "write_shards, convert folder and the local shuffle write into the bucket; ls and verify read it back."
     from conftest import main_cli
@@ -336,6 +338,7 @@ def test_an_object_rewritten_mid_read_is_refused(bucket, faults, shard_dir):
     finally: store.put_bytes(original, name)
 
 
+@pytest.mark.slow  # the whole suite's: the fast tier keeps an exact epoch, the faults and the refusals
 @pytest.mark.parametrize("access", ["stream", "random"])
 def test_a_dead_object_is_named_within_the_bound(bucket, faults, access):
     "A shard that answers 503 to every GET ends the epoch with an error that names it, within the bound + 10 s."
@@ -354,6 +357,7 @@ GCS_SECRETS = ("planted-GCS-CLIENT-SECRET-4f2a9e1c", "planted-GCS-REFRESH-8b3d0f
 SAS = "sv=2021-08-06&ss=b&srt=sco&sp=rl&se=2030-01-01T00:00:00Z&sig=planted-SAS-SIG-3e8f1b7c"
 
 
+@pytest.mark.slow  # the whole suite's: the fast tier keeps an exact epoch, the faults and the refusals
 def test_a_planted_secret_shows_nowhere(bucket, faults, tmp_path, *, caplog, capfd, monkeypatch):
     """GCS through Application Default Credentials (a user's client secret and refresh token, an access token) and
     Azure with an account key and a SAS token, all planted: none appears in an error, a log line (every logger at
