@@ -19,25 +19,24 @@ from shardkit.stores.base import (
 from ..errors import StoreError
 from ..remote import Retries
 from .ais import AISStore, ais_client, ais_endpoint, listed_settled, upload_shards
-from .azure import AzureStore, az_shard_urls
-from .gcs import GCSStore, gs_shard_urls
+from .azure import AzureStore
+from .gcs import GCSStore
 from .http import HTTPStore
 from .local import LocalStore, file_mode
-from .s3 import S3Store, s3_shard_urls
+from .s3 import S3Store
 
 # %% auto 0
 __all__ = ['BACKENDS', 'COMMAND', 'NOT_YET', 'BUCKETS', 'not_yet', 'backend_for', 'is_command', 'is_local', 'open_store',
            'open_url', 'read_url_range', 'stat_url', 'url_name', 'bucket_shard_urls', 'AISStore', 'ais_client',
            'ais_endpoint', 'listed_settled', 'upload_shards', 'SHARD_SUFFIXES', 'Store', 'as_names', 'did_you_mean',
            'expand_names', 'match_names', 'parse_size', 'shown_path', 'HTTPStore', 'LocalStore', 'file_mode', 'S3Store',
-           's3_shard_urls', 'GCSStore', 'gs_shard_urls', 'AzureStore', 'az_shard_urls']
+           'GCSStore', 'AzureStore']
 
 # %% ../../nbs/02g_stores.ipynb
 # the package's names, from the modules that hold them
 _all_ = ["AISStore", "ais_client", "ais_endpoint", "listed_settled", "upload_shards", "SHARD_SUFFIXES", "Store",
          "as_names", "did_you_mean", "expand_names", "match_names", "parse_size", "shown_path", "HTTPStore",
-         "LocalStore", "file_mode", "S3Store", "s3_shard_urls", "GCSStore",
-         "gs_shard_urls", "AzureStore", "az_shard_urls"]
+         "LocalStore", "file_mode", "S3Store", "GCSStore", "AzureStore"]
 
 # %% ../../nbs/02g_stores.ipynb
 BACKENDS: list[type[Store]] = [LocalStore, HTTPStore, AISStore, S3Store, GCSStore,
@@ -112,5 +111,4 @@ BUCKETS: tuple[type[Store], ...] = (S3Store, GCSStore, AzureStore)  # signed req
 
 def bucket_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
     "The URLs of the shards bucket URL `spec` (s3://, gs://, az://) names: an object, a brace template or a prefix."
-    listing = {S3Store: s3_shard_urls, GCSStore: gs_shard_urls, AzureStore: az_shard_urls}[backend_for(spec)]
-    return listing(spec, pattern)
+    return backend_for(spec).shard_urls(spec, pattern)

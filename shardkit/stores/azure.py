@@ -5,7 +5,6 @@
 # %% ../../nbs/02f_stores.azure.ipynb 3
 from __future__ import annotations
 import base64
-import dataclasses
 import email.utils
 import hashlib
 import hmac
@@ -35,13 +34,13 @@ from shardkit.remote import (
     retried,
 )
 from ..errors import StoreError, UsageError
-from .base import SHARD_SUFFIXES, Store, expand_names, match_names
+from .base import BucketStore
 
 # %% auto 0
 __all__ = ['AZURITE_ACCOUNT', 'API_VERSION', 'MAX_PUT', 'AzureSettings', 'parse_az_url', 'az_url', 'az_name',
            'parse_connection_string', 'AzureClient', 'azure_client', 'shared_key', 'AzureAuth', 'azure_code',
            'azure_refusal', 'listing_page', 'list_blobs', 'azure_blob', 'azure_open', 'azure_range', 'azure_head',
-           'azure_put', 'azure_delete', 'container_exists', 'create_container', 'AzureStore', 'az_shard_urls']
+           'azure_put', 'azure_delete', 'container_exists', 'create_container', 'AzureStore']
 
 # %% ../../nbs/02f_stores.azure.ipynb
 @dataclass(frozen=True)
@@ -391,87 +390,12 @@ def create_container(container: str, settings: AzureSettings | None = None, retr
     retried(once, name, retries, "creating", url=url, auth=auth)
 
 # %% ../../nbs/02f_stores.azure.ipynb
-class AzureStore(Store):
-    "Blobs under `prefix` of Azure container `bucket` (or Azurite's): the Blob REST API, faults retried."
-    schemes, writable = ("az", "azure"), True
-    def __init__(self, bucket: str, prefix: str = "", settings: AzureSettings | None = None, create: bool = False,
-                 retries: Retries | None = None):
-        self.bucket, self.settings, self.retries = bucket, settings or AzureSettings(), as_retries(retries)
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.listed: dict[str, tuple[int, str]] = {}  # name -> (size, version) as the last listing saw them
-        if create and not container_exists(bucket, self.settings, self.retries):
-            create_container(bucket, self.settings, self.retries)
-    @classmethod
-    def from_url(cls, url: str, *, create: bool = False, endpoint: str | None = None) -> AzureStore:
-        """The prefix of `az://BUCKET[/PREFIX][?settings]`; `endpoint`: the blob endpoint (Azurite's:
-        http://127.0.0.1:10000/devstoreaccount1)."""
-        bucket, prefix, settings = parse_az_url(url)
-        if endpoint: settings = dataclasses.replace(settings, endpoint=endpoint)
-        return cls(bucket, prefix, settings, create=create)
-    @property
-    def spec(self) -> str: return az_url(self.bucket, self.prefix.rstrip("/"), self.settings)
-    def url(self, name: str) -> str:
-        "The `az://` URL of object `name` (with the store's settings)."
-        return az_url(self.bucket, self.prefix + name, self.settings)
-    object_url = url
-
-    def listing(self, pattern: str | None = None) -> list[tuple[str, int, str]]:
-        "(name, size, ETag) of the objects matching `pattern` (glob, brace template or prefix), sorted: one listing."
-        start = re.split(r"[{*?\[]", pattern or "", maxsplit=1)[0]  # the names to list start as the pattern does
-        objs = {n[len(self.prefix):]: (size, v)
-                for n, size, v in list_blobs(self.bucket, self.prefix + start, self.settings, self.retries)}
-        objs = {n: v for n, v in objs.items() if n and not any(p.startswith(".") for p in n.split("/"))}
-        self.listed.update(objs)
-        return [(n, *objs[n]) for n in match_names(objs, pattern)]
-    def list(self, pattern: str | None = None) -> list[str]: return [n for n, _, _ in self.listing(pattern)]
-    def size(self, name: str) -> int:
-        "The size of object `name` (as listed, else from a HEAD); a missing object raises."
-        return self.listed[name][0] if name in self.listed else azure_head(self.url(name), self.retries)[0]
-    def exists(self, name: str) -> bool: return name in self.listed or super().exists(name)
-    def open(self, name: str) -> BinaryIO: return azure_open(self.url(name), self.retries, f"{self.spec}/{name}")
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        return azure_range(self.url(name), start, end, self.retries, name=f"{self.spec}/{name}")
-
-    @classmethod
-    def open_url(cls, url: str, retries: Retries | None = None, name: str | None = None, *, version: str = "",
-                 size: int | None = None) -> BinaryIO:
-        return azure_open(url, retries, name, version=version, size=size)
-    @classmethod
-    def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
-                       name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
-        return azure_range(url, start, end, retries, name=name, version=version, size=size)
-    @classmethod
-    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
-        return azure_head(url, retries, name)
-    @classmethod
-    def url_name(cls, url: str) -> str: return az_name(url)
-
-    def put_file(self, src: str | Path, name: str | None = None) -> str:
-        "Upload local file `src` as object `name` (default: its file name): one upload, retried whole after a fault."
-        name = name or Path(src).name
-        azure_put(self.url(name), src, self.retries); self.listed.pop(name, None)
-        return name
-    def put_bytes(self, data: bytes, name: str) -> str:
-        azure_put(self.url(name), data, self.retries); self.listed.pop(name, None)
-        return name
-    def delete(self, name: str) -> None:
-        if not self.exists(name): raise StoreError(f"no object {name!r} in {self.spec}")
-        azure_delete(self.url(name), self.retries); self.listed.pop(name, None)
-
-# %% ../../nbs/02f_stores.azure.ipynb
-def az_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
-    "The `az://` URLs of the shards `spec` names: an object, a brace template (one listing), or a prefix listed."
-    bucket, key, settings = parse_az_url(spec)
-    if "{" in key:
-        store, names = AzureStore(bucket, "", settings), expand_names(key)
-        have = set(store.list(key.split("{", 1)[0]))
-        if missing := [n for n in names if n not in have]:
-            raise StoreError(f"{len(missing)} of the {len(names)} shards {spec} names are not in az://{bucket}, e.g. "
-                             f"{missing[:3]}; list them (shardkit ls az://{bucket}/{key.split('{', 1)[0]})")
-        return store.urls(names)
-    if key.endswith(SHARD_SUFFIXES): return [spec]
-    store = AzureStore(bucket, key, settings)
-    if not (names := store.list(pattern)):
-        raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls "
-                         f"{store.spec}), or write some there first (shardkit convert ... {store.spec})")
-    return store.urls(names)
+class AzureStore(BucketStore):
+    """Blobs under `prefix` of Azure container `bucket` (or Azurite's): the Blob REST API, faults retried. Its
+    endpoint is the account's blob endpoint (Azurite's: http://127.0.0.1:10000/devstoreaccount1)."""
+    schemes, settings_type = ("az", "azure"), AzureSettings
+    parse, make_url, name_of = staticmethod(parse_az_url), staticmethod(az_url), staticmethod(az_name)
+    list_keys, head = staticmethod(list_blobs), staticmethod(azure_head)
+    open_object, get_range = staticmethod(azure_open), staticmethod(azure_range)
+    upload, remove = staticmethod(azure_put), staticmethod(azure_delete)
+    has_bucket, make_bucket = staticmethod(container_exists), staticmethod(create_container)

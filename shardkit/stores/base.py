@@ -5,6 +5,7 @@
 # %% ../../nbs/02_stores.base.ipynb 3
 from __future__ import annotations
 import abc
+import dataclasses
 import difflib
 import fnmatch
 import os
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, Iterable
 from braceexpand import UnbalancedBracesError, braceexpand
 from ..errors import StoreError, UsageError
-from ..remote import ObjectMissing, Retries
+from ..remote import ObjectMissing, Retries, as_retries
 
 # %% auto 0
-__all__ = ['SHARD_SUFFIXES', 'expand_names', 'as_names', 'match_names', 'parse_size', 'shown_path', 'did_you_mean', 'Store']
+__all__ = ['SHARD_SUFFIXES', 'expand_names', 'as_names', 'match_names', 'parse_size', 'shown_path', 'did_you_mean', 'Store',
+           'BucketStore']
 
 # %% ../../nbs/02_stores.base.ipynb
 def expand_names(names: str | Iterable[str]) -> list[str]:
@@ -165,3 +167,105 @@ class Store(abc.ABC):
         raise StoreError(f"ETL {etl!r} by name runs inside AIStore, but {shown_path(self.spec)} is "
                          f"{type(self).__name__}; serve the transform as a sidecar (shardkit etl serve) and pass that")
     def __repr__(self): return f"{type(self).__name__}({shown_path(self.spec)!r})"
+
+# %% ../../nbs/02_stores.base.ipynb
+class BucketStore(Store):
+    """Objects under `prefix` of a bucket in a cloud object store: what every cloud does alike. A subclass names its
+    client's calls (`CALLS`, each a function of URLs wrapped in `staticmethod`) and its settings' type."""
+    writable: ClassVar[bool] = True
+    settings_type: ClassVar[type]             # the cloud's settings (endpoint, credentials' source...)
+    endpoint_field: ClassVar[str] = "endpoint"  # the settings field `from_url(endpoint=)` replaces
+    CALLS = ("parse",          # url -> (bucket, key, settings)
+             "make_url",       # (bucket, key, settings) -> url
+             "list_keys",      # (bucket, prefix, settings, retries) -> [(key, size, version)]
+             "head",           # (url, retries, name) -> (size, version); a missing object raises
+             "open_object",    # (url, retries, name, *, version, size) -> a stream that survives faults
+             "get_range",      # (url, start, end, retries, *, name, version, size) -> bytes
+             "upload",         # (url, bytes or a path, retries)
+             "remove",         # (url, retries)
+             "name_of",        # url -> the object's name in messages (no settings, no secrets)
+             "has_bucket",     # (bucket, settings, retries) -> bool
+             "make_bucket")    # (bucket, settings, retries)
+
+    def __init__(self, bucket: str, prefix: str = "", settings=None, create: bool = False,
+                 retries: Retries | None = None):
+        self.bucket, self.settings, self.retries = bucket, settings or self.settings_type(), as_retries(retries)
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.listed: dict[str, tuple[int, str]] = {}  # name -> (size, version) as the last listing saw them
+        if create and not self.has_bucket(bucket, self.settings, self.retries):
+            self.make_bucket(bucket, self.settings, self.retries)
+    @classmethod
+    def from_url(cls, url: str, *, create: bool = False, endpoint: str | None = None) -> BucketStore:
+        "The prefix of `SCHEME://BUCKET[/PREFIX][?settings]`; `endpoint`: the server's, instead of the settings' own."
+        bucket, prefix, settings = cls.parse(url)
+        if endpoint: settings = dataclasses.replace(settings, **{cls.endpoint_field: endpoint})
+        return cls(bucket, prefix, settings, create=create)
+    @property
+    def spec(self) -> str: return self.make_url(self.bucket, self.prefix.rstrip("/"), self.settings)
+    def url(self, name: str) -> str:
+        "The URL of object `name` (with the store's settings)."
+        return self.make_url(self.bucket, self.prefix + name, self.settings)
+    object_url = url
+
+    def listing(self, pattern: str | None = None) -> list[tuple[str, int, str]]:
+        "(name, size, version) of the objects matching `pattern` (glob, brace template or prefix), sorted: one listing."
+        start = re.split(r"[{*?\[]", pattern or "", maxsplit=1)[0]  # the names to list start as the pattern does
+        objs = {k[len(self.prefix):]: (size, v)
+                for k, size, v in self.list_keys(self.bucket, self.prefix + start, self.settings, self.retries)}
+        objs = {n: v for n, v in objs.items() if n and not any(p.startswith(".") for p in n.split("/"))}
+        self.listed.update(objs)
+        return [(n, *objs[n]) for n in match_names(objs, pattern)]
+    def list(self, pattern: str | None = None) -> list[str]: return [n for n, _, _ in self.listing(pattern)]
+    def size(self, name: str) -> int:
+        "The size of object `name` (as listed, else asked); a missing object raises."
+        return self.listed[name][0] if name in self.listed else self.head(self.url(name), self.retries, None)[0]
+    def exists(self, name: str) -> bool: return name in self.listed or super().exists(name)
+    def open(self, name: str) -> BinaryIO:
+        return self.open_object(self.url(name), self.retries, f"{self.spec}/{name}")
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        return self.get_range(self.url(name), start, end, self.retries, name=f"{self.spec}/{name}")
+
+    @classmethod
+    def open_url(cls, url: str, retries: Retries | None = None, name: str | None = None, *, version: str = "",
+                 size: int | None = None) -> BinaryIO:
+        return cls.open_object(url, retries, name, version=version, size=size)
+    @classmethod
+    def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
+                       name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
+        return cls.get_range(url, start, end, retries, name=name, version=version, size=size)  # signed anew each time
+    @classmethod
+    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
+        return cls.head(url, retries, name)
+    @classmethod
+    def url_name(cls, url: str) -> str: return cls.name_of(url)
+
+    def put_file(self, src: str | Path, name: str | None = None) -> str:
+        "Upload local file `src` as object `name` (default: its file name): one upload, retried whole after a fault."
+        name = name or Path(src).name
+        self.upload(self.url(name), src, self.retries); self.listed.pop(name, None)
+        return name
+    def put_bytes(self, data: bytes, name: str) -> str:
+        self.upload(self.url(name), data, self.retries); self.listed.pop(name, None)
+        return name
+    def delete(self, name: str) -> None:
+        if not self.exists(name): raise StoreError(f"no object {name!r} in {self.spec}")
+        self.remove(self.url(name), self.retries); self.listed.pop(name, None)
+
+    @classmethod
+    def shard_urls(cls, spec: str, pattern: str = "*.tar") -> list[str]:
+        "The URLs of the shards `spec` names: an object, a brace template (one listing), or a prefix listed."
+        bucket, key, settings = cls.parse(spec)
+        root = f"{cls.schemes[0]}://{bucket}"
+        if "{" in key:
+            store, names = cls(bucket, "", settings), expand_names(key)
+            have = set(store.list(key.split("{", 1)[0]))
+            if missing := [n for n in names if n not in have]:
+                raise StoreError(f"{len(missing)} of the {len(names)} shards {spec} names are not in {root}, e.g. "
+                                 f"{missing[:3]}; list them (shardkit ls {root}/{key.split('{', 1)[0]})")
+            return store.urls(names)
+        if key.endswith(SHARD_SUFFIXES): return [spec]
+        store = cls(bucket, key, settings)
+        if not (names := store.list(pattern)):
+            raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls "
+                             f"{store.spec}), or write some there first (shardkit convert ... {store.spec})")
+        return store.urls(names)

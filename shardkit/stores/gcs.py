@@ -4,7 +4,6 @@
 
 # %% ../../nbs/02e_stores.gcs.ipynb 3
 from __future__ import annotations
-import dataclasses
 import json
 import os
 import re
@@ -28,12 +27,12 @@ from shardkit.remote import (
     retried,
 )
 from ..errors import StoreError, UsageError
-from .base import SHARD_SUFFIXES, Store, expand_names, match_names
+from .base import BucketStore
 
 # %% auto 0
 __all__ = ['GCS', 'SCOPE', 'NO_CREDENTIALS', 'GCSSettings', 'parse_gs_url', 'gs_url', 'gs_name', 'GCSClient', 'gcs_client',
            'object_url', 'GCSAuth', 'gcs_error', 'gcs_refusal', 'list_objects', 'gcs_object', 'gcs_open', 'gcs_range',
-           'gcs_stat', 'gcs_put', 'gcs_delete', 'bucket_exists', 'create_bucket', 'GCSStore', 'gs_shard_urls']
+           'gcs_stat', 'gcs_put', 'gcs_delete', 'bucket_exists', 'create_bucket', 'GCSStore']
 
 # %% ../../nbs/02e_stores.gcs.ipynb
 @dataclass(frozen=True)
@@ -323,86 +322,11 @@ def create_bucket(bucket: str, settings: GCSSettings | None = None, retries: Ret
     retried(once, name, retries, "creating", url=url, auth=auth)
 
 # %% ../../nbs/02e_stores.gcs.ipynb
-class GCSStore(Store):
+class GCSStore(BucketStore):
     "Objects under `prefix` of GCS bucket `bucket` (or an emulator's): the JSON API, faults retried."
-    schemes, writable = ("gs", "gcs"), True
-    def __init__(self, bucket: str, prefix: str = "", settings: GCSSettings | None = None, create: bool = False,
-                 retries: Retries | None = None):
-        self.bucket, self.settings, self.retries = bucket, settings or GCSSettings(), as_retries(retries)
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.listed: dict[str, tuple[int, str]] = {}  # name -> (size, version) as the last listing saw them
-        if create and not bucket_exists(bucket, self.settings, self.retries):
-            create_bucket(bucket, self.settings, self.retries)
-    @classmethod
-    def from_url(cls, url: str, *, create: bool = False, endpoint: str | None = None) -> GCSStore:
-        "The prefix of `gs://BUCKET[/PREFIX][?settings]`; `endpoint`: an emulator's, for STORAGE_EMULATOR_HOST."
-        bucket, prefix, settings = parse_gs_url(url)
-        if endpoint: settings = dataclasses.replace(settings, endpoint=endpoint)
-        return cls(bucket, prefix, settings, create=create)
-    @property
-    def spec(self) -> str: return gs_url(self.bucket, self.prefix.rstrip("/"), self.settings)
-    def url(self, name: str) -> str:
-        "The `gs://` URL of object `name` (with the store's settings)."
-        return gs_url(self.bucket, self.prefix + name, self.settings)
-    object_url = url
-
-    def listing(self, pattern: str | None = None) -> list[tuple[str, int, str]]:
-        "(name, size, version) of the objects matching `pattern` (glob, brace template or prefix), sorted: one listing."
-        start = re.split(r"[{*?\[]", pattern or "", maxsplit=1)[0]  # the names to list start as the pattern does
-        objs = {n[len(self.prefix):]: (size, v)
-                for n, size, v in list_objects(self.bucket, self.prefix + start, self.settings, self.retries)}
-        objs = {n: v for n, v in objs.items() if n and not any(p.startswith(".") for p in n.split("/"))}
-        self.listed.update(objs)
-        return [(n, *objs[n]) for n in match_names(objs, pattern)]
-    def list(self, pattern: str | None = None) -> list[str]: return [n for n, _, _ in self.listing(pattern)]
-    def size(self, name: str) -> int:
-        "The size of object `name` (as listed, else from its metadata); a missing object raises."
-        return self.listed[name][0] if name in self.listed else gcs_stat(self.url(name), self.retries)[0]
-    def exists(self, name: str) -> bool: return name in self.listed or super().exists(name)
-    def open(self, name: str) -> BinaryIO: return gcs_open(self.url(name), self.retries, f"{self.spec}/{name}")
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        return gcs_range(self.url(name), start, end, self.retries, name=f"{self.spec}/{name}")
-
-    @classmethod
-    def open_url(cls, url: str, retries: Retries | None = None, name: str | None = None, *, version: str = "",
-                 size: int | None = None) -> BinaryIO:
-        return gcs_open(url, retries, name, version=version, size=size)
-    @classmethod
-    def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
-                       name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
-        return gcs_range(url, start, end, retries, name=name, version=version, size=size)
-    @classmethod
-    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
-        return gcs_stat(url, retries, name)
-    @classmethod
-    def url_name(cls, url: str) -> str: return gs_name(url)
-
-    def put_file(self, src: str | Path, name: str | None = None) -> str:
-        "Upload local file `src` as object `name` (default: its file name): one upload, retried whole after a fault."
-        name = name or Path(src).name
-        gcs_put(self.url(name), src, self.retries); self.listed.pop(name, None)
-        return name
-    def put_bytes(self, data: bytes, name: str) -> str:
-        gcs_put(self.url(name), data, self.retries); self.listed.pop(name, None)
-        return name
-    def delete(self, name: str) -> None:
-        if not self.exists(name): raise StoreError(f"no object {name!r} in {self.spec}")
-        gcs_delete(self.url(name), self.retries); self.listed.pop(name, None)
-
-# %% ../../nbs/02e_stores.gcs.ipynb
-def gs_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
-    "The `gs://` URLs of the shards `spec` names: an object, a brace template (one listing), or a prefix listed."
-    bucket, key, settings = parse_gs_url(spec)
-    if "{" in key:
-        store, names = GCSStore(bucket, "", settings), expand_names(key)
-        have = set(store.list(key.split("{", 1)[0]))
-        if missing := [n for n in names if n not in have]:
-            raise StoreError(f"{len(missing)} of the {len(names)} shards {spec} names are not in gs://{bucket}, e.g. "
-                             f"{missing[:3]}; list them (shardkit ls gs://{bucket}/{key.split('{', 1)[0]})")
-        return store.urls(names)
-    if key.endswith(SHARD_SUFFIXES): return [spec]
-    store = GCSStore(bucket, key, settings)
-    if not (names := store.list(pattern)):
-        raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls "
-                         f"{store.spec}), or write some there first (shardkit convert ... {store.spec})")
-    return store.urls(names)
+    schemes, settings_type = ("gs", "gcs"), GCSSettings  # endpoint: an emulator's, as STORAGE_EMULATOR_HOST
+    parse, make_url, name_of = staticmethod(parse_gs_url), staticmethod(gs_url), staticmethod(gs_name)
+    list_keys, head = staticmethod(list_objects), staticmethod(gcs_stat)
+    open_object, get_range = staticmethod(gcs_open), staticmethod(gcs_range)
+    upload, remove = staticmethod(gcs_put), staticmethod(gcs_delete)
+    has_bucket, make_bucket = staticmethod(bucket_exists), staticmethod(create_bucket)

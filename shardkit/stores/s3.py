@@ -4,10 +4,6 @@
 
 # %% ../../nbs/02d_stores.s3.ipynb 3
 from __future__ import annotations
-import dataclasses
-import re
-from pathlib import Path
-from typing import BinaryIO
 from shardkit.s3 import (
     S3Settings,
     bucket_exists,
@@ -22,94 +18,19 @@ from shardkit.s3 import (
     s3_range,
     s3_url,
 )
-from ..errors import StoreError
-from ..remote import Retries, as_retries
-from .base import SHARD_SUFFIXES, Store, expand_names, match_names
+from .base import BucketStore
 
 # %% auto 0
-__all__ = ['S3Store', 's3_shard_urls']
+__all__ = ['S3Store']
 
 # %% ../../nbs/02d_stores.s3.ipynb
-class S3Store(Store):
+class S3Store(BucketStore):
     "Objects under `prefix` of S3 bucket `bucket` (AWS or an S3-compatible store): signed requests, faults retried."
-    schemes, writable = ("s3",), True
-    def __init__(self, bucket: str, prefix: str = "", settings: S3Settings | None = None, create: bool = False,
-                 retries: Retries | None = None):
-        self.bucket, self.settings, self.retries = bucket, settings or S3Settings(), as_retries(retries)
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.listed: dict[str, tuple[int, str]] = {}  # name -> (size, ETag) as the last listing saw them
-        if create and not bucket_exists(bucket, self.settings, self.retries):
-            create_bucket(bucket, self.settings, self.retries)
-    @classmethod
-    def from_url(cls, url: str, *, create: bool = False, endpoint: str | None = None) -> S3Store:
-        "The prefix of `s3://BUCKET[/PREFIX][?settings]`; `endpoint`: an S3-compatible store's, for AWS_ENDPOINT_URL."
-        bucket, prefix, settings = parse_s3_url(url)
-        if endpoint: settings = dataclasses.replace(settings, endpoint_url=endpoint)
-        return cls(bucket, prefix, settings, create=create)
-    @property
-    def spec(self) -> str: return s3_url(self.bucket, self.prefix.rstrip("/"), self.settings)
-    def url(self, name: str) -> str:
-        "The `s3://` URL of object `name` (with the store's settings)."
-        return s3_url(self.bucket, self.prefix + name, self.settings)
-    object_url = url
-
-    def listing(self, pattern: str | None = None) -> list[tuple[str, int, str]]:
-        "(name, size, ETag) of the objects matching `pattern` (glob, brace template or prefix), sorted: one listing."
-        start = re.split(r"[{*?\[]", pattern or "", maxsplit=1)[0]  # the keys to list start as the pattern does
-        objs = {o.key[len(self.prefix):]: (o.size, o.etag)
-                for o in list_objects(self.bucket, self.prefix + start, self.settings, self.retries)}
-        objs = {n: v for n, v in objs.items() if n and not any(p.startswith(".") for p in n.split("/"))}
-        self.listed.update(objs)
-        return [(n, *objs[n]) for n in match_names(objs, pattern)]
-    def list(self, pattern: str | None = None) -> list[str]: return [n for n, _, _ in self.listing(pattern)]
-    def size(self, name: str) -> int:
-        "The size of object `name` (as listed, else from a HEAD); a missing object raises."
-        return self.listed[name][0] if name in self.listed else s3_head(self.url(name), self.retries)[0]
-    def exists(self, name: str) -> bool: return name in self.listed or super().exists(name)
-    def open(self, name: str) -> BinaryIO: return s3_open(self.url(name), self.retries, f"{self.spec}/{name}")
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        return s3_range(self.url(name), start, end, self.retries, name=f"{self.spec}/{name}")
-
-    @classmethod
-    def open_url(cls, url: str, retries: Retries | None = None, name: str | None = None, *, version: str = "",
-                 size: int | None = None) -> BinaryIO:
-        return s3_open(url, retries, name, version=version, size=size)
-    @classmethod
-    def read_url_range(cls, url: str, start: int, end: int, retries: Retries | None = None, *,
-                       name: str | None = None, version: str = "", size: int | None = None, locate=None) -> bytes:
-        return s3_range(url, start, end, retries, name=name, version=version, size=size)  # signed anew each time
-    @classmethod
-    def stat_url(cls, url: str, retries: Retries | None = None, name: str | None = None) -> tuple[int, str]:
-        return s3_head(url, retries)
-    @classmethod
-    def url_name(cls, url: str) -> str: return s3_name(url)
-
-    def put_file(self, src: str | Path, name: str | None = None) -> str:
-        "Upload local file `src` as object `name` (default: its file name): one PUT, retried whole after a fault."
-        name = name or Path(src).name
-        s3_put(self.url(name), src, self.retries); self.listed.pop(name, None)
-        return name
-    def put_bytes(self, data: bytes, name: str) -> str:
-        s3_put(self.url(name), data, self.retries); self.listed.pop(name, None)
-        return name
-    def delete(self, name: str) -> None:
-        if not self.exists(name): raise StoreError(f"no object {name!r} in {self.spec}")
-        s3_delete(self.url(name), self.retries); self.listed.pop(name, None)
-
-# %% ../../nbs/02d_stores.s3.ipynb
-def s3_shard_urls(spec: str, pattern: str = "*.tar") -> list[str]:
-    "The `s3://` URLs of the shards `spec` names: an object, a brace template (one listing), or a prefix listed."
-    bucket, key, settings = parse_s3_url(spec)
-    if "{" in key:
-        store, names = S3Store(bucket, "", settings), expand_names(key)
-        have = set(store.list(key.split("{", 1)[0]))
-        if missing := [n for n in names if n not in have]:
-            raise StoreError(f"{len(missing)} of the {len(names)} shards {spec} names are not in s3://{bucket}, e.g. "
-                             f"{missing[:3]}; list them (shardkit ls s3://{bucket}/{key.split('{', 1)[0]})")
-        return store.urls(names)
-    if key.endswith(SHARD_SUFFIXES): return [spec]
-    store = S3Store(bucket, key, settings)
-    if not (names := store.list(pattern)):
-        raise StoreError(f"no shards matching {pattern!r} in {store.spec}; check the prefix (shardkit ls "
-                         f"{store.spec}), or write some there first (shardkit convert ... {store.spec})")
-    return store.urls(names)
+    schemes, settings_type, endpoint_field = ("s3",), S3Settings, "endpoint_url"  # endpoint: AWS_ENDPOINT_URL's
+    parse, make_url, name_of = staticmethod(parse_s3_url), staticmethod(s3_url), staticmethod(s3_name)
+    list_keys = staticmethod(lambda bucket, prefix, settings, retries: [
+        (o.key, o.size, o.etag) for o in list_objects(bucket, prefix, settings, retries)])
+    head = staticmethod(lambda url, retries, name=None: s3_head(url, retries))
+    open_object, get_range = staticmethod(s3_open), staticmethod(s3_range)
+    upload, remove = staticmethod(s3_put), staticmethod(s3_delete)
+    has_bucket, make_bucket = staticmethod(bucket_exists), staticmethod(create_bucket)
