@@ -12,13 +12,15 @@ import pytest
 
 OUT = Path(os.environ.get("CPU_REPORT_DIR") or Path(__file__).resolve().parent / "_out" / "cpu")
 _GROUP = None  # this worker's cpuacct group folder, when one could be made
+_WORKER = "main"  # this process's xdist worker id (its own config says; the environment may be a parent worker's)
 
 
-def _worker() -> str: return os.environ.get("PYTEST_XDIST_WORKER", "main")
+def _worker() -> str: return _WORKER
 
 
 def pytest_configure(config):
-    global _GROUP
+    global _GROUP, _WORKER
+    _WORKER = getattr(config, "workerinput", {}).get("workerid", "main")
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist): start afresh
         OUT.mkdir(parents=True, exist_ok=True)
         for old in OUT.glob("*.tsv"): old.unlink()

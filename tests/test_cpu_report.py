@@ -13,7 +13,8 @@ def test_cpu_report_counts_a_tests_cpu_and_its_childrens(tmp_path):
         "def test_burns(): _burn(0.4)\n"
         "def test_child(): subprocess.run([sys.executable, '-c', 'import time\\nt = time.process_time()\\n"
         "while time.process_time() - t < 0.4: pass'], check=True)\n")
-    env = {**os.environ, "CPU_REPORT_DIR": str(tmp_path / "cpu"), "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's worker (xdist)
+    env.update(CPU_REPORT_DIR=str(tmp_path / "cpu"), PYTHONPATH=str(ROOT), PYTEST_XDIST_WORKER="gw7")  # a parent's
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.cpu_report", "-n", "0",
                         "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_burn.py")],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
