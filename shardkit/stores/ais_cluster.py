@@ -21,14 +21,15 @@ from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import ShardkitError
 from ..remote import Retries, as_retries, remote_request
 from .ais import upload_shards
+from .base import shown_path
 
 # %% auto 0
-__all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'ClusterError', 'default_root', 'aistore_source',
-           'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore', 'node_env',
-           'write_node_configs', 'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status', 'node_command',
-           'ais_up', 'ais_down', 'format_status', 'start_rebalance', 'await_rebalance', 'ais_maintenance',
-           'ais_decommission', 'ais_join', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli', 'ais_build_cli',
-           'ais_put_cli']
+__all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'SPACE_HIGHWM', 'ClusterError', 'default_root',
+           'aistore_source', 'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore',
+           'node_env', 'write_node_configs', 'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status',
+           'node_command', 'disk_used_pct', 'ais_up', 'ais_down', 'format_status', 'start_rebalance', 'await_rebalance',
+           'ais_maintenance', 'ais_decommission', 'ais_join', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli',
+           'ais_build_cli', 'ais_put_cli']
 
 # %% ../../nbs/07_stores.ais_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -301,6 +302,15 @@ def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, tim
         time.sleep(0.5)
 
 # %% ../../nbs/07_stores.ais_cluster.ipynb
+SPACE_HIGHWM = 90  # % of a disk in use above which AIStore's targets refuse writes (its `space.highwm`, default 90)
+
+def disk_used_pct(path: str | Path) -> float:
+    "How full the disk holding `path` (or its nearest existing parent) is, as AIStore counts: blocks not free to users."
+    path = Path(path)
+    while not path.exists() and path != path.parent: path = path.parent
+    st = os.statvfs(path)
+    return 100 * (st.f_blocks - st.f_bavail) / st.f_blocks
+
 def ais_up(targets: int = 2,                 # number of storage targets
            root: str | Path | None = None,   # folder for configs, logs and mountpaths (default: ~/.shardkit/ais)
            port: int = 8080,                 # public port of the proxy; targets use the next ones
@@ -317,6 +327,11 @@ def ais_up(targets: int = 2,                 # number of storage targets
             return st["endpoint"]
         raise ClusterError(f"a cluster under {root} is running but not ready; "
                            f"run `shardkit ais down --root {root}` and try again")
+    if (used := disk_used_pct(root)) > SPACE_HIGHWM:
+        raise ClusterError(f"the disk holding {shown_path(root)} is {used:.0f}% full as AIStore counts it (the space "
+                           f"not free to users); above {SPACE_HIGHWM}% its targets refuse new buckets, writes and "
+                           "dSort (HTTP 507 Insufficient Storage): free some space, or start it on another disk "
+                           "with --root DIR")
     busy = [p for i in range(targets + 1) for p in _node_ports(port, i) if not _port_free(p)]
     if busy: raise ClusterError(f"port(s) {busy} on 127.0.0.1 are in use (another cluster?); "
                                 "pick another base port with --port")
