@@ -197,6 +197,19 @@ def test_xdist_groups_take_effect(request):
         f"{request.node.nodeid}: xdist groups are ignored (pytest {pytest.__version__}); pin pytest<9.2 (settings.ini)"
 
 
+@pytest.mark.slow  # the fast tier runs -n 2: no waiting worker
+@pytest.mark.xdist_group("aistore-changes")
+def test_waiting_groups_get_a_worker_of_their_own(request):
+    """Under `-n 3 --dist loadgroup` (the README's test command) the groups that mostly wait on AIStore's timers
+    (conftest's WAITING_GROUPS) run on the last worker, beside the two that run everything else."""
+    from conftest import WAITING_GROUPS
+    assert "aistore-changes" in WAITING_GROUPS
+    wi = getattr(request.config, "workerinput", None)
+    if not wi or wi["workercount"] < 3 or not request.config.getvalue("loadgroup"):
+        pytest.skip("checks the waiting worker: python -m pytest -n 3 --dist loadgroup")
+    assert wi["workerid"] == f"gw{wi['workercount'] - 1}", f"{request.node.nodeid} ran on {wi['workerid']}"
+
+
 def _undocumented(fn) -> list[str]:
     """The parameters of `fn` without a docment: fastcore's `docments` for the named ones; for `*args`/`**kwargs`, whose
     docment fastcore 1.8 does not read, the comment on their own line of the signature."""
