@@ -1,16 +1,18 @@
 """Shared fixtures: a real local AIStore cluster for the session, a way to run the CLI, headless Chromium; and the
 two tiers. `slow` marks notebooks, AIStore, browsers, torchrun, the demo and benchmarks (pytest.ini); every test
 that uses the session's cluster is slow without saying so. `python -m pytest -m "not slow"` is the fast tier; both
-tiers run in two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's commands). `--dist loadgroup` sends the
-largest group first (xdist's scope reordering): the cluster's tests, all on one worker, while the other worker runs
+tiers run in three pytest-xdist workers (`-n 3 --dist loadgroup`, the README's commands); in the whole suite two of
+them take the CPU-bound tests and the third the waiting ones (`WAITING_GROUPS`, below). `--dist loadgroup` sends the
+largest group first (xdist's scope reordering): the cluster's tests, all on one worker, while another worker runs
 the rest. A plain serial `python -m pytest` runs the same tests, the cluster's last."""
 import contextlib, os, shutil, signal, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
-# The suite runs two tests at once (-n 2) on the machine's cores: each torch process it starts (a `shardkit train`, a
-# notebook's kernel, a worker of the suite) takes one thread, as `shardkit train` honours OMP_NUM_THREADS, so that a
-# training run does not take every core from the timed test beside it. tests/test_startup.py checks the default.
+# The suite runs two CPU-bound tests at once (-n 3: in the whole suite the third worker mostly waits) on the machine's
+# cores: each torch process it starts (a `shardkit train`, a notebook's kernel, a worker of the suite) takes one
+# thread, as `shardkit train` honours OMP_NUM_THREADS, so that a training run does not take every core from the timed
+# test beside it. tests/test_startup.py checks the default.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]

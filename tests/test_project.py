@@ -192,12 +192,12 @@ def test_xdist_groups_take_effect(request):
     every test on the local AIStore on one worker (one cluster, one aisnode build). pytest 9.2 silently broke that
     (pytest-xdist#1386): the dev extra pins pytest<9.2 until xdist follows."""
     if not hasattr(request.config, "workerinput") or not request.config.getvalue("loadgroup"):
-        pytest.skip("checks pytest-xdist's --dist loadgroup: python -m pytest -n 2 --dist loadgroup")
+        pytest.skip("checks pytest-xdist's --dist loadgroup: python -m pytest -n 3 --dist loadgroup")
     assert request.node.nodeid.endswith("@grouping-check"), \
         f"{request.node.nodeid}: xdist groups are ignored (pytest {pytest.__version__}); pin pytest<9.2 (settings.ini)"
 
 
-@pytest.mark.slow  # the fast tier runs -n 2: no waiting worker
+@pytest.mark.slow  # in the fast tier it would be a waiting group alone and keep a worker from the rest
 @pytest.mark.xdist_group("aistore-changes")
 def test_waiting_groups_get_a_worker_of_their_own(request):
     """Under `-n 3 --dist loadgroup` (the README's test command) the groups that mostly wait on AIStore's timers
