@@ -4,9 +4,12 @@
 
 # %% ../../nbs/20_sidecar.ipynb 3
 from __future__ import annotations
+import atexit
 import json
 import os
+import select
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -138,6 +141,123 @@ def _serve_main(config: str):
     serve(**cfg)
 
 # %% ../../nbs/20_sidecar.ipynb
+_WARM = {}  # this process's warm starter, once started: {"proc": Popen, "owner": pid}
+_WARM_LOCK = threading.Lock()
+
+def _zygote_main():
+    """The warm starter: import the modules named on the command line once, then for each request (a JSON line on
+    stdin) fork a sidecar from that state and answer its pid; end when stdin closes (its starter has ended)."""
+    import importlib
+    for name in sys.argv[1:]:
+        try: importlib.import_module(name)
+        except ImportError: pass  # a sidecar whose function needs it imports it (and says so) itself
+    signal.signal(signal.SIGCHLD, lambda *_: _reap_children())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sidecars; this process ends with its parent
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush(); sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0: _run_forked_sidecar(req)  # never returns
+        sys.stdout.write(json.dumps({"pid": pid}) + "\n"); sys.stdout.flush()
+
+def _reap_children():
+    "Collect the exit status of every sidecar that has ended (they are this process's children)."
+    while True:
+        try: pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError: return
+        if pid == 0: return
+
+def _run_forked_sidecar(req: dict):
+    "In a child of the warm starter: become the caller's sidecar (its directory, environment, log), serve, exit."
+    status = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL); signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(req["cwd"])
+        os.environ.clear(); os.environ.update(req["env"])
+        log, null = os.open(req["log"], os.O_WRONLY | os.O_APPEND), os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0); os.dup2(log, 1); os.dup2(log, 2); os.close(null); os.close(log)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        _serve_main(req["config"])
+        status = 0
+    except SystemExit as e: status = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        try: sys.stdout.flush(); sys.stderr.flush()
+        except Exception: pass
+        os._exit(status)
+
+class _ForkedSidecar:
+    """The handle of a sidecar the warm starter forked (`poll`, `wait`, `terminate`, `kill`, `pid`, as `Popen`'s). It
+    is not this process's child, so it is watched through a pidfd: no process that later gets its pid is signalled."""
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+        try: self._fd = os.pidfd_open(pid)
+        except ProcessLookupError: self._fd, self.returncode = None, 1  # ended already (e.g. an import failed)
+
+    def poll(self) -> int | None:
+        "None while it runs; 0 when it has ended (its exit status went to the warm starter)."
+        if self.returncode is None and select.select([self._fd], [], [], 0)[0]:
+            os.close(self._fd); self._fd, self.returncode = None, 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0: raise subprocess.TimeoutExpired(f"sidecar {self.pid}", timeout)
+            select.select([self._fd], [], [], left)
+        return self.returncode
+
+    def _signal(self, sig):
+        if self.poll() is None: signal.pidfd_send_signal(self._fd, sig)
+    def terminate(self): self._signal(signal.SIGTERM)
+    def kill(self): self._signal(signal.SIGKILL)
+
+def _warm_starter():
+    "This process's warm starter, started if need be; None where it cannot run (not Linux, or a kernel without pidfds)."
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open"): return None
+    proc = _WARM.get("proc")
+    if proc is not None and proc.poll() is None and _WARM.get("owner") == os.getpid(): return proc
+    try: os.close(os.pidfd_open(os.getpid()))
+    except OSError: return None  # Linux before 5.3
+    preload = ["shardkit.etl.sidecar", *[m for m in ("torchvision", "PIL.Image") if m in sys.modules]]
+    code = "from shardkit.etl.sidecar import _zygote_main; _zygote_main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _WARM.update(proc=proc, owner=os.getpid())
+    if not _WARM.get("atexit"): atexit.register(_stop_warm_starter); _WARM["atexit"] = True
+    return proc
+
+def _stop_warm_starter():
+    "Close the warm starter's pipe (it ends; the sidecars it started are stopped by their `Sidecar`s)."
+    proc = _WARM.pop("proc", None)
+    if proc is not None and _WARM.get("owner") == os.getpid():
+        try: proc.stdin.close()
+        except OSError: pass
+        try: proc.wait(5)
+        except subprocess.TimeoutExpired: proc.kill(); proc.wait()
+
+def _warm_start(config: str, log: Path, env: dict, timeout: float) -> _ForkedSidecar | None:
+    "A sidecar forked by the warm starter with these settings; None if the starter cannot (the caller starts it cold)."
+    with _WARM_LOCK:
+        proc = _warm_starter()
+        if proc is None: return None
+        try:
+            proc.stdin.write(json.dumps(dict(config=config, log=str(log), env=env, cwd=os.getcwd())) + "\n")
+            proc.stdin.flush()
+            ready = select.select([proc.stdout], [], [], timeout)[0]
+            line = proc.stdout.readline() if ready else ""
+        except (OSError, ValueError): line = ""
+        if not line:  # it died (or hangs): stop it; this sidecar starts cold, the next one tries a new starter
+            proc.kill(); proc.wait(); _WARM.pop("proc", None)
+            return None
+    return _ForkedSidecar(json.loads(line)["pid"])
+
+# %% ../../nbs/20_sidecar.ipynb
 class Sidecar:
     "Way 4: an ETL server before store `source`, in a subprocess or thread; `url_for` gives URLs of transformed shards."
     def __init__(self, fn: str | Callable,          # Sample function or 'module:function'
@@ -217,7 +337,7 @@ def start(self: Sidecar) -> Sidecar:
 # %% ../../nbs/20_sidecar.ipynb
 @patch
 def _start_process(self: Sidecar):
-    "Run `_serve_main` in a subprocess, the function named or pickled, its output in a log file."
+    "Run `_serve_main` in a subprocess (forked warm, else a new Python), the function named or pickled, logged."
     import cloudpickle
     self._tmp = tempfile.mkdtemp(prefix="shardkit-sidecar-")
     cfg = dict(source=self.source.spec, host=self.host, port=self.port, **self.kw)
@@ -231,9 +351,11 @@ def _start_process(self: Sidecar):
     self._log = open(Path(self._tmp, "sidecar.log"), "wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if isinstance(self.source, AISStore): env["AIS_ENDPOINT"] = self.source.endpoint
-    code = "import sys; from shardkit.etl.sidecar import _serve_main; _serve_main(sys.argv[1])"
-    self._proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], stdout=self._log,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    self._proc = _warm_start(json.dumps(cfg), Path(self._tmp, "sidecar.log"), env, self.start_timeout)
+    if self._proc is None:  # cold: a new Python imports everything itself
+        code = "import sys; from shardkit.etl.sidecar import _serve_main; _serve_main(sys.argv[1])"
+        self._proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], stdout=self._log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 @patch
 def _start_thread(self: Sidecar):
