@@ -45,9 +45,9 @@ def build_fake_gcs() -> Path:
         if out.exists(): return out
         with tempfile.TemporaryDirectory(dir=out.parent) as gobin:
             t0 = time.time()
-            # -N -l (no optimisation, no inlining): a test emulator's speed is not what is measured, and its build
-            # (grpc and the GCS client libraries) takes 25% less CPU: 102 -> 76 CPU-s on 2 cores
-            subprocess.run(["go", "install", "-trimpath", "-ldflags", "-s -w", "-gcflags=all=-N -l",
+            # -N -l (no optimisation, no inlining), no DWARF: a test emulator's speed is not what is measured, and
+            # its build (grpc and the GCS client libraries) takes a quarter less CPU: 102 -> 76 CPU-s on 2 cores
+            subprocess.run(["go", "install", "-trimpath", "-ldflags", "-s -w", "-gcflags=all=-N -l -dwarf=false",
                             f"{FAKE_GCS_MODULE}@{FAKE_GCS_VERSION}"],
                            check=True, capture_output=True, cwd=gobin, stdin=subprocess.DEVNULL,
                            env={**os.environ, "GOBIN": gobin, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod"})

@@ -19,7 +19,7 @@ stock-Jupyter run proves it. `test_no_store_cells_read_no_store` holds them to t
 
 Every run is test-sized with `SHARDKIT_QUICK=1`: the notebooks that do heavy work read it in their first cells and
 use fewer images, epochs or rounds (a reader gets the full size); every step and every check still runs."""
-import json, os, re, shutil
+import ast, json, os, re, shutil
 from pathlib import Path
 import pytest
 from notebook_runner import run_notebook_process
@@ -151,6 +151,33 @@ def test_flags_are_explicit():
              "tutorials/05_imagenet_training.ipynb": "per backend", "tutorials/06_where_time_goes.ipynb": "per backend",
              "tutorials/07_s3_buckets.ipynb": "ais cells"})
     assert {_id(p) for p in FULL} >= {"07_stores.ais_cluster.ipynb", "39_demo.ipynb"}, sorted(_id(p) for p in FULL)
+
+
+def _only_defines(stmt) -> bool:
+    "A statement that only defines: an import, a function or class, or a name bound to a constant or a lambda."
+    if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): return True
+    value = stmt.value if isinstance(stmt, (ast.Assign, ast.AnnAssign)) else None
+    if value is None: return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)  # a docstring
+    if isinstance(value, ast.Lambda): return True
+    try: ast.literal_eval(value); return True
+    except ValueError: return False
+
+
+def test_docs_build_runs_no_flagged_work():
+    """nbdev's docs processor runs every cell of a library notebook that imports something, flags or not: a `slow` or
+    `ais` cell with an import in it runs its work in every docs build (one in 38_bench.gpu cost the suite's build
+    11 CPU-s), and an `ais` one fails where no cluster runs. Such cells keep their imports in the import cell, or
+    only define things."""
+    heavy = []
+    for nb in LIBRARY:
+        for i, c in enumerate(json.loads(nb.read_text(encoding="utf-8"))["cells"]):
+            s = "".join(c["source"])
+            if c["cell_type"] != "code" or not FLAG.search(s) or re.search(r"^#\|\s*eval:\s*false", s, re.M): continue
+            tree = ast.parse("\n".join(line for line in s.splitlines() if not line.lstrip().startswith(("%", "!"))))
+            if (any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree))
+                    and not all(_only_defines(stmt) for stmt in tree.body)):
+                heavy.append(f"{_id(nb)} cell {i}")
+    assert not heavy, f"flagged cells the docs build would run (an import in them): {heavy}; move their imports up"
 
 
 def test_while_rebalancing_names_notebooks():

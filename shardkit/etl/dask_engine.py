@@ -15,6 +15,7 @@ from typing import Callable
 from tqdm.auto import tqdm
 from ..errors import ShardkitError, UsageError
 from ..stores import open_store, shown_path
+from .local_engine import warm_start_context
 from .receipt import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
 from .shard_transform import ShardTransform
 
@@ -40,8 +41,12 @@ def local_cluster(processes: int | None = None):  # Worker processes (default: o
     "A Dask `LocalCluster` for ETL on 127.0.0.1: `processes` processes of one thread; its dashboard on 127.0.0.1 too."
     d = _distributed()
     if processes is not None and processes < 1: raise UsageError(f"processes must be at least 1, got {processes}")
-    return d.LocalCluster(n_workers=processes or os.cpu_count() or 1, threads_per_worker=1, processes=True,
-                          host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
+    import dask
+    method = warm_start_context("distributed").get_start_method()
+    with dask.config.set({"distributed.worker.multiprocessing-method": method}):
+        return d.LocalCluster(n_workers=processes or os.cpu_count() or 1, threads_per_worker=1, processes=True,
+                              host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL,
+                              env=dict(os.environ))
 
 # %% ../../nbs/18_etl.dask_engine.ipynb
 def dask_client(scheduler,                    # None (a new local cluster), an address, a Client or a cluster object

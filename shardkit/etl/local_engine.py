@@ -5,6 +5,9 @@
 # %% ../../nbs/17_etl.local_engine.ipynb 2
 from __future__ import annotations
 import hashlib
+import multiprocessing as mp
+import os
+import sys
 import time
 from collections import Counter
 from typing import Callable
@@ -15,7 +18,7 @@ from .receipt import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_m
 from .shard_transform import ETLError, SampleError, ShardTransform, strict
 
 # %% auto 0
-__all__ = ['one_torch_thread', 'run_locally', 'run_resumably', 'run_local']
+__all__ = ['HEAVY_MODULES', 'one_torch_thread', 'warm_start_context', 'run_locally', 'run_resumably', 'run_local']
 
 # %% ../../nbs/17_etl.local_engine.ipynb
 def one_torch_thread():
@@ -25,9 +28,10 @@ def one_torch_thread():
 
 _WORKER: dict = {}
 
-def _worker_init(payload: bytes, src_spec: str, dest_spec: str):
-    "Set up a worker: the pickled ShardTransform, the source and the destination store."
+def _worker_init(payload: bytes, src_spec: str, dest_spec: str, env: dict | None = None):
+    "Set up a worker: the caller's environment `env`, the pickled ShardTransform, the source and destination store."
     import cloudpickle
+    if env is not None: _adopt_environment(env)
     one_torch_thread()
     _WORKER.update(shards=cloudpickle.loads(payload), src=open_store(src_spec), dest=open_store(dest_spec))
 
@@ -49,6 +53,24 @@ def _worker_run(name: str) -> dict:
     return res
 
 # %% ../../nbs/17_etl.local_engine.ipynb
+HEAVY_MODULES = ("torch", "torchvision", "PIL.Image", "numpy", "webdataset", "distributed")  # 0.2-2 CPU-s each
+
+def warm_start_context(*preload: str):  # More modules for the starter to import, by name
+    "A multiprocessing context whose processes fork from a starter that imported this engine and heavy modules once."
+    if "forkserver" not in mp.get_all_start_methods(): return mp.get_context("spawn")
+    from multiprocessing import forkserver
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["shardkit.etl.local_engine", *preload, *(m for m in HEAVY_MODULES if m in sys.modules)])
+    forkserver.ensure_running()  # started now with this list: a later caller's list (Dask's) would replace it
+    return ctx
+
+def _adopt_environment(env: dict):
+    "Make this process's environment `env`: a warm-started worker has its starter's, from when that started."
+    os.environ.clear()
+    os.environ.update(env)
+
+
+# %% ../../nbs/17_etl.local_engine.ipynb
 def run_locally(shards: ShardTransform, src, dest, names: list[str], *, processes: int, progress: bool,
                 done=None) -> list[dict]:
     "Run `shards` on shards `names` of `src` into `dest` with `processes` processes; the results (each also to `done`)."
@@ -61,12 +83,11 @@ def run_locally(shards: ShardTransform, src, dest, names: list[str], *, processe
         _worker_init(payload, src.spec, dest.spec)
         for n in names: results.append(_worker_run(n)); done(results[-1]); bar.update()
     else:
-        import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
-        from shardkit.etl.local_engine import _worker_init as init  # by name: spawned processes import them
+        from shardkit.etl.local_engine import _worker_init as init  # by name: the workers import them
         from shardkit.etl.local_engine import _worker_run as run
-        with ProcessPoolExecutor(min(processes, len(names)), mp_context=mp.get_context("spawn"), initializer=init,
-                                 initargs=(payload, src.spec, dest.spec)) as pool:
+        with ProcessPoolExecutor(min(processes, len(names)), mp_context=warm_start_context(), initializer=init,
+                                 initargs=(payload, src.spec, dest.spec, dict(os.environ))) as pool:
             for r in pool.map(run, names): results.append(r); done(r); bar.update()
     bar.close()
     return results
