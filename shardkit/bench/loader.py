@@ -174,11 +174,13 @@ def run_record(sources,                    # The shards, as given: a path, a tem
                peers: bool = False,        # Whether the peers ran
                cold: bool = False,         # Whether the page cache was dropped before each run
                max_shards: int | None = None,  # Only the first N shards
+               ceiling_seconds: float = 3.0,  # CPU seconds each run of the ceiling and the floor measured
               ) -> dict:                   # date (UTC), machine (`machine_summary`), command
     "When, where and how the loader benchmark ran: the date, this machine, and the command line that repeats it."
     src = shown_path(sources) if isinstance(sources, (str, Path)) else getattr(sources, "spec", "SRC")
     flags = [f"--workers {num_workers}", f"--repeats {repeats}", f"--samples {samples}"] + ["--peers"] * peers
     flags += ["--cold"] * cold + [f"--max-shards {max_shards}"] * (max_shards is not None)
+    flags += [f"--ceiling-seconds {ceiling_seconds:g}"] * (ceiling_seconds != 3.0)
     return dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine_summary(),
                 command=" ".join(["shardkit bench loader", src] + flags))
 
@@ -299,7 +301,8 @@ def bench_loader(sources,                           # Shards: a directory, ais:/
                 num_workers=num_workers, cores=cores, repeats=repeats, cold=cold, peers=peers, cache=str(data.root),
                 load_start=load_start[0], load_end=load_end[0], load=load_end[0], window=why_no_window_decode(),
                 cache_note=(note or "page cache dropped before each run") if cold else "page cache warm",
-                run=run_record(sources, num_workers, repeats, samples, peers=peers, cold=cold, max_shards=max_shards))
+                run=run_record(sources, num_workers, repeats, samples, peers=peers, cold=cold, max_shards=max_shards,
+                               ceiling_seconds=ceiling_seconds))
 
 # %% ../../nbs/35_bench.loader.ipynb
 LOADER_GOALS = {"peer": 1.3, "ceiling": 0.85, "cpu": 0.75, "floor": 1.25, "first_batch": 0.3}
