@@ -46,16 +46,17 @@ def _body_mask(shape: str, w: int, h: int, box: tuple[int, int, int, int]) -> Im
     return m
 
 # %% ../../nbs/08_synth.ipynb
-def _coat(texture: str, rgb: np.ndarray, w: int, h: int, period: int) -> np.ndarray:
-    "An h x w x 3 float image of the class colour `rgb` with its texture."
-    yy, xx = np.mgrid[0:h, 0:w]
-    if texture == "plain": pattern = np.zeros((h, w))
+def _coat(texture: str, rgb: np.ndarray, box: tuple[int, int, int, int], period: int) -> np.ndarray:
+    "The class colour `rgb` with its texture over `box` (x0, y0, x1, y1) of a picture: float32, rows x cols x 3."
+    x0, y0, x1, y1 = box
+    yy, xx = np.ogrid[y0:y1, x0:x1]  # the texture's phase is the picture's, wherever the box lies
+    if texture == "plain": pattern = np.zeros((y1 - y0, x1 - x0))
     elif texture == "stripes": pattern = ((xx + yy) // period) % 2
     elif texture == "dots":
         pattern = (((xx % period) - period / 2) ** 2 + ((yy % period) - period / 2) ** 2 < (period / 3.2) ** 2)
     elif texture == "checks": pattern = ((xx // period) + (yy // period)) % 2
     else: raise UsageError(f"unknown texture {texture!r}; pass one of {TEXTURES}")
-    return rgb[None, None, :] * (1 - 0.55 * pattern[..., None])
+    return (rgb[None, None, :] * (1 - 0.55 * pattern[..., None])).astype(np.float32)
 
 # %% ../../nbs/08_synth.ipynb
 def _square_counts(on: np.ndarray, k: int) -> np.ndarray:
@@ -73,23 +74,28 @@ def draw_animal(cls: int, rng: np.random.Generator,
     "A picture of class `cls` (RGB PIL image) and its trimap (uint8 array: 1 animal, 2 background, 3 outline)."
     st = class_style(cls)
     w, h = size or (int(rng.integers(200, 501)), int(rng.integers(200, 501)))
-    # background: a muted random colour, a gradient and smooth noise, so JPEGs are photo-sized
+    # background: a muted random colour, a gradient, smooth and fine noise (so JPEGs are photo-sized), in float32
     bg = rng.uniform(0.25, 0.75, 3)
     noise = rng.normal(0, 1, (h // 8 + 1, w // 8 + 1, 3))
     noise = Image.fromarray(((noise * 20) + 128).clip(0, 255).astype(np.uint8)).resize((w, h), Image.BILINEAR)
-    noise = np.asarray(noise, float) / 255 - 0.5
-    grad = np.linspace(-0.12, 0.12, h)[:, None, None]
-    img = (bg[None, None, :] + grad + 0.35 * noise + rng.normal(0, 0.035, (h, w, 3)))
+    img = np.asarray(noise, np.float32) * np.float32(0.35 / 255)  # 0.35 x (noise / 255 - 0.5), the -0.5 in the colour
+    img += (bg - 0.175).astype(np.float32) + np.linspace(-0.12, 0.12, h, dtype=np.float32)[:, None, None]
+    img += rng.standard_normal((h, w, 3), dtype=np.float32) * np.float32(0.035)
     # the animal: 45-75% of the short side, anywhere it fits
     side = min(w, h) * rng.uniform(0.45, 0.75)
     bw, bh = side * rng.uniform(0.85, 1.15), side * rng.uniform(0.85, 1.15)
     x0, y0 = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
-    mask = _body_mask(st["shape"], w, h, (int(x0), int(y0), int(x0 + bw), int(y0 + bh)))
+    box = (int(x0), int(y0), int(x0 + bw), int(y0 + bh))
+    mask = _body_mask(st["shape"], w, h, box)
     hue = (st["hue"] + rng.normal(0, 0.012)) % 1.0
     rgb = np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.7, 0.95), rng.uniform(0.75, 0.95)))
-    coat = _coat(st["texture"], rgb, w, h, period=max(6, int(side / 7)))
-    m = np.asarray(mask, float)[..., None] / 255
-    img = img * (1 - m) + coat * m + rng.normal(0, 0.02, (h, w, 3)) * m
+    # coat and its noise inside the body's box only (PIL draws its last row and column too): the rest is background
+    inside = (box[0], box[1], min(box[2] + 1, w), min(box[3] + 1, h))
+    rows, cols = slice(inside[1], inside[3]), slice(inside[0], inside[2])
+    m = np.asarray(mask, np.float32)[rows, cols, None] * np.float32(1 / 255)
+    part = img[rows, cols]
+    coat = _coat(st["texture"], rgb, inside, period=max(6, int(side / 7)))
+    part += m * (coat - part + rng.standard_normal(part.shape, dtype=np.float32) * np.float32(0.02))
     image = Image.fromarray((img.clip(0, 1) * 255).astype(np.uint8), "RGB")
     # trimap: eroded body = 1, outside the dilated body = 2, the band between = 3
     k = 2 * max(1, int(min(w, h) / 120)) + 1
