@@ -4,10 +4,12 @@
 
 # %% ../../nbs/30b_train.ipynb 3
 from __future__ import annotations
+import errno
 import gc
 import os
 import signal
 import tarfile
+import time
 import traceback
 import warnings
 from functools import partial
@@ -95,15 +97,18 @@ def _explain(e: Exception) -> str:
         return what + "; check that it is a tar of samples (`tar tf FILE` lists it)"
     return what + "; check the shard names and --base (does `curl -fsS URL | tar t` list the shard?)"
 
-def _killed_worker() -> str | None:
+def _killed_worker(wait: float = 0) -> str | None:  # Seconds to wait for a killed child to show as one
     "'loader worker (pid N) was killed by signal 9 (SIGKILL)' when a child process of this one was; else None."
-    for pid in (c.pid for c in psutil.Process().children()):
-        try: st = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # looked at, left for its reaper
-        except ChildProcessError: continue
-        if st is not None and st.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-            sig = st.si_status
-            return f"loader worker (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name})"
-    return None
+    deadline = time.monotonic() + wait
+    while True:
+        for pid in (c.pid for c in psutil.Process().children()):
+            try: st = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # looked at, left for its reaper
+            except ChildProcessError: continue
+            if st is not None and st.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                sig = st.si_status
+                return f"loader worker (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name})"
+        if time.monotonic() >= deadline: return None
+        time.sleep(0.05)
 
 def _chld(handler):
     "Make `handler` SIGCHLD's, where this is the main thread and it is one; the handler it had, or None."
@@ -300,7 +305,10 @@ def train(shards: str | list[str] | None = None,  # Shards (a directory, ais://,
         except Exception as e:
             # torch's SIGCHLD handler would raise again, into what follows, as a worker's death reaches this process
             torch_handler = _chld(signal.SIG_DFL)
-            if killed := _killed_worker() or (str(e).strip() if "DataLoader worker (pid" in str(e) else None):
+            # a killed worker's socket can reset before the kernel shows the worker as exited: wait a little then
+            cut = isinstance(e, OSError) and e.errno in (errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE)
+            if killed := _killed_worker(wait=5 if cut else 0) or (str(e).strip() if "DataLoader worker (pid" in str(e)
+                                                                  else None):
                 _end_loaders(e)
                 again = ("run the same command again to go on from the last checkpoint" if checkpoint else
                          "run it again (with --checkpoint PATH a run goes on from where it stopped)")
