@@ -12,6 +12,7 @@ import shutil
 import time
 import tokenize
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -339,6 +340,16 @@ def sample_index(source,                                   # A directory, tar pa
     try: return load_index(save_index(idx, joined))  # mapped: the next process maps the same files
     except OSError: return idx  # an unwritable index cache: index_tar has warned
 
+def _asked_versions(paths: list[str], heads: list[tuple[int, str]], bare: list[int], retries: Retries | None
+                    ) -> list[tuple[int, str]]:
+    """`heads` with the (size, version) of shards `bare` from a HEAD each: a bucket listed them without a version
+    (AIStore's S3 API, unless the bucket keeps MD5s), and their copies and indexes are named by it."""
+    with ThreadPoolExecutor(min(8, len(bare)), thread_name_prefix="shardkit-head") as pool:
+        got = pool.map(lambda i: stat_url(paths[i], retries, f"shard {url_name(paths[i])}"), bare)
+        heads = list(heads)
+        for i, (size, tag) in zip(bare, got): heads[i] = (size if size >= 0 else heads[i][0], tag)
+    return heads
+
 def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, *, retries: Retries | None,
                heads: list[tuple[int, str]] | None = None) -> SampleIndex:
     "The index of shards at http(s) or bucket URLs `paths` (sizes, versions: `heads`), kept by URL, size and version."
@@ -350,6 +361,8 @@ def _url_index(paths: list[str], fields: Sequence[str], name: str, index_cache, 
     kind = backend.schemes[0]  # 'http', 's3', 'gs', 'az'
     if heads is None:  # s3: from the listings of their folders, not a HEAD each
         heads = s3_stat(paths, retries) if kind == "s3" else [stat_url(p, retries, f"shard {p}") for p in paths]
+    if kind != "http" and (bare := [i for i, (_, t) in enumerate(heads) if not t]):
+        heads = _asked_versions(paths, heads, bare, retries)
     def build():
         got = [index_url(p, index_cache, retries, h) for p, h in zip(paths, heads)]
         if [(n, t) for _, n, t in got] != heads:

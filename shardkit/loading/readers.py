@@ -240,6 +240,7 @@ class CachedShardReader:
             version = idx.versions[s] if idx.versions else ""
             checked = version and isinstance(self.fetch, _HTTPFetch)  # it refuses a copy of other content
             fetch = partial(self.fetch, version=version) if checked else self.fetch
+            version = version or f"unversioned {self.token}"  # nothing tells its content: this loader's own copy
         fd, (a, b) = self.copies.open(idx.shards[s], int(idx.shard_bytes[s]), fetch, version,
                                       reader=self.token), _rows(idx, s)
         try:
