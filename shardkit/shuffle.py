@@ -21,7 +21,7 @@ from .remote import retried
 from .shards.fields import ShardError, split_key
 from .shards.manifest import read_manifest, resume_point, save_manifest, sha256_file
 from .shards.tar import tar_entries, unsafe_name
-from .shards.write import staging_dir
+from .shards.write import end_staging, staging_dir
 from .stores import AISStore, LocalStore, open_store, parse_size, shown_path
 from .stores.ais import ClusterBusy, rebalance_conflict
 
@@ -147,7 +147,7 @@ def _shuffle_local(src, dest, names, shard_size: int, *, seed, output_prefix: st
             out.add(inputs.file(int(shard)), int(offset), int(members), int(size))
         out.finish()
     finally:
-        inputs.close(); shutil.rmtree(work, ignore_errors=True)
+        inputs.close(); end_staging(work)
     m.update(complete=True, skipped=skipped)
     save_manifest(dest, m)
     return Shuffled(dest.spec, out.names, len(index), m["bytes"], backend="local", seconds=time.time() - t0,

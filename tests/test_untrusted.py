@@ -192,6 +192,24 @@ def test_stale_temp_files_of_a_killed_conversion_are_cleaned(pets, tmp_path):
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
+def test_a_second_writer_of_the_same_shards_is_refused_while_the_first_runs(pets, tmp_path, capsys):
+    """Two conversions into one destination and prefix at once would share a staging folder: the second would empty
+    the first's and interleave their shards. It is refused with the first one's pid; once the first ends (or dies:
+    its lock goes with it), the next one runs."""
+    from shardkit.shards.write import end_staging, staging_dir
+    from shardkit.stores import open_store
+    out = tmp_path / "out"
+    first = staging_dir(open_store(out, create=True), "pets-")  # the first writer, mid-run, in this process
+    (first / "pets-00000.tar").write_bytes(b"the first writer's shard")
+    try:
+        assert cli_main(["convert", "pets", str(pets), str(out), "--maxcount", "10"]) != 0
+        err = capsys.readouterr().err
+        assert f"another process (pid {os.getpid()}) is writing pets-* into" in err, err
+        assert (first / "pets-00000.tar").read_bytes() == b"the first writer's shard"  # its files untouched
+    finally: end_staging(first)
+    assert convert_pets(pets, out, maxcount=10, progress=False)["complete"]
+
+
 def test_bit_rot_is_found_by_verify(pets, tmp_path, capsys):
     m = convert_pets(pets, tmp_path / "out", maxcount=10, progress=False)
     assert cli_main(["verify", str(tmp_path / "out")]) == 0

@@ -5,6 +5,7 @@
 # %% ../../nbs/06_write.ipynb 2
 from __future__ import annotations
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -31,7 +32,7 @@ from .manifest import manifest_name, read_manifest, resume_mismatch, resume_poin
 from .tar import unsafe_name
 
 # %% auto 0
-__all__ = ['AUTO_SHARDS', 'ordered_map', 'staging_dir', 'auto_maxcount', 'auto_maxcount_why', 'write_shards']
+__all__ = ['AUTO_SHARDS', 'ordered_map', 'staging_dir', 'end_staging', 'auto_maxcount', 'auto_maxcount_why', 'write_shards']
 
 # %% ../../nbs/06_write.ipynb
 def _apply(fn, batch): return [fn(x) for x in batch]
@@ -110,15 +111,43 @@ def _tar_file_size(data_bytes: int) -> int:
     return -(-(data_bytes + 1024) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 # %% ../../nbs/06_write.ipynb
+_STAGED: dict[Path, int] = {}  # this process's staging folders -> the descriptor that holds each one's job
+
 def staging_dir(store, prefix: str, kind: str = "shards") -> Path:
-    "A fresh local folder for job (`store`, `prefix`)'s shards until stored; what a killed run left there is removed."
+    """A fresh local folder for job (`store`, `prefix`)'s shards until stored (`end_staging`); what a killed run left
+    there is removed. The job is this process's until then: a second writer of the same shards on this machine is
+    refused, rather than let in to empty the first one's folder and interleave their files."""
     job = hashlib.sha256(f"{kind}\0{store.spec}\0{prefix}".encode()).hexdigest()[:16]
     d = Path(tempfile.gettempdir()) / f"shardkit-{kind}-{job}"
+    lock = d.with_name(f".{d.name}.lock")  # never removed: a lock file unlinked while held could be locked twice
+    try: fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e: raise StoreError(f"cannot lock {shown_path(lock)} ({e.strerror}): another user's? remove it, "
+                                          "or set TMPDIR to a folder of your own") from None
+    try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StoreError(f"another process (pid {holder}) is writing {prefix}* into {shown_path(store.spec)} on this "
+                         "machine; wait for it to end, or write to another prefix or store") from None
+    os.ftruncate(fd, 0); os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _STAGED[d] = fd  # held until end_staging; a killed process's lock ends with it, and the next run takes over
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     if isinstance(store, LocalStore) and store.root.is_dir():  # a killed atomic write leaves its hidden temp file
         for p in store.root.glob(f".{prefix}*.tmp"): p.unlink(missing_ok=True)
     return d
+
+def _forget_staged():
+    "In a forked child (a pool's worker): close the parent's job locks, so a child that outlives a write holds none."
+    for fd in _STAGED.values(): os.close(fd)
+    _STAGED.clear()
+
+os.register_at_fork(after_in_child=_forget_staged)
+
+def end_staging(d: Path):
+    "Remove staging folder `d` and give its job up."
+    shutil.rmtree(d, ignore_errors=True)
+    if (fd := _STAGED.pop(d, None)) is not None: os.close(fd)
 
 # %% ../../nbs/06_write.ipynb
 class _ShardSink:
@@ -186,7 +215,7 @@ def cleanup(self: _ShardSink):
     "Drop an unfinished shard, let a shard being stored finish (a resume can count on it), remove the staging folder."
     if self.cur: self.cur["tar"].close(); self.cur["file"].close()
     self.uploader.shutdown(wait=True)
-    shutil.rmtree(self.tmpdir, ignore_errors=True)
+    end_staging(self.tmpdir)
 
 # %% ../../nbs/06_write.ipynb
 AUTO_SHARDS = 16  # shards a data set gets by default: enough for 2 ranks x 8 workers (or 16 x 1) to each read one
