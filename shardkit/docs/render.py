@@ -33,8 +33,9 @@ from ..errors import UsageError
 from .checks import broken_links, external_refs, out_problem, strip_external
 
 # %% auto 0
-__all__ = ['process_notebooks', 'render_offline', 'render_quarto', 'execute_notebook', 'existing_notebooks', 'execute_notebooks',
-           'committed_executed', 'shrink_image', 'shrink_outputs', 'shrink_notebook', 'shrink_notebooks']
+__all__ = ['process_notebooks', 'run_mkdocs', 'render_offline', 'render_quarto', 'execute_notebook', 'existing_notebooks',
+           'execute_notebooks', 'committed_executed', 'shrink_image', 'shrink_outputs', 'shrink_notebook',
+           'shrink_notebooks']
 
 # %% ../../nbs/97c_docs.render.ipynb
 _CSS = """/* shardkit docs: wider content, notebook outputs sized to the page */
@@ -90,6 +91,38 @@ def _failures(failed: list[str], total: int, shown: int = 5) -> str:
             + "\n  ".join(failed[:shown]) + more)
 
 # %% ../../nbs/97c_docs.render.ipynb
+def _one_compile_each():
+    """A Jinja bytecode cache that keeps each template compiled in this process: named by the template's file and
+    source and the environment's syntax, so an environment that parses templates otherwise compiles its own."""
+    import jinja2
+    compiled = {}
+
+    def key(b):
+        e = b.environment
+        return (b.key, b.checksum, e.block_start_string, e.block_end_string, e.variable_start_string,
+                e.variable_end_string, e.comment_start_string, e.comment_end_string, e.line_statement_prefix,
+                e.line_comment_prefix, e.trim_blocks, e.lstrip_blocks, e.newline_sequence, e.keep_trailing_newline,
+                e.optimized, e.is_async, tuple(sorted(e.extensions)), e.autoescape)
+
+    class CompiledOnce(jinja2.BytecodeCache):
+        def load_bytecode(self, bucket): bucket.code = compiled.get(key(bucket))
+        def dump_bytecode(self, bucket): compiled[key(bucket)] = bucket.code
+    return CompiledOnce()
+
+def run_mkdocs(argv: list[str]):
+    "`mkdocs ARGV` in this process (it exits with mkdocs's status), every Jinja environment sharing one compile each."
+    import jinja2
+    from mkdocs.__main__ import cli
+    cache, init = _one_compile_each(), jinja2.Environment.__init__
+    def __init__(env, *args, **kw):
+        init(env, *args, **kw)
+        if env.bytecode_cache is None: env.bytecode_cache = cache
+    jinja2.Environment.__init__ = __init__
+    cli.main(args=argv, prog_name="mkdocs")
+
+_MKDOCS = "import sys; from shardkit.docs.render import run_mkdocs; run_mkdocs(sys.argv[1:])"
+
+# %% ../../nbs/97c_docs.render.ipynb
 def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Path:
     "Build the docs site of the notebooks under `nbs` into `out` with mkdocs-material + mkdocs-jupyter, offline."
     nbs, out = Path(nbs).resolve(), Path(out).resolve()
@@ -110,9 +143,12 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
                             site_description=ini["DEFAULT"].get("description", ""))
         (build / "mkdocs.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         if not quiet: print(f"building the site with mkdocs ({len(rels)} pages) ...", flush=True)
-        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-        r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--clean", "-f",
-                            str(build / "mkdocs.yml")], cwd=build, env=env, capture_output=True, text=True)
+        # the child imports this shardkit (`run_mkdocs`) from its build folder: where this one was found comes first
+        here = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        r = subprocess.run([sys.executable, "-c", _MKDOCS, "build", "--quiet", "--clean", "-f", str(build / "mkdocs.yml")],
+                           cwd=build, env=env, capture_output=True, text=True)
         if r.returncode: raise DocsError(f"mkdocs build failed (exit {r.returncode}); its errors:\n{r.stderr[-3000:]}")
         n = strip_external(out)
         if not quiet: print(f"removed {n} tags that would load from other hosts (MathJax, mermaid loaders)")
