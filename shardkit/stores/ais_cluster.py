@@ -24,12 +24,12 @@ from .ais import upload_shards
 from .base import shown_path
 
 # %% auto 0
-__all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'SPACE_HIGHWM', 'ClusterError', 'default_root',
-           'aistore_source', 'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli', 'build_aistore',
-           'node_env', 'write_node_configs', 'free_base_port', 'cluster_ready', 'rebalancing', 'ais_status',
-           'node_command', 'disk_used_pct', 'ais_up', 'ais_down', 'format_status', 'start_rebalance', 'await_rebalance',
-           'ais_maintenance', 'ais_decommission', 'ais_join', 'ais_up_cli', 'ais_down_cli', 'ais_status_cli',
-           'ais_build_cli', 'ais_put_cli']
+__all__ = ['AIS_MODULE', 'AIS_VERSION', 'BUILD_TAGS', 'AIS_CLI_VERSION', 'STARTUP_TIME', 'SPACE_HIGHWM', 'ClusterError',
+           'default_root', 'aistore_source', 'aisnode_path', 'build_aisnode', 'build_aisloader', 'build_ais_cli',
+           'build_aistore', 'node_env', 'write_node_configs', 'free_base_port', 'cluster_ready', 'rebalancing',
+           'ais_status', 'node_command', 'disk_used_pct', 'ais_up', 'ais_down', 'format_status', 'start_rebalance',
+           'await_rebalance', 'ais_maintenance', 'ais_decommission', 'ais_join', 'ais_up_cli', 'ais_down_cli',
+           'ais_status_cli', 'ais_build_cli', 'ais_put_cli']
 
 # %% ../../nbs/07_stores.ais_cluster.ipynb
 AIS_MODULE = "github.com/NVIDIA/aistore"
@@ -159,6 +159,16 @@ def node_env(root: Path, i: int, port: int, mountpaths: int = 2) -> dict[str, st
             "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
             "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0), "INSTANCE": str(i)}
 
+STARTUP_TIME = "30s"  # timeout.startup_time: the least AIStore accepts (upstream's dev config: 1m); see above
+
+def _set_startup_time(path: Path, value: str = STARTUP_TIME) -> None:
+    "Set `timeout.startup_time` in the cluster config at `path` (written again whole, atomically)."
+    cfg = json.loads(path.read_text())
+    cfg["timeout"]["startup_time"] = value
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(cfg, indent=1))
+    os.replace(tmp, path)
+
 def _node_config(root: Path, i: int, port: int, mountpaths: int = 2) -> dict:
     "Write the config of node `i` (0: the proxy, else a target) of the cluster at base port `port`; the node."
     gen = aistore_source() / "deploy" / "dev"
@@ -168,6 +178,7 @@ def _node_config(root: Path, i: int, port: int, mountpaths: int = 2) -> dict:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()), **node_env(root, i, port, mountpaths)}
     _run(["bash", "-c", f'source "{gen}/utils.sh" && source "{gen}/local/aisnode_config.sh"'],
          f"writing the config of {role}{i}", env=env)
+    _set_startup_time(d / "ais.json")
     pub, ctl, data = _node_ports(port, i)
     return dict(role=role, name=f"{role}{i}", dir=str(d), port=pub, ports=[pub, ctl, data])
 
