@@ -144,11 +144,12 @@ def render_offline(nbs: str | Path, out: str | Path, quiet: bool = False) -> Pat
         (build / "mkdocs.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         if not quiet: print(f"building the site with mkdocs ({len(rels)} pages) ...", flush=True)
         # the child imports this shardkit (`run_mkdocs`) from its build folder: where this one was found comes first
-        here = str(Path(__file__).resolve().parents[2])
+        import shardkit
+        here = str(Path(shardkit.__file__).resolve().parents[1])
         env = {**os.environ, "NO_MKDOCS_2_WARNING": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-        r = subprocess.run([sys.executable, "-c", _MKDOCS, "build", "--quiet", "--clean", "-f", str(build / "mkdocs.yml")],
-                           cwd=build, env=env, capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", _MKDOCS, "build", "--quiet", "--clean", "-f",
+                            str(build / "mkdocs.yml")], cwd=build, env=env, capture_output=True, text=True)
         if r.returncode: raise DocsError(f"mkdocs build failed (exit {r.returncode}); its errors:\n{r.stderr[-3000:]}")
         n = strip_external(out)
         if not quiet: print(f"removed {n} tags that would load from other hosts (MathJax, mermaid loaders)")
