@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 import psutil
 import requests
-from ..command import command
+from ..command import command, write_json
 from ..config import private_dir, shardkit_home, why_untrusted
 from ..errors import ShardkitError
 from ..remote import Retries, as_retries, remote_request
@@ -159,15 +159,13 @@ def node_env(root: Path, i: int, port: int, mountpaths: int = 2) -> dict[str, st
             "TEST_FSPATH_ROOT": str(root / "mountpaths") + "/",
             "TEST_FSPATH_COUNT": str(mountpaths if role == "target" else 0), "INSTANCE": str(i)}
 
-STARTUP_TIME = "30s"  # timeout.startup_time: the least AIStore accepts (upstream's dev config: 1m); see above
+STARTUP_TIME = "30s"  # timeout.startup_time: the least AIStore accepts (upstream's dev config: 1m), for a faster start
 
 def _set_startup_time(path: Path, value: str = STARTUP_TIME) -> None:
     "Set `timeout.startup_time` in the cluster config at `path` (written again whole, atomically)."
     cfg = json.loads(path.read_text())
     cfg["timeout"]["startup_time"] = value
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(cfg, indent=1))
-    os.replace(tmp, path)
+    write_json(path, cfg)
 
 def _node_config(root: Path, i: int, port: int, mountpaths: int = 2) -> dict:
     "Write the config of node `i` (0: the proxy, else a target) of the cluster at base port `port`; the node."
