@@ -138,6 +138,37 @@ def test_raising_transform_skipped_and_counted_or_strict(src, tmp_path, transfor
     assert len(got) == 12 - bad and stage.counts["skipped"] == bad
 
 
+# Run in a fresh Python: unpickling shardkit's classes by value in a process sets the copies' methods on its live
+# classes (cloudpickle's class tracker), so that process's later transforms would hold copied functions too.
+BY_VALUE = """import sys, cloudpickle, shardkit
+from shardkit.etl.shard_transform import ShardTransform, SampleError, strict
+from shardkit.etl.local_engine import run_locally
+from shardkit.stores import open_store
+cloudpickle.register_pickle_by_value(shardkit)
+st = ShardTransform("userfns:picky", handler="strict")
+assert cloudpickle.loads(cloudpickle.dumps(st)).samples.handler is not strict  # the two objects apart
+src = open_store(sys.argv[1])
+try: run_locally(st, src, open_store(sys.argv[2], create=True), src.list("*.tar"), processes=1, progress=False)
+except SampleError as e: print("stopped:", e)
+"""
+
+
+def test_strict_holds_when_shardkit_is_pickled_by_value(src, tmp_path, transforms_module):
+    """Strict is a flag said when the transform is made, not the handler's identity asked in the worker: with shardkit
+    registered to pickle by value (init_etl does so for its class), a worker's copy of `strict` is another function.
+    Before the flag, `--strict` skipped the bad samples after an init_etl in the same process."""
+    import cloudpickle
+    from shardkit.etl.shard_transform import strict
+    out = subprocess.run([sys.executable, "-c", BY_VALUE, str(src.root), str(tmp_path / "out")], cwd=transforms_module,
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0 and "stopped: transform picky failed on sample" in out.stdout, out.stdout + out.stderr
+    # and init_etl registers shardkit only while it pickles its class: after it, strict is `strict` again
+    assert init_etl("shardkit-val", imagenet_val_npy, client=RecordingClient()) == "shardkit-val"
+    assert "shardkit" not in cloudpickle.list_registry_pickle_by_value()
+    st = cloudpickle.loads(cloudpickle.dumps(ShardTransform(imagenet_val_npy, handler="strict")))
+    assert st.samples.handler is strict and st.samples.strict
+
+
 @pytest.mark.timed
 def test_corrupt_shard_names_the_shard(src, tmp_path, capsys):
     data = src.read_bytes("imagenet-train-000001.tar")

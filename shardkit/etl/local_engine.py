@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from ..shards.fields import ShardError
 from ..stores import open_store, shown_path
 from .receipt import MANIFEST, done_shards, etl_settings, etl_shards, read_etl_manifest, write_etl_manifest
-from .shard_transform import ETLError, SampleError, ShardTransform, strict
+from .shard_transform import ETLError, SampleError, ShardTransform
 
 # %% auto 0
 __all__ = ['HEAVY_MODULES', 'one_torch_thread', 'warm_start_context', 'run_locally', 'run_resumably', 'run_local']
@@ -47,7 +47,7 @@ def _worker_run(name: str) -> dict:
         w["dest"].put_bytes(out, name)
         res.update(bytes_out=len(out), sha256=hashlib.sha256(out).hexdigest())
     except (ETLError, ShardError) as e:
-        if st.samples.handler is strict and isinstance(e, SampleError): raise
+        if st.samples.strict and isinstance(e, SampleError): raise
         res["error"] = str(e)
     res.update(counts=dict(st.counts - c0), reasons=dict(st.reasons - r0))
     return res

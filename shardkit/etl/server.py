@@ -86,10 +86,13 @@ def init_etl(name: str, fn: str | Callable, *, client=None, decode: str | None =
     if why: raise ETLUnavailable(why)
     import cloudpickle
     import shardkit
-    cloudpickle.register_pickle_by_value(shardkit)  # the pod has the SDK, not shardkit: ship our code with the class
     cls = etl_server_class(fn, decode, strict, seed)
     deps = ["webdataset", "torch", "torchvision", "pillow", "numpy", "braceexpand"]
-    client.etl(name).init_class(dependencies=deps, comm_type=comm_type, **kwargs)(cls)
+    already = "shardkit" in cloudpickle.list_registry_pickle_by_value()
+    cloudpickle.register_pickle_by_value(shardkit)  # the pod has the SDK, not shardkit: ship our code with the class
+    try: client.etl(name).init_class(dependencies=deps, comm_type=comm_type, **kwargs)(cls)
+    finally:  # only for this class: left on, every later pickle in this process would copy shardkit's functions
+        if not already: cloudpickle.unregister_pickle_by_value(shardkit)
     return name
 
 # %% ../../nbs/15_etl.server.ipynb

@@ -70,6 +70,8 @@ class SampleTransform:
                  seed: int | None = None):       # Seed each sample from (seed, key); None: no reseeding
         self.fn, self.decode, self.seed = resolve_fn(fn), decode, seed
         self.handler = _HANDLERS.get(handler, handler) if isinstance(handler, str) else handler
+        # said now, not asked of the handler later: a copy pickled by value is another function than `strict`
+        self.strict = self.handler is strict
         if not callable(self.handler):
             raise ETLError(f"handler must be 'skip', 'strict' or a function, got {handler!r}")
         # the shards module's decoder: webdataset's, except that pickle fields (code from the shard) are refused
