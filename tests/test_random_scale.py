@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 from shardkit.errors import UsageError
-from shardkit.loading.index import sample_index
+from shardkit.loading.index import file_lock, sample_index
 from shardkit.loading.order import epoch_order, order_quality
 from shardkit.loading.pipeline import create_dataloader, create_dataset
 from shardkit.loading.readers import RangeReader, ShardCache, shard_cache_dir
@@ -51,6 +51,13 @@ def _keys(loader):
 
 def _cache_files(loader):
     return sorted(loader.dataset.reader.copies.folder.glob("*.tar"))
+
+
+def _cache_bytes(loader) -> int:
+    """The bytes in the cache now, under the cache's own lock: its workers evict and add a copy under it, so a listing
+    outside it can name a copy that is gone by its stat (run s9a failed so, while the bound held)."""
+    with file_lock(loader.dataset.reader.copies.folder / ".lock"):
+        return sum(f.stat().st_size for f in _cache_files(loader))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -106,7 +113,7 @@ def test_cache_bound_is_respected(shards):
     seen = []
     for b in dl:
         seen += list(b[0])
-        assert sum(f.stat().st_size for f in _cache_files(dl)) <= limit
+        assert _cache_bytes(dl) <= limit
     assert sorted(seen) == ALL
     assert not list(dl.dataset.reader.copies.folder.glob(".*.tmp"))  # atomic writes leave no partial files
 
