@@ -146,6 +146,15 @@ def pytest_sessionfinish(session):
         proc.wait()
 
 
+def pytest_unconfigure(config):
+    """A pytest-xdist worker's exit: its interpreter's last garbage collection would walk every object the session
+    made (seconds, after a whole suite), and the controller waits for the worker, then kills it after 10 s. Frozen
+    objects are left out of collections (`gc.freeze`); the worker's objects die with its process."""
+    if hasattr(config, "workerinput"):
+        import gc
+        gc.freeze()
+
+
 def _keep_logs(root: Path) -> Path:
     "Copy the cluster's node logs to tests/_out/ais-logs-PID (before its folder is wiped), for a failed session."
     dest = OUT / f"ais-logs-{os.getpid()}"

@@ -159,6 +159,7 @@ def _zygote_main():
         pid = os.fork()
         if pid == 0: _run_forked_sidecar(req)  # never returns
         sys.stdout.write(json.dumps({"pid": pid}) + "\n"); sys.stdout.flush()
+    os._exit(0)  # its state is its imports: tearing them down (about 1 s with torchvision) would hold up its starter
 
 def _reap_children():
     "Collect the exit status of every sidecar that has ended (they are this process's children)."
