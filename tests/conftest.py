@@ -5,7 +5,7 @@ tiers run in three pytest-xdist workers (`-n 3 --dist loadgroup`, the README's c
 them take the CPU-bound tests and the third the waiting ones (`WAITING_GROUPS`, below). `--dist loadgroup` sends the
 largest group first (xdist's scope reordering): the cluster's tests, all on one worker, while another worker runs
 the rest. A plain serial `python -m pytest` runs the same tests, the cluster's last."""
-import contextlib, os, shutil, signal, subprocess, sys, tempfile
+import atexit, contextlib, os, shutil, signal, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
@@ -146,13 +146,20 @@ def pytest_sessionfinish(session):
         proc.wait()
 
 
+def _end_without_teardown():
+    "Run every other exit handler, in its order, then end the process without the interpreter's teardown."
+    atexit.unregister(_end_without_teardown)
+    atexit._run_exitfuncs()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.hookimpl(trylast=True)  # after the other plugins' unconfigure: its exit handler is registered after theirs
 def pytest_unconfigure(config):
-    """A pytest-xdist worker's exit: its interpreter's last garbage collection would walk every object the session
-    made (seconds, after a whole suite), and the controller waits for the worker, then kills it after 10 s. Frozen
-    objects are left out of collections (`gc.freeze`); the worker's objects die with its process."""
-    if hasattr(config, "workerinput"):
-        import gc
-        gc.freeze()
+    """A pytest-xdist worker's exit: the interpreter's teardown would walk and free every object the session made
+    (more than 10 s after a whole suite), and the controller waits for the worker, then kills it after 10 s. Its
+    results are sent by then, so the worker ends once its exit handlers (multiprocessing's, shardkit's) have run."""
+    if hasattr(config, "workerinput"): atexit.register(_end_without_teardown)  # registered last, called first
 
 
 def _keep_logs(root: Path) -> Path:
