@@ -149,7 +149,7 @@ def pytest_sessionfinish(session):
 def _end_without_teardown():
     "Run every other exit handler, in its order, then end the process without the interpreter's teardown."
     atexit.unregister(_end_without_teardown)
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # private: atexit has no public way to run its handlers now (PRIVATE_ALLOWED)
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
 
