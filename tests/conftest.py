@@ -5,7 +5,7 @@ tiers run in three pytest-xdist workers (`-n 3 --dist loadgroup`, the README's c
 them take the CPU-bound tests and the third the waiting ones (`WAITING_GROUPS`, below). `--dist loadgroup` sends the
 largest group first (xdist's scope reordering): the cluster's tests, all on one worker, while another worker runs
 the rest. A plain serial `python -m pytest` runs the same tests, the cluster's last."""
-import atexit, contextlib, os, shutil, signal, subprocess, sys, tempfile
+import atexit, contextlib, gc, os, shutil, signal, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
@@ -149,6 +149,7 @@ def pytest_sessionfinish(session):
 def _end_without_teardown():
     "Run every other exit handler, in its order, then end the process without the interpreter's teardown."
     atexit.unregister(_end_without_teardown)
+    gc.freeze()  # IPython's exit handler (one per notebook shell) collects; the session's heap is left out of it
     atexit._run_exitfuncs()  # private: atexit has no public way to run its handlers now (PRIVATE_ALLOWED)
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
