@@ -31,12 +31,10 @@ def pytest_collection_modifyitems(config, items):
     cluster per session. Tests that change a cluster's targets (`changing_cluster`: tests/test_faults_ais.py) share
     another group: their cluster is their own, and their rebalances (about 40 s each) run beside the session
     cluster's tests, not after them. Tests with a wall-clock bound (`timed`) share a third, so no two of them run at
-    once. Tests that mostly wait on a clock (`waits`) share a fourth: the waiting worker's, in the whole suite.
-    """
+    once."""
     ais_modules = set()
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        if "aisnode_binary" in names: item.add_marker(pytest.mark.slow)  # aisnode's Go build, the first time
         if {"ais_cluster", "changing_cluster"} & names:
             item.add_marker(pytest.mark.slow)
             # a test that changes its cluster's targets, on a cluster of its own: beside the session cluster's tests
@@ -44,8 +42,6 @@ def pytest_collection_modifyitems(config, items):
             ais_modules.add(item.nodeid.split("::")[0])
         elif item.get_closest_marker("timed"):
             item.add_marker(pytest.mark.xdist_group("timed"))
-        elif item.get_closest_marker("waits"):  # on the waiting worker when there is one (WAITER_TAKES_TOO)
-            item.add_marker(pytest.mark.xdist_group("waits"))
     # Serially, the test files that use the cluster run after the others (each file's own order kept, so its module
     # fixtures are set up once): on a fresh machine, aisnode builds in the background meanwhile
     # (pytest_collection_finish). Under xdist the groups go out largest first (xdist's reordering; the cluster's
@@ -66,11 +62,6 @@ def pytest_collection_modifyitems(config, items):
 # runs only these groups and stops when they are done, beside two workers that run everything else; under -n 2 those
 # 270 s of waiting held a worker from the other tests (a core idle for 4 minutes of every full run).
 WAITING_GROUPS = {"aistore-changes"}
-# Groups the waiting worker takes too, when there is one: the tests marked `waits` (pytest.ini), which spend most of
-# their time on a clock (retry back-offs, a bound on a dead shard or host, a cluster's start) at little CPU, about a
-# minute of a worker's time in all (runs s10a-b). Beside the rebalance tests they take that minute from no other test.
-# Without a waiting worker (the fast tier) they are one group like the others.
-WAITER_TAKES_TOO = {"waits"}
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain `pytest` (no xdist) never calls it
@@ -81,7 +72,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class WaitingWorkerScheduling(LoadGroupScheduling):
         """xdist's loadgroup, except that with 3 or more workers and a waiting group selected, the last worker takes
-        only the waiting groups (and `WAITER_TAKES_TOO`) and the others everything else. A worker with nothing it may take stops (as loadgroup
+        only the waiting groups and the others everything else. A worker with nothing it may take stops (as loadgroup
         stops one when the queue is empty); if the waiting worker is gone (crashed), anyone takes anything."""
         waiter = None
 
@@ -94,7 +85,7 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _may_take(self, node, scope) -> bool:
             if self.waiter is None or self.waiter not in self.assigned_work: return True
-            return (scope in WAITING_GROUPS | WAITER_TAKES_TOO) == (node is self.waiter)
+            return (scope in WAITING_GROUPS) == (node is self.waiter)
 
         def _assign_work_unit(self, node):
             scope = next((s for s in self.workqueue if self._may_take(node, s)), None)
@@ -210,20 +201,6 @@ def _stop_cluster(cluster: dict, request, timeout: float = 30):
     from shardkit.stores.ais_cluster import ais_down
     if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(cluster['root'])}")
     ais_down(cluster["root"], timeout=timeout, wipe=True, quiet=True)
-
-
-@pytest.fixture(scope="session")
-def aisnode_binary() -> Path:
-    """aisnode, built for this version (the first time on a machine: about 2.5 min; another worker building it is
-    waited for), for a test that starts clusters of its own. Skips with a how-to when it cannot be built, unless
-    SHARDKIT_REQUIRE_AIS=1 (CI), where that is a failure."""
-    from shardkit.stores.ais_cluster import build_aisnode
-    _wait_for_aisnode_build()
-    try: return build_aisnode(quiet=True)
-    except Exception as e:
-        msg = f"aisnode could not be built: {e}"
-        if os.environ.get("SHARDKIT_REQUIRE_AIS") == "1": pytest.fail(msg)
-        pytest.skip(msg + " (install Go >= 1.26; set SHARDKIT_REQUIRE_AIS=1 to make this a failure)")
 
 
 @pytest.fixture(scope="session")

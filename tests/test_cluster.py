@@ -6,9 +6,8 @@ import requests
 from conftest import free_base_port, main_cli, run_cli
 
 
-@pytest.mark.waits  # most of it is AIStore's own start-up: its primary waits for its targets to settle (about 12 s)
-def test_up_status_down_leaves_nothing_running(tmp_path, aisnode_binary):
-    # aisnode_binary first: aisnode is built once for the session, so this test only starts nodes
+def test_up_status_down_leaves_nothing_running(tmp_path, ais_cluster):
+    # ais_cluster first: it builds aisnode once for the session, so this test only starts nodes
     # ports below Linux's ephemeral range (32768-60999): there any program's outgoing connection may take one between
     # the check and aisnode's bind (a target exited at start once, at 38081-40081); the session's clusters use 28080+
     root, port = tmp_path / "c", free_base_port(start=20080)

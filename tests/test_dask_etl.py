@@ -122,7 +122,6 @@ def test_failing_shard_retried_reported_then_rewritten_alone(src, expected, clus
     assert shas(out) == expected and read_etl_manifest(out)["complete"]
 
 
-@pytest.mark.waits
 def test_unreachable_scheduler_fails_fast_naming_it(src, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]  # closed again: nothing listens there

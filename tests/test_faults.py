@@ -12,7 +12,6 @@ from faults import N_SHARDS, NAMES, PER_SHARD, FaultServer, fast_retries, write_
 from shardkit.remote import open_remote
 
 ALL = N_SHARDS * PER_SHARD
-pytestmark = pytest.mark.waits  # their time is the faults' back-offs and bounds, at little CPU
 
 
 fast = fast_retries

@@ -62,13 +62,8 @@ def test_notebook_light(nb):
     run_notebook(nb, _local_env())
 
 
-# Full runs that mostly wait on a clock (a stalled read's bound, retry back-offs): `waits` (tests/conftest.py)
-WAITS = ("01a_remote.ipynb",)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("nb", [pytest.param(p, marks=[pytest.mark.waits] * (p.name in WAITS)) for p in FULL
-                                if "ais" not in FLAGS[p]], ids=_id)
+@pytest.mark.parametrize("nb", [p for p in FULL if "ais" not in FLAGS[p]], ids=_id)
 def test_notebook_full(nb):
     "Every cell, `slow` ones too, on the embedded default (the notebook has no AIStore cells)."
     run_notebook(nb, _local_env(), ("slow",))

@@ -212,20 +212,6 @@ def test_waiting_groups_get_a_worker_of_their_own(request):
     assert wi["workerid"] == f"gw{wi['workercount'] - 1}", f"{request.node.nodeid} ran on {wi['workerid']}"
 
 
-@pytest.mark.waits
-def test_tests_that_wait_go_to_the_waiting_worker(request):
-    """Tests marked `waits` (mostly a clock, little CPU) share a group; in the whole suite under `-n 3 --dist
-    loadgroup` (a waiting group selected) they run on the waiting worker, beside the rebalance tests."""
-    from conftest import WAITER_TAKES_TOO, WAITING_GROUPS
-    assert "waits" in WAITER_TAKES_TOO and not WAITER_TAKES_TOO & WAITING_GROUPS
-    wi = getattr(request.config, "workerinput", None)
-    if not wi or not request.config.getvalue("loadgroup"): return  # serial, or another --dist: no groups
-    assert request.node.nodeid.endswith("@waits"), request.node.nodeid
-    waiting = any(i.nodeid.rsplit("@", 1)[-1] in WAITING_GROUPS for i in request.session.items)
-    if wi["workercount"] >= 3 and waiting:
-        assert wi["workerid"] == f"gw{wi['workercount'] - 1}", f"{request.node.nodeid} ran on {wi['workerid']}"
-
-
 def _undocumented(fn) -> list[str]:
     """The parameters of `fn` without a docment: fastcore's `docments` for the named ones; for `*args`/`**kwargs`, whose
     docment fastcore 1.8 does not read, the comment on their own line of the signature."""

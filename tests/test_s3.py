@@ -91,7 +91,6 @@ def random_keys(source, read, workers=2, **kw) -> list[str]:
 
 # ---- every fault of 01a_remote's table, over s3:// -------------------------------------------------------------
 
-@pytest.mark.waits
 def test_streaming_over_s3_is_exact_through_each_fault(s3, clean_stream, capfd):
     """A prefix `s3://data/` streamed while the server cuts bodies, answers 503 SlowDown (Retry-After) and 500
     InternalError, stalls past the read timeout and resets connections: a clean epoch, every retry reported."""
@@ -106,7 +105,6 @@ def test_streaming_over_s3_is_exact_through_each_fault(s3, clean_stream, capfd):
     assert len(s3.requests("GET", listing=True)) == 1  # one listing, no HEAD per shard
 
 
-@pytest.mark.waits
 @pytest.mark.parametrize("read", ["cache", "range"])
 def test_random_access_over_s3_is_exact_through_each_fault(read, s3, shard_dir, capfd):
     """The shard cache's fetches and the per-sample range GETs, faulted (cut, 503 SlowDown, 500, a stall): the epoch
@@ -153,7 +151,6 @@ def test_a_shard_rewritten_mid_read_is_refused(s3):
     assert [r[2] for r in s3.requests("GET")][-1] == f"bytes={(s3.root / 'data/f-001.tar').stat().st_size // 2}-"
 
 
-@pytest.mark.waits
 def test_a_dead_shard_is_named_within_the_bound(s3):
     "A shard that answers 500 on every GET ends the epoch with an error that names it, within the bound + 10 s."
     s3.fault(500, pattern="data/f-003.tar", when="always")
