@@ -118,9 +118,15 @@ _BUILD = {}  # the background aisnode build of this session, if one was started
 
 
 def pytest_collection_finish(session):
-    """On a machine without an aisnode build (a fresh clone), start building it now, at the lowest CPU priority, when
+    """When the selected tests run notebooks, start the warm starter they fork from now (tests/notebook_runner.py),
+    before a test of shardkit's ETL engine starts this process's one forkserver with fewer imports.
+
+    On a machine without an aisnode build (a fresh clone), start building it now, at the lowest CPU priority, when
     the selected tests need the cluster: the ~2.5 min build then uses the cores the tests before them leave idle,
     instead of holding up the first AIStore test. Serial runs only (under xdist each worker would build)."""
+    if any(getattr(getattr(i, "module", None), "run_notebook", None) for i in session.items):
+        from notebook_runner import start
+        start()
     needs_cluster = any({"ais_cluster", "changing_cluster"} & set(getattr(i, "fixturenames", ())) for i in session.items)
     if hasattr(session.config, "workerinput") or not needs_cluster: return
     from shardkit.stores.ais_cluster import aisnode_path

@@ -5,14 +5,21 @@ for `import torch, torchvision, nbdev` in each of ~40 runs costs about 4 s of CP
 a multiprocessing forkserver that has imported those libraries once and has run no notebook code. A child starts
 with them already in memory, sets the run's environment and working directory, and runs `nbdev.test.test_nb` on a
 fresh shell, which is what a new process would do after its imports.
+
+A process has one forkserver, and its imports are those of whoever starts it first. shardkit's ETL engine starts it
+too (`warm_start_context`, for its workers), with a shorter list: a notebook run forked from that one imports
+IPython, execnb and nbdev itself, about 0.6 CPU-s a run (measured: 78 light runs after a Dask ETL test took 160
+CPU-s against 111). So tests/conftest.py starts this one as soon as a session that runs notebooks is collected
+(`start`), and the list holds what the ETL workers need too.
 """
 import multiprocessing as mp
 import os, sys, tempfile
 from pathlib import Path
 
 # Heavy third-party imports only: shardkit itself is imported by each notebook, under the run's environment.
+# `distributed`: the Dask ETL engine's workers fork from the same server (shardkit.etl.local_engine.HEAVY_MODULES).
 PRELOAD = ["numpy", "PIL.Image", "torch", "torchvision", "torchvision.transforms.v2", "webdataset", "matplotlib",
-           "IPython", "execnb.shell", "nbdev.test", "fastcore.test", "requests"]
+           "IPython", "execnb.shell", "nbdev.test", "fastcore.test", "requests", "distributed"]
 
 
 def _run(nb: str, env: dict, skip: list, force: list, log: str) -> None:
@@ -38,6 +45,13 @@ def _context():
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(PRELOAD)
     return _ctx
+
+
+def start() -> None:
+    "Start the forkserver now, with `PRELOAD`, unless this process has one already (the first starter's list stays)."
+    from multiprocessing import forkserver
+    _context()
+    forkserver.ensure_running()
 
 
 def run_notebook_process(nb: Path, env: dict, skip=("slow", "ais"), force=(), timeout: float = 1500) -> tuple[int, str]:
