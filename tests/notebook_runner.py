@@ -1,16 +1,17 @@
 """Run a notebook the nbdev way in a fresh process that starts warm.
 
 Every notebook run is a new process (a fresh kernel: nothing a notebook does can leak into the next), but paying
-for `import torch, torchvision, nbdev` in each of ~40 runs costs about 4 s of CPU a run. So the runs are forked from
-a multiprocessing forkserver that has imported those libraries once and has run no notebook code. A child starts
-with them already in memory, sets the run's environment and working directory, and runs `nbdev.test.test_nb` on a
-fresh shell, which is what a new process would do after its imports.
+for `import torch, torchvision, nbdev` in each of a suite's 85 runs costs about 4 s of CPU a run. So the runs are
+forked from a multiprocessing forkserver that has imported those libraries once and has run no notebook code. A
+child starts with them already in memory, sets the run's environment and working directory, and runs
+`nbdev.test.test_nb` on a fresh shell, which is what a new process would do after its imports.
 
 A process has one forkserver, and its imports are those of whoever starts it first. shardkit's ETL engine starts it
 too (`warm_start_context`, for its workers), with a shorter list: a notebook run forked from that one imports
-IPython, execnb and nbdev itself, about 0.6 CPU-s a run (measured: 78 light runs after a Dask ETL test took 160
-CPU-s against 111). So tests/conftest.py starts this one as soon as a session that runs notebooks is collected
-(`start`), and the list holds what the ETL workers need too.
+IPython, execnb and nbdev itself, about 0.7 CPU-s a run (measured: a Dask ETL test and then 78 light runs took 160
+CPU-s, and 105 with this starter started first). So tests/conftest.py starts this one as soon as a session that runs
+notebooks is collected (`start`), and its list has the ETL engine's heavy modules too (`HEAVY_MODULES`; its workers
+import shardkit themselves, as the notebooks do).
 """
 import multiprocessing as mp
 import os, sys, tempfile
