@@ -193,9 +193,13 @@ def _port_free(port: int) -> bool:
 
 def _state_file(root: Path) -> Path: return Path(root) / "cluster.json"
 
+_STARTED: dict[int, subprocess.Popen] = {}  # the nodes this process started, by PID
+
 def _alive(node: dict) -> bool:
-    "Whether the node's PID is still our aisnode (not a zombie, not a reused PID)."
+    """Whether the node's PID is still our aisnode (not a zombie, not a reused PID). A node this process started is
+    asked through its `Popen`, exactly; any other through /proc, where its command line names aisnode and its folder."""
     pid = node["pid"]
+    if (p := _STARTED.get(pid)) is not None and p.args == node.get("cmd"): return p.poll() is None
     try:
         with open(f"/proc/{pid}/stat") as f: state = f.read().rsplit(")", 1)[1].split()[0]
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -297,6 +301,7 @@ def _start_node(binary: Path, n: dict, targets: int) -> dict:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=d,
                              start_new_session=True)
     n.update(pid=p.pid, cmd=cmd)
+    _STARTED[p.pid] = p  # `_alive` asks it: /proc cannot tell for the first moments (below)
     return n
 
 def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, timeout: float) -> None:
