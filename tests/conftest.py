@@ -170,8 +170,8 @@ def pytest_unconfigure(config):
 
 
 def _keep_logs(root: Path) -> Path:
-    "Copy the cluster's node logs to tests/_out/ais-logs-PID (before its folder is wiped), for a failed session."
-    dest = OUT / f"ais-logs-{os.getpid()}"
+    "Copy the cluster's node logs to tests/_out/ais-logs-PID-NAME (before its folder is wiped), for a failed session."
+    dest = OUT / f"ais-logs-{os.getpid()}-{root.name}"
     for log in [*root.glob("*/log/*"), *root.glob("*/stdout.log")]:
         if log.is_file():
             (dest / log.parent.relative_to(root)).mkdir(parents=True, exist_ok=True)
@@ -196,6 +196,7 @@ def _start_cluster(tmp_path_factory, name: str) -> dict:
             endpoint = ais_up(targets=2, root=root, port=free_base_port(start=port + 100), quiet=True)
     except Exception as e:
         msg = f"local AIStore could not start: {e}"
+        if root.exists(): msg += f"\n(its nodes' logs: {_keep_logs(root)})"  # pytest removes its temp folders later
         if os.environ.get("SHARDKIT_REQUIRE_AIS") == "1": pytest.fail(msg)
         pytest.skip(msg + " (install Go >= 1.26 so `shardkit ais up` can build it; set SHARDKIT_REQUIRE_AIS=1 to make this a failure)")
     return dict(endpoint=endpoint, root=root)
@@ -203,7 +204,7 @@ def _start_cluster(tmp_path_factory, name: str) -> dict:
 
 def _stop_cluster(cluster: dict, request, timeout: float = 30):
     """Stop it (nodes still running after `timeout` s are killed); when a test of the session failed, keep the
-    nodes' logs in tests/_out/ais-logs-PID first."""
+    nodes' logs in tests/_out/ais-logs-PID-NAME first."""
     from shardkit.stores.ais_cluster import ais_down
     if request.session.testsfailed: print(f"\nthe local AIStore's logs: {_keep_logs(cluster['root'])}")
     ais_down(cluster["root"], timeout=timeout, wipe=True, quiet=True)

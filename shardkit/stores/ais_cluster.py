@@ -304,13 +304,18 @@ def _start_node(binary: Path, n: dict, targets: int) -> dict:
     _STARTED[p.pid] = p  # `_alive` asks it: /proc cannot tell for the first moments (below)
     return n
 
+def _how_it_ended(node: dict) -> str:
+    "'exited with status N' or 'was killed by signal N' for a node this process started; else 'exited'."
+    code = p.returncode if (p := _STARTED.get(node["pid"])) is not None else None
+    return "exited" if code is None else f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
 def _await_ready(root: Path, endpoint: str, nodes: list[dict], targets: int, timeout: float) -> None:
     "Wait until the cluster is ready; if a node exits or `timeout` passes, stop the cluster and say why."
     deadline = time.time() + timeout
     while not cluster_ready(endpoint, targets):
         dead = [n for n in nodes if not _alive(n)]
         if dead or time.time() > deadline:
-            why = f"{dead[0]['name']} exited" if dead else f"not ready after {timeout:.0f} s"
+            why = f"{dead[0]['name']} {_how_it_ended(dead[0])}" if dead else f"not ready after {timeout:.0f} s"
             detail = _log_tail(dead[0] if dead else nodes[0])
             ais_down(root, quiet=True)
             raise ClusterError(f"AIStore did not start ({why}); its log ends with:\n{detail}")
