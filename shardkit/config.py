@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -101,8 +102,8 @@ def _sweep_runs(tmp: str) -> list[str]:
 def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a folder at this path will do
                ):
     """A temporary folder of this process and the processes it starts, for the block (`TMPDIR`, `tempfile.tempdir`):
-    removed at its end once they have ended, or by the next run. Yields its path, or None where `fits` refuses the
-    path (the system's folder stays)."""
+    removed at its end once they have ended (they are given 2 s to), or by the next run. Yields its path, or None where
+    `fits` refuses the path (the system's folder stays)."""
     base = tempfile.gettempdir()
     _sweep_runs(base)
     prefix = f"{_RUN}{os.getpid()}-"
@@ -119,6 +120,9 @@ def run_tempdir(fits: Callable[[str], bool] = lambda path: True,  # Whether a fo
         if old[0] is None: os.environ.pop("TMPDIR", None)
         else: os.environ["TMPDIR"] = old[0]
         tempfile.tempdir = old[1]
+        # torch terminates a loader worker still alive after its join without waiting for it: give such a one 2 s
+        deadline = time.monotonic() + 2
+        for p in set(multiprocessing.active_children()) - before: p.join(max(0.0, deadline - time.monotonic()))
         if not set(multiprocessing.active_children()) - before:  # the processes it started have ended (else: next run)
             shutil.rmtree(folder, ignore_errors=True)
         os.close(held)
